@@ -1,0 +1,3 @@
+"""hf_superoffload: SuperOffload (speculation-then-validation CPU-offloaded Adam) for Hugging Face."""
+
+__version__ = "0.1.0"

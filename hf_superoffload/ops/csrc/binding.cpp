@@ -1,0 +1,73 @@
+// Torch binding of the CPU Adam kernels: argument checks, then the GIL-free dispatcher.
+#include <torch/extension.h>
+
+#include <optional>
+#include <string>
+
+#include "adam_types.h"
+
+namespace {
+
+void check_fp32_buffer(const at::Tensor& t, const char* name, int64_t numel) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be a CPU tensor, got one on ", t.device(),
+                    "; keep optimizer state in host memory (e.g. tensor.cpu()).");
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, name, " must be float32, got ",
+                   t.scalar_type(), "; the master copy is fp32 (use tensor.float()).");
+  TORCH_CHECK_VALUE(t.is_contiguous(), name,
+                    " must be contiguous; pass tensor.contiguous() or a flat buffer view.");
+  TORCH_CHECK_VALUE(t.numel() == numel, name, " has ", t.numel(),
+                    " elements but param has ", numel, "; all four tensors must match.");
+}
+
+int64_t adam_apply(int64_t op, const std::string& isa, at::Tensor param, at::Tensor grad,
+                   at::Tensor exp_avg, at::Tensor exp_avg_sq,
+                   const std::optional<at::Tensor>& out_lowp, double step_size,
+                   double rsqrt_bias_correction2, double beta1, double beta2, double eps,
+                   double weight_decay, double decay, double grad_scale, double new_grad_scale,
+                   bool adamw, int64_t threads) {
+  const int64_t n = param.numel();
+  check_fp32_buffer(param, "param", n);
+  check_fp32_buffer(grad, "grad", n);
+  check_fp32_buffer(exp_avg, "exp_avg", n);
+  check_fp32_buffer(exp_avg_sq, "exp_avg_sq", n);
+
+  AdamTensors tensors{param.data_ptr<float>(), grad.data_ptr<float>(),
+                      exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(), nullptr,
+                      kLowpNone};
+  if (out_lowp.has_value()) {
+    const at::Tensor& low = *out_lowp;
+    TORCH_CHECK_VALUE(low.device().is_cpu(), "out_lowp must be a CPU tensor (pinned is fine), ",
+                      "got one on ", low.device(), ".");
+    TORCH_CHECK_TYPE(low.scalar_type() == at::kBFloat16 || low.scalar_type() == at::kHalf,
+                     "out_lowp must be bfloat16 or float16, got ", low.scalar_type(), ".");
+    TORCH_CHECK_VALUE(low.is_contiguous(), "out_lowp must be contiguous.");
+    TORCH_CHECK_VALUE(low.numel() == n, "out_lowp has ", low.numel(),
+                      " elements but param has ", n, ".");
+    tensors.out_lowp = static_cast<uint16_t*>(low.data_ptr());
+    tensors.lowp_kind = low.scalar_type() == at::kBFloat16 ? kLowpBf16 : kLowpFp16;
+  }
+
+  const AdamArgs args{float(step_size),    float(rsqrt_bias_correction2),
+                      float(beta1),        float(beta2),
+                      float(1.0 - beta1),  float(1.0 - beta2),
+                      float(eps),          float(weight_decay),
+                      float(decay),        float(grad_scale),
+                      float(new_grad_scale), adamw ? 1 : 0};
+  int64_t skipped;
+  {
+    pybind11::gil_scoped_release no_gil;
+    skipped = hso_adam_run(isa.empty() ? nullptr : isa.c_str(), int(op), &args, &tensors, n,
+                           int(threads));
+  }
+  TORCH_CHECK_VALUE(skipped >= 0, "instruction set '", isa,
+                    "' is unknown or not supported by this CPU; see available_isas().");
+  return skipped;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("adam_apply", &adam_apply, "Adam step/rollback/replay over flat fp32 CPU tensors");
+  m.def("best_isa", []() { return std::string(hso_best_isa()); });
+  m.def("isa_supported", [](const std::string& name) { return bool(hso_isa_supported(name.c_str())); });
+}

@@ -1,0 +1,53 @@
+// AVX2 + FMA + F16C kernel (x86-64), 8 lanes. Selected at run time by dispatch.cpp.
+#if defined(__x86_64__)
+#pragma GCC target("avx2,fma,f16c")
+#include <immintrin.h>
+
+#include "adam_math.h"
+
+namespace {
+
+struct Avx2Isa {
+  using V = __m256;
+  using M = __m256;  // all-ones lanes where true
+  static constexpr int64_t lanes() { return 8; }
+  static inline V set1(float x) { return _mm256_set1_ps(x); }
+  static inline V load(const float* p) { return _mm256_loadu_ps(p); }
+  static inline void store(float* p, V x) { _mm256_storeu_ps(p, x); }
+  static inline V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static inline V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static inline V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static inline V div(V a, V b) { return _mm256_div_ps(a, b); }
+  static inline V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static inline V sqrt(V a) { return _mm256_sqrt_ps(a); }
+  static inline M finite(V x) {
+    return _mm256_cmp_ps(_mm256_sub_ps(x, x), _mm256_setzero_ps(), _CMP_EQ_OQ);
+  }
+  static inline M gt(V a, V b) { return _mm256_cmp_ps(a, b, _CMP_GT_OQ); }
+  static inline V select(M m, V a, V b) { return _mm256_blendv_ps(b, a, m); }
+  static inline int count_false(M m) { return 8 - __builtin_popcount(_mm256_movemask_ps(m)); }
+  static inline void store_bf16(uint16_t* out, V x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb);
+    r = _mm256_srli_epi32(r, 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+    // Values are <= 0xFFFF, so the unsigned-saturating pack is exact.
+    const __m128i packed =
+        _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), packed);
+  }
+  static inline void store_fp16(uint16_t* out, V x) {
+    const __m128i h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), h);
+  }
+};
+
+}  // namespace
+
+extern "C" int64_t hso_adam_span_avx2(int op, const AdamArgs* a, const AdamTensors* t,
+                                      int64_t begin, int64_t end) {
+  return adam_span<Avx2Isa>(op, *a, *t, begin, end);
+}
+#endif  // __x86_64__

@@ -1,0 +1,51 @@
+// AVX-512F kernel (x86-64), 16 lanes with mask registers. Selected at run time by dispatch.cpp.
+#if defined(__x86_64__)
+#pragma GCC target("avx512f,fma,f16c")
+#include <immintrin.h>
+
+#include "adam_math.h"
+
+namespace {
+
+struct Avx512Isa {
+  using V = __m512;
+  using M = __mmask16;
+  static constexpr int64_t lanes() { return 16; }
+  static inline V set1(float x) { return _mm512_set1_ps(x); }
+  static inline V load(const float* p) { return _mm512_loadu_ps(p); }
+  static inline void store(float* p, V x) { _mm512_storeu_ps(p, x); }
+  static inline V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static inline V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static inline V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static inline V div(V a, V b) { return _mm512_div_ps(a, b); }
+  static inline V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static inline V sqrt(V a) { return _mm512_sqrt_ps(a); }
+  static inline M finite(V x) {
+    return _mm512_cmp_ps_mask(_mm512_sub_ps(x, x), _mm512_setzero_ps(), _CMP_EQ_OQ);
+  }
+  static inline M gt(V a, V b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+  // blend(k, x, y) takes y where k is set.
+  static inline V select(M m, V a, V b) { return _mm512_mask_blend_ps(m, b, a); }
+  static inline int count_false(M m) { return 16 - __builtin_popcount(m); }
+  static inline void store_bf16(uint16_t* out, V x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
+    r = _mm512_srli_epi32(r, 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(r));
+  }
+  static inline void store_fp16(uint16_t* out, V x) {
+    const __m256i h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), h);
+  }
+};
+
+}  // namespace
+
+extern "C" int64_t hso_adam_span_avx512(int op, const AdamArgs* a, const AdamTensors* t,
+                                        int64_t begin, int64_t end) {
+  return adam_span<Avx512Isa>(op, *a, *t, begin, end);
+}
+#endif  // __x86_64__

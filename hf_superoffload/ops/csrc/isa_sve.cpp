@@ -1,0 +1,50 @@
+// SVE kernel (aarch64, e.g. NVIDIA Grace's 128-bit SVE2), vector-length agnostic. Selected at
+// run time by dispatch.cpp when the kernel reports HWCAP_SVE.
+#if defined(__aarch64__)
+#pragma GCC target("+sve")
+#include <arm_sve.h>
+
+#include "adam_math.h"
+
+namespace {
+
+struct SveIsa {
+  using V = svfloat32_t;
+  using M = svbool_t;
+  static inline int64_t lanes() { return int64_t(svcntw()); }
+  static inline svbool_t all() { return svptrue_b32(); }
+  static inline V set1(float x) { return svdup_n_f32(x); }
+  static inline V load(const float* p) { return svld1_f32(all(), p); }
+  static inline void store(float* p, V x) { svst1_f32(all(), p, x); }
+  static inline V add(V a, V b) { return svadd_f32_x(all(), a, b); }
+  static inline V sub(V a, V b) { return svsub_f32_x(all(), a, b); }
+  static inline V mul(V a, V b) { return svmul_f32_x(all(), a, b); }
+  static inline V div(V a, V b) { return svdiv_f32_x(all(), a, b); }
+  static inline V fma(V a, V b, V c) { return svmla_f32_x(all(), c, a, b); }
+  static inline V sqrt(V a) { return svsqrt_f32_x(all(), a); }
+  static inline M finite(V x) { return svcmpeq_n_f32(all(), svsub_f32_x(all(), x, x), 0.0f); }
+  static inline M gt(V a, V b) { return svcmpgt_f32(all(), a, b); }
+  static inline V select(M m, V a, V b) { return svsel_f32(m, a, b); }
+  static inline int count_false(M m) { return int(svcntw() - svcntp_b32(all(), m)); }
+  static inline void store_bf16(uint16_t* out, V x) {
+    const svuint32_t u = svreinterpret_u32_f32(x);
+    const svuint32_t lsb = svand_n_u32_x(all(), svlsr_n_u32_x(all(), u, 16), 1);
+    svuint32_t r = svadd_u32_x(all(), svadd_n_u32_x(all(), u, 0x7FFF), lsb);
+    r = svlsr_n_u32_x(all(), r, 16);
+    r = svsel_u32(svcmpuo_f32(all(), x, x), svdup_n_u32(0x7FC0), r);
+    svst1h_u32(all(), out, r);  // stores the low 16 bits of each 32-bit lane
+  }
+  static inline void store_fp16(uint16_t* out, V x) {
+    // The fp16 result sits in the low half of each 32-bit container.
+    const svfloat16_t h = svcvt_f16_f32_x(all(), x);
+    svst1h_u32(all(), out, svreinterpret_u32_f16(h));
+  }
+};
+
+}  // namespace
+
+extern "C" int64_t hso_adam_span_sve(int op, const AdamArgs* a, const AdamTensors* t,
+                                     int64_t begin, int64_t end) {
+  return adam_span<SveIsa>(op, *a, *t, begin, end);
+}
+#endif  // __aarch64__
