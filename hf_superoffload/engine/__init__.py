@@ -1,0 +1,5 @@
+"""The SuperOffload engine: speculation-then-validation CPU Adam with device tail buckets."""
+
+from .optimizer import SuperOffloadOptimizer
+
+__all__ = ["SuperOffloadOptimizer"]

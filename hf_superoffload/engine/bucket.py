@@ -1,0 +1,71 @@
+"""One bucket's buffers: the flat model-dtype params on the device, and the fp32 master and
+Adam moments on the host (or, for a tail bucket, on the device).
+
+The bucket's params are re-pointed to views of one flat device buffer, so returning updated
+params is one copy per bucket and the model keeps working with ordinary parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .buckets import BucketPlan
+from .cast_policy import CastPlan
+from .link import Link
+
+
+class Bucket:
+    def __init__(self, plan: BucketPlan, link: Link, on_device: bool, cast: CastPlan):
+        self.plan = plan
+        self.index = plan.index
+        self.on_device = on_device
+        numel = plan.numel
+        dtype = plan.params[0].dtype
+        self.lowp = dtype if dtype != torch.float32 else None
+
+        self.flat_param = torch.empty(numel, dtype=dtype, device=link.device)
+        for param, offset in zip(plan.params, plan.offsets, strict=True):
+            view = self.flat_param[offset : offset + param.numel()]
+            view.copy_(param.detach().reshape(-1))
+            param.data = view.view_as(param)
+
+        if on_device:
+            self.master = self.flat_param.float()
+            self.grad = torch.zeros(numel, device=link.device)
+            self.master.grad = self.grad
+            self.exp_avg = self.exp_avg_sq = None  # held by the device AdamW's state
+        else:
+            # Pinned master: with cast.params_on_device the H2D reads it directly.
+            self.master = link.host_empty(numel, torch.float32)
+            self.master.copy_(self.flat_param)
+            self.exp_avg = torch.zeros(numel)
+            self.exp_avg_sq = torch.zeros(numel)
+            host_cast = self.lowp is not None and not cast.grads_on_device
+            # grad32 is what the kernel reads; grads cross the link in grad_low when they are
+            # cast on the host.
+            self.grad32 = torch.empty(numel) if host_cast else link.host_empty(numel, torch.float32)
+            self.grad_low = link.host_empty(numel, self.lowp) if host_cast else None
+            copy_out = self.lowp is not None and not cast.params_on_device
+            self.param_low = link.host_empty(numel, self.lowp) if copy_out else None
+
+        self.step = 0  # committed updates
+        self.reset_for_next_step()
+        self.h2d_event: torch.cuda.Event | None = None
+
+    def reset_for_next_step(self) -> None:
+        self.arrived = 0  # params whose final gradient of this step has been staged
+        self.staged = [False] * len(self.plan.params)
+        self.launched = False  # grads staged, norm computed, sent to the host
+        self.staging: torch.Tensor | None = None
+        self.d2h_event: torch.cuda.Event | None = None
+        self.speculated_with: dict | None = None  # hyperparameters of the speculative step
+        self.speculated_scale = 1.0  # the gradient scale it used (the predicted clip coef)
+
+    def host_grad_target(self) -> torch.Tensor:
+        """The host buffer the gradients land in (before any host-side cast)."""
+        return self.grad_low if self.grad_low is not None else self.grad32
+
+    def views(self, tensor: torch.Tensor, param_index: int) -> torch.Tensor:
+        offset = self.plan.offsets[param_index]
+        param = self.plan.params[param_index]
+        return tensor[offset : offset + param.numel()].view_as(param)

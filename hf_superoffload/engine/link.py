@@ -1,0 +1,58 @@
+"""The device <-> host link: CUDA side streams and events, or their CPU stand-ins.
+
+With a GPU, gradients leave on a D2H stream and params return on an H2D stream, into and from
+pinned host buffers. With no GPU the model lives on the CPU and every "transfer" is a
+synchronous copy on the calling thread, so the same engine logic (and CI) runs unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+class Link:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        if self.is_cuda:
+            self.d2h_stream = torch.cuda.Stream(device)
+            self.h2d_stream = torch.cuda.Stream(device)
+
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer for transfers: pinned when a GPU is on the other side."""
+        return torch.empty(numel, dtype=dtype, pin_memory=self.is_cuda)
+
+    def d2h(self):
+        return torch.cuda.stream(self.d2h_stream) if self.is_cuda else contextlib.nullcontext()
+
+    def h2d(self):
+        return torch.cuda.stream(self.h2d_stream) if self.is_cuda else contextlib.nullcontext()
+
+    def record(self) -> torch.cuda.Event | None:
+        """An event on the current stream (None on CPU, where work is already done)."""
+        if not self.is_cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def d2h_waits_for_compute(self) -> None:
+        """Order the D2H stream after everything queued so far on the compute stream."""
+        if self.is_cuda:
+            self.d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def compute_waits_for(self, event: torch.cuda.Event | None) -> None:
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    @staticmethod
+    def host_waits_for(event: torch.cuda.Event | None) -> None:
+        if event is not None:
+            event.synchronize()  # releases the GIL while it waits
+
+    def keep_alive_on_d2h(self, tensor: torch.Tensor) -> None:
+        """Tell the caching allocator the D2H stream still reads ``tensor``."""
+        if self.is_cuda:
+            tensor.record_stream(self.d2h_stream)

@@ -1,0 +1,566 @@
+"""SuperOffloadOptimizer: AdamW with fp32 master weights and moments in CPU memory, stepped
+speculatively during backward and validated afterwards (see stv.py).
+
+Life of a step (one GPU; with no GPU the same runs on CPU tensors, copies in place of streams):
+1. Backward: a post-accumulate-grad hook stages each param's final gradient into its bucket.
+   When a bucket is complete its partial squared norm is computed on the device and its
+   gradients leave for pinned host memory on a side stream; the worker thread then runs the
+   CPU Adam on it *speculatively* and sends the updated params back on another stream.
+2. step(): the global norm decides: commit, or replay every speculated bucket with the clip
+   coefficient (one fused pass), or roll everything back (non-finite gradients). The tail
+   buckets (first layers, last to get gradients) step on the device with torch's fused AdamW.
+3. The next forward waits, per module, only for the buckets it is about to use.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import weakref
+from collections.abc import Iterable
+
+import torch
+
+from .. import ops
+from .bucket import Bucket
+from .buckets import plan_buckets
+from .cast_policy import choose_cast_plan
+from .link import Link
+from .placement import choose_device_buckets
+from .stv import StvStats, Verdict, validate
+from .worker import Worker
+
+logger = logging.getLogger("hf_superoffload")
+
+DEFAULT_BUCKET_SIZE = 1 << 25  # 33.5M elements: ~7 ms of CPU Adam on 16 cores
+_HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
+class SuperOffloadOptimizer(torch.optim.Optimizer):
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        max_grad_norm: float | None = 1.0,
+        gpu_buckets: int | str = "auto",
+        bucket_size: int = DEFAULT_BUCKET_SIZE,
+        cpu_threads: int | None = None,
+        speculate: bool = True,
+        cast: str = "auto",
+        model: torch.nn.Module | None = None,
+        gradient_accumulation_steps: int = 1,
+    ):
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+        super().__init__(params, defaults)
+        if max_grad_norm is not None and max_grad_norm < 0:
+            raise ValueError(
+                f"max_grad_norm must be >= 0 (0 or None: no clipping), got {max_grad_norm}."
+            )
+        if gradient_accumulation_steps < 1:
+            raise ValueError(
+                f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}."
+            )
+        for group in self.param_groups:
+            _check_group(group)
+        self.max_grad_norm = max_grad_norm or None
+        self.speculate = speculate
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.stats_counters = StvStats()
+        self.global_grad_norm: float | None = None
+        self.last_step_skipped = False
+        self._boundary_override: bool | None = None
+        # Speculate with the last step's clip coefficient: when clipping keeps triggering, the
+        # replay then changes the gradient scale by a ratio near 1, which keeps the algebraic
+        # rollback accurate (undoing a 1000x larger unclipped g^2 would cancel v's bits).
+        self._predicted_coef = 1.0
+
+        trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        if not trainable:
+            raise ValueError("SuperOffloadOptimizer got no parameters that require grad.")
+        device, dtype = _common_device_and_dtype(trainable)
+        if cpu_threads is None:
+            cpu_threads = _default_cpu_threads(device)
+        ops.set_num_threads(cpu_threads)
+
+        self._link = Link(device)
+        self._cast = choose_cast_plan(cast, device, dtype)
+        order = {id(p): i for i, p in enumerate(model.parameters())} if model is not None else None
+        plans = plan_buckets(self.param_groups, bucket_size, order)
+        n_device = choose_device_buckets(gpu_buckets, plans, device)
+        first_device = len(plans) - n_device
+        self._buckets = [
+            Bucket(plan, self._link, plan.index >= first_device, self._cast) for plan in plans
+        ]
+        self._slot = {
+            id(p): (bucket, i) for bucket in self._buckets for i, p in enumerate(bucket.plan.params)
+        }
+        self._micro = dict.fromkeys(self._slot, 0)
+        self._sq_norms = torch.zeros(len(self._buckets), device=device)
+        self._device_adamw = self._make_device_adamw()
+        self._worker = Worker()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in trainable]
+        if model is not None:
+            self._hooks += self._install_forward_waits(model)
+        self._waits_in_forward = model is not None
+        self._finalizer = weakref.finalize(self, _shutdown, self._worker, self._hooks)
+
+    # ----------------------------------------------------------------------------- public API
+
+    @property
+    def stats(self) -> dict[str, float]:
+        return self.stats_counters.as_dict()
+
+    def set_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Say whether the coming backward ends an accumulation window (integrations know this
+        from accelerate's ``sync_gradients``); None returns to counting backward passes."""
+        self._boundary_override = is_boundary
+
+    def clip_grad_norm_(self, max_norm: float | None = None) -> torch.Tensor:
+        """The pre-clip global norm of the current gradients, computed during backward.
+
+        Clipping itself happens in step() (validation); ``max_norm``, when given, becomes the
+        threshold, so a Trainer's clip call and the STV engine agree on one value.
+        """
+        if max_norm is not None:
+            self.max_grad_norm = max_norm or None
+        self._flush_unlaunched()
+        self._device_waits_for_d2h()
+        return self._sq_norms.sum().sqrt()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_accumulation()
+        self._flush_unlaunched()
+        self._device_waits_for_d2h()
+        result = validate(self._sq_norms.sum(), self.max_grad_norm)
+        self.global_grad_norm = result.total_norm
+        self.last_step_skipped = result.verdict is Verdict.SKIP
+        stats = self.stats_counters
+        stats.steps += 1
+        speculated = any(b.speculated_with is not None for b in self._buckets)
+        stats.speculative_steps += speculated
+        if result.verdict is Verdict.SKIP:
+            stats.rollbacks_nonfinite += 1
+            logger.warning("hf_superoffload: non-finite gradient norm; step skipped")
+        elif speculated and any(
+            b.speculated_with is not None and b.speculated_scale != result.clip_coef
+            for b in self._buckets
+        ):
+            stats.rollbacks_clip += 1
+            self._predicted_coef = result.clip_coef
+        else:
+            self._predicted_coef = result.clip_coef
+
+        for bucket in self._buckets:
+            if not bucket.on_device:
+                self._settle_host_bucket(bucket, result.verdict, result.clip_coef)
+        if result.verdict is not Verdict.SKIP:
+            self._step_device_buckets(result.clip_coef)
+        for bucket in self._buckets:
+            bucket.reset_for_next_step()
+        self._micro = dict.fromkeys(self._micro, 0)
+        self._sq_norms.zero_()
+        if not self._waits_in_forward:
+            self.synchronize()
+        return loss
+
+    def synchronize(self) -> None:
+        """Wait for all CPU work in flight; afterwards the model params hold the new values."""
+        start = time.perf_counter()
+        self._worker.wait()
+        for bucket in self._buckets:
+            self._link.compute_waits_for(bucket.h2d_event)
+            bucket.h2d_event = None
+        self.stats_counters.exposed_cpu_seconds += time.perf_counter() - start
+
+    def master_state(self, param: torch.nn.Parameter) -> dict:
+        """Copies of the fp32 master, both moments and the step count of ``param``."""
+        self.synchronize()
+        bucket, i = self._slot[id(param)]
+        master, exp_avg, exp_avg_sq = self._bucket_state(bucket)
+        return {
+            "master": bucket.views(master, i).detach().cpu().clone(),
+            "exp_avg": bucket.views(exp_avg, i).cpu().clone(),
+            "exp_avg_sq": bucket.views(exp_avg_sq, i).cpu().clone(),
+            "step": bucket.step,
+        }
+
+    def state_dict(self) -> dict:
+        self.synchronize()
+        state, groups, index = {}, [], 0
+        for group in self.param_groups:
+            ids = []
+            for param in group["params"]:
+                if id(param) in self._slot:
+                    state[index] = self.master_state(param)
+                ids.append(index)
+                index += 1
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+        return {"state": state, "param_groups": groups}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.synchronize()
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"state_dict has {len(saved_groups)} param groups, this optimizer has "
+                f"{len(self.param_groups)}; build the optimizer with the same groups."
+            )
+        params = [p for g in self.param_groups for p in g["params"]]
+        for group, saved in zip(self.param_groups, saved_groups, strict=True):
+            if len(group["params"]) != len(saved["params"]):
+                raise ValueError("state_dict's param groups differ in size from this optimizer's.")
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        for index, entry in state_dict["state"].items():
+            param = params[int(index)]
+            bucket, i = self._slot[id(param)]
+            if tuple(entry["master"].shape) != tuple(param.shape):
+                raise ValueError(
+                    f"state_dict entry {index} has shape {tuple(entry['master'].shape)}, "
+                    f"param has {tuple(param.shape)}; load into the same model."
+                )
+            master, exp_avg, exp_avg_sq = self._bucket_state(bucket)
+            bucket.views(master, i).copy_(entry["master"])
+            bucket.views(exp_avg, i).copy_(entry["exp_avg"])
+            bucket.views(exp_avg_sq, i).copy_(entry["exp_avg_sq"])
+            bucket.step = int(entry["step"])
+        for bucket in self._buckets:
+            bucket.flat_param.copy_(bucket.master)
+            if bucket.on_device:
+                self._device_adamw.state[bucket.master]["step"] = self._step_tensor(bucket)
+
+    def close(self) -> None:
+        """Stop the worker and remove the hooks; idempotent."""
+        self._finalizer()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ------------------------------------------------------------------------ backward side
+
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        key = id(param)
+        self._micro[key] += 1
+        boundary = self._boundary_override
+        if boundary is None:
+            boundary = self._micro[key] >= self.gradient_accumulation_steps
+        if not boundary:
+            return
+        bucket, i = self._slot[key]
+        with torch.no_grad():
+            self._stage(bucket, i, param.grad)
+        param.grad = None  # the bucket owns it now; frees device memory early
+        if bucket.arrived == len(bucket.plan.params):
+            self._launch(bucket)
+
+    def _stage(self, bucket: Bucket, i: int, grad: torch.Tensor | None) -> None:
+        if bucket.arrived == 0:
+            bucket.staging = self._staging_buffer(bucket)
+        target = bucket.views(bucket.staging, i)
+        self._link.d2h_waits_for_compute()
+        with self._link.d2h():
+            if grad is None:
+                target.zero_()
+            else:
+                target.copy_(grad)
+                self._link.keep_alive_on_d2h(grad)
+        bucket.staged[i] = True
+        bucket.arrived += 1
+
+    def _staging_buffer(self, bucket: Bucket) -> torch.Tensor:
+        if bucket.on_device:
+            return bucket.grad
+        if self._link.is_cuda:
+            dtype = torch.float32 if self._cast.grads_on_device else bucket.flat_param.dtype
+            with self._link.d2h():
+                return torch.empty(bucket.plan.numel, dtype=dtype, device=self._link.device)
+        # On CPU the host buffer is the staging buffer; the worker may still read it from
+        # the last step's replay, so wait for that first (normally long done).
+        self._worker.wait([bucket.index])
+        return bucket.host_grad_target()
+
+    def _launch(self, bucket: Bucket, speculate: bool = True) -> None:
+        """The bucket's gradients are complete: norm, send to host, speculate."""
+        staging = bucket.staging
+        with self._link.d2h():
+            norm = torch.linalg.vector_norm(staging, dtype=torch.float32)
+            self._sq_norms[bucket.index] = norm * norm
+            if self._link.is_cuda and not bucket.on_device:
+                self._worker.wait([bucket.index])  # the host buffer is free again
+                bucket.host_grad_target().copy_(staging, non_blocking=True)
+                self._link.keep_alive_on_d2h(staging)
+                self.stats_counters.bytes_d2h += staging.numel() * staging.element_size()
+            bucket.d2h_event = self._link.record()
+        bucket.staging = None if not bucket.on_device else bucket.staging
+        bucket.launched = True
+        if speculate and self.speculate and not bucket.on_device:
+            hyper = self._hyper(bucket, bucket.step + 1)
+            scale = self._predicted_coef
+            bucket.speculated_with, bucket.speculated_scale = hyper, scale
+            self._worker.submit([bucket.index], lambda: self._host_step(bucket, hyper, scale))
+
+    def _flush_unlaunched(self) -> None:
+        """Launch buckets whose params did not all get a final gradient this step (unused
+        params, or step() before the last accumulation pass): what accumulated so far is
+        used, and a missing gradient counts as zero. These buckets step after validation."""
+        for bucket in self._buckets:
+            if bucket.launched:
+                continue
+            with torch.no_grad():
+                for i, param in enumerate(bucket.plan.params):
+                    if not bucket.staged[i]:
+                        self._stage(bucket, i, param.grad)
+                        param.grad = None
+            self._launch(bucket, speculate=False)
+
+    # ------------------------------------------------------------------------ host work
+
+    def _hyper(self, bucket: Bucket, step: int) -> dict:
+        group = self.param_groups[bucket.plan.group_index]
+        beta1, beta2 = group["betas"]
+        return {
+            "step": step,
+            "lr": float(group["lr"]),
+            "beta1": float(beta1),
+            "beta2": float(beta2),
+            "eps": float(group["eps"]),
+            "weight_decay": float(group["weight_decay"]),
+        }
+
+    def _host_grad(self, bucket: Bucket) -> torch.Tensor:
+        """Wait for the bucket's gradients on the host and cast them to fp32 if needed."""
+        self._link.host_waits_for(bucket.d2h_event)
+        bucket.d2h_event = None
+        if bucket.grad_low is not None:
+            bucket.grad32.copy_(bucket.grad_low)
+        return bucket.grad32
+
+    def _host_step(self, bucket: Bucket, hyper: dict, scale: float) -> None:
+        grad = self._host_grad(bucket)
+        self._link.host_waits_for(bucket.h2d_event)  # param_low is free again
+        start = time.perf_counter()
+        ops.adam_step(
+            bucket.master,
+            grad,
+            bucket.exp_avg,
+            bucket.exp_avg_sq,
+            **hyper,
+            grad_scale=scale,
+            out_lowp=bucket.param_low,
+        )
+        self.stats_counters.cpu_step_seconds += time.perf_counter() - start
+        self._send_params(bucket)
+
+    def _host_replay(self, bucket: Bucket, hyper: dict, old: float, new: float) -> None:
+        self._link.host_waits_for(bucket.h2d_event)
+        start = time.perf_counter()
+        ops.adam_replay(
+            bucket.master,
+            bucket.grad32,
+            bucket.exp_avg,
+            bucket.exp_avg_sq,
+            **hyper,
+            old_grad_scale=old,
+            new_grad_scale=new,
+            out_lowp=bucket.param_low,
+        )
+        self.stats_counters.replay_seconds += time.perf_counter() - start
+        self._send_params(bucket)
+
+    def _host_rollback(self, bucket: Bucket, hyper: dict, scale: float) -> None:
+        self._link.host_waits_for(bucket.h2d_event)
+        start = time.perf_counter()
+        ops.adam_rollback(
+            bucket.master,
+            bucket.grad32,
+            bucket.exp_avg,
+            bucket.exp_avg_sq,
+            **hyper,
+            grad_scale=scale,
+        )
+        if bucket.param_low is not None:
+            bucket.param_low.copy_(bucket.master)
+        self.stats_counters.replay_seconds += time.perf_counter() - start
+        self._send_params(bucket)
+
+    def _send_params(self, bucket: Bucket) -> None:
+        """Return the bucket's updated params to the model (runs on the worker thread)."""
+        source = bucket.param_low if bucket.param_low is not None else bucket.master
+        with self._link.h2d():
+            bucket.flat_param.copy_(source, non_blocking=self._link.is_cuda)
+            bucket.h2d_event = self._link.record()
+        if self._link.is_cuda:
+            self.stats_counters.bytes_h2d += source.numel() * source.element_size()
+
+    def _settle_host_bucket(self, bucket: Bucket, verdict: Verdict, coef: float) -> None:
+        """Turn the speculated step into the validated one (or run the step if not speculated)."""
+        spec = bucket.speculated_with
+        if spec is None:
+            if verdict is not Verdict.SKIP:
+                hyper = self._hyper(bucket, bucket.step + 1)
+                self._worker.submit([bucket.index], lambda: self._host_step(bucket, hyper, coef))
+                bucket.step += 1
+            return
+        scale = bucket.speculated_scale
+        current = self._hyper(bucket, spec["step"])
+        if verdict is Verdict.SKIP:
+            self._worker.submit([bucket.index], lambda: self._host_rollback(bucket, spec, scale))
+            return
+        if current != spec:  # lr/betas changed between backward and step(): redo with the new
+            self.stats_counters.rollbacks_hparams += 1
+            self._worker.submit([bucket.index], lambda: self._host_rollback(bucket, spec, scale))
+            self._worker.submit([bucket.index], lambda: self._host_step(bucket, current, coef))
+        elif scale != coef:
+            self._worker.submit(
+                [bucket.index], lambda: self._host_replay(bucket, spec, scale, coef)
+            )
+        bucket.step += 1
+
+    # ------------------------------------------------------------------------ device tail
+
+    def _make_device_adamw(self) -> torch.optim.AdamW | None:
+        tail = [b for b in self._buckets if b.on_device]
+        if not tail:
+            return None
+        groups = [{"params": [b.master]} for b in tail]
+        return torch.optim.AdamW(groups, fused=True)
+
+    def _step_tensor(self, bucket: Bucket) -> torch.Tensor:
+        return torch.tensor(float(bucket.step), dtype=torch.float32, device=bucket.master.device)
+
+    def _step_device_buckets(self, coef: float) -> None:
+        if self._device_adamw is None:
+            return
+        tail = [b for b in self._buckets if b.on_device]
+        for bucket, inner in zip(tail, self._device_adamw.param_groups, strict=True):
+            hyper = self._hyper(bucket, bucket.step + 1)
+            inner.update(
+                lr=hyper["lr"],
+                betas=(hyper["beta1"], hyper["beta2"]),
+                eps=hyper["eps"],
+                weight_decay=hyper["weight_decay"],
+            )
+            if coef != 1.0:
+                bucket.grad.mul_(coef)
+        self._device_adamw.step()
+        for bucket in tail:
+            bucket.step += 1
+            bucket.flat_param.copy_(bucket.master)
+
+    def _device_waits_for_d2h(self) -> None:
+        if self._link.is_cuda:
+            torch.cuda.current_stream(self._link.device).wait_stream(self._link.d2h_stream)
+
+    def _bucket_state(self, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not bucket.on_device:
+            return bucket.master, bucket.exp_avg, bucket.exp_avg_sq
+        state = self._device_adamw.state[bucket.master]
+        if not state:  # before the first step: zero moments, as torch would create them
+            zeros = torch.zeros_like(bucket.master)
+            state.update(step=self._step_tensor(bucket), exp_avg=zeros, exp_avg_sq=zeros.clone())
+        return bucket.master, state["exp_avg"], state["exp_avg_sq"]
+
+    # ------------------------------------------------------------------------ forward side
+
+    def _install_forward_waits(self, model: torch.nn.Module) -> list:
+        handles = []
+        for module in model.modules():
+            indices = sorted(
+                {
+                    self._slot[id(p)][0].index
+                    for p in module.parameters(recurse=False)
+                    if id(p) in self._slot
+                }
+            )
+            host = [self._buckets[i] for i in indices if not self._buckets[i].on_device]
+            if host:
+                handles.append(module.register_forward_pre_hook(self._forward_wait(host)))
+        return handles
+
+    def _forward_wait(self, buckets: list[Bucket]):
+        keys = [b.index for b in buckets]
+
+        def hook(module, args):
+            if self._worker.busy(keys):
+                start = time.perf_counter()
+                self._worker.wait(keys)
+                self.stats_counters.exposed_cpu_seconds += time.perf_counter() - start
+            for bucket in buckets:
+                if bucket.h2d_event is not None:
+                    self._link.compute_waits_for(bucket.h2d_event)
+                    bucket.h2d_event = None
+
+        return hook
+
+    def _check_accumulation(self) -> None:
+        if self._boundary_override is not None:
+            return
+        over = [k for k, count in self._micro.items() if count > self.gradient_accumulation_steps]
+        if over:
+            raise RuntimeError(
+                f"{len(over)} params got more backward passes ({max(self._micro.values())}) than "
+                f"gradient_accumulation_steps={self.gradient_accumulation_steps} before step(); "
+                f"set gradient_accumulation_steps to the number of backward calls per step()."
+            )
+
+
+def _check_group(group: dict) -> None:
+    unknown = set(group) - {"params", *_HYPER_KEYS, "initial_lr", "name"}
+    if unknown:
+        raise ValueError(
+            f"unknown param-group keys {sorted(unknown)}; SuperOffloadOptimizer groups take "
+            f"{list(_HYPER_KEYS)}."
+        )
+    beta1, beta2 = group["betas"]
+    if not (0 < beta1 < 1 and 0 < beta2 < 1):
+        raise ValueError(
+            f"betas must be in (0, 1) (a zero beta cannot be rolled back), got {group['betas']}."
+        )
+    if group["lr"] * group["weight_decay"] >= 1:
+        raise ValueError("lr * weight_decay must be < 1 for the step to be undoable.")
+
+
+def _common_device_and_dtype(params: list[torch.nn.Parameter]) -> tuple[torch.device, torch.dtype]:
+    device, dtype = params[0].device, params[0].dtype
+    for param in params:
+        if param.device != device:
+            raise ValueError(
+                f"all trainable params must be on one device; found {device} and {param.device}. "
+                f"Move the model with model.to(device) before building the optimizer."
+            )
+        if param.dtype != dtype:
+            raise ValueError(
+                f"all trainable params must share one dtype; found {dtype} and {param.dtype}. "
+                f"Cast the model (e.g. model.to(torch.bfloat16)) first."
+            )
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"params must be float32, bfloat16 or float16, got {dtype}.")
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"params must be on a CUDA device or the CPU, got {device}.")
+    return device, dtype
+
+
+def _default_cpu_threads(device: torch.device) -> int:
+    cores = len(os.sched_getaffinity(0))
+    # Leave one core to the training thread that feeds the GPU.
+    return max(1, cores - 1) if device.type == "cuda" else torch.get_num_threads()
+
+
+def _shutdown(worker: Worker, hooks: list) -> None:
+    for handle in hooks:
+        handle.remove()
+    hooks.clear()
+    worker.close()

@@ -1,0 +1,80 @@
+"""How many tail buckets (n') keep their master weights and moments on the device.
+
+The tail buckets are the last to receive gradients (the first layers) and the first the next
+forward needs; stepping them on the device means the forward never waits for the CPU to
+finish the final buckets. Each costs 16 B per element of device memory (fp32 master, two
+moments, fp32 gradient).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .buckets import BucketPlan
+
+logger = logging.getLogger("hf_superoffload")
+
+DEVICE_BYTES_PER_ELEMENT = 16
+# "auto": at most this share of the free device memory goes to tail-bucket state ...
+_AUTO_MEMORY_SHARE = 0.25
+# ... and the tail covers about this share of the params: enough forward work to hide the last
+# CPU buckets, while the CPU keeps the bulk of the optimizer work off the device.
+_AUTO_PARAM_SHARE = 0.10
+
+
+def choose_device_buckets(
+    requested: int | str, plans: list[BucketPlan], device: torch.device
+) -> int:
+    """Number of tail buckets to step on the device (ints above the bucket count mean all)."""
+    if isinstance(requested, bool) or not (requested == "auto" or isinstance(requested, int)):
+        raise ValueError(f"gpu_buckets must be a non-negative int or 'auto', got {requested!r}.")
+    if requested != "auto":
+        if requested < 0:
+            raise ValueError(f"gpu_buckets must be >= 0, got {requested}.")
+        chosen = min(requested, len(plans))
+        _check_fits(plans, chosen, device)
+        logger.info(
+            "hf_superoffload: %d of %d buckets on the device (requested)", chosen, len(plans)
+        )
+        return chosen
+
+    total = sum(p.numel for p in plans)
+    budget = _free_device_bytes(device) * _AUTO_MEMORY_SHARE
+    chosen, numel = 0, 0
+    for plan in reversed(plans):  # the tail: last to get gradients
+        grown = numel + plan.numel
+        if grown * DEVICE_BYTES_PER_ELEMENT > budget or grown > _AUTO_PARAM_SHARE * total:
+            break
+        chosen, numel = chosen + 1, grown
+    if chosen == 0 and len(plans) > 1 and plans[-1].numel * DEVICE_BYTES_PER_ELEMENT <= budget:
+        chosen, numel = 1, plans[-1].numel  # one tail bucket always helps the next forward
+    logger.info(
+        "hf_superoffload: gpu_buckets='auto' -> %d of %d buckets on the device (%.1f%% of params, "
+        "%.2f GiB of device state; budget %.2f GiB)",
+        chosen,
+        len(plans),
+        100 * numel / max(total, 1),
+        numel * DEVICE_BYTES_PER_ELEMENT / 2**30,
+        budget / 2**30,
+    )
+    return chosen
+
+
+def _free_device_bytes(device: torch.device) -> float:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return float(free)
+    return float("inf")  # CPU mode: the "device" is host memory
+
+
+def _check_fits(plans: list[BucketPlan], chosen: int, device: torch.device) -> None:
+    need = sum(p.numel for p in plans[len(plans) - chosen :]) * DEVICE_BYTES_PER_ELEMENT
+    free = _free_device_bytes(device)
+    if need > free:
+        raise ValueError(
+            f"gpu_buckets={chosen} needs {need / 2**30:.1f} GiB of device memory for the tail "
+            f"buckets' optimizer state but only {free / 2**30:.1f} GiB is free; lower gpu_buckets "
+            f"or bucket_size, or use gpu_buckets='auto'."
+        )

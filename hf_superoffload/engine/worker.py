@@ -1,0 +1,96 @@
+"""An in-process worker thread that runs CPU optimizer tasks in order.
+
+Threads, not processes: tasks share tensors with the training thread (no pickling, pinned
+buffers stay pinned), and the kernels release the GIL. Each task names the buckets it touches;
+``wait`` blocks until those buckets have no queued or running task. An exception in a task
+stops the worker and is re-raised, promptly, in whichever thread waits next.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterable
+
+_STOP = object()
+
+
+class WorkerError(RuntimeError):
+    """The optimizer worker failed; the original exception is the ``__cause__``."""
+
+
+class Worker:
+    def __init__(self, name: str = "hf_superoffload-worker"):
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self._pending: dict[int, int] = {}
+        self._error: BaseException | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, buckets: Iterable[int], task: Callable[[], None]) -> None:
+        keys = tuple(buckets)
+        with self._cond:
+            self._raise_if_failed()
+            if self._closed:
+                raise RuntimeError("the optimizer was closed; create a new one to keep training.")
+            for key in keys:
+                self._pending[key] = self._pending.get(key, 0) + 1
+        self._tasks.put((keys, task))
+
+    def wait(self, buckets: Iterable[int] | None = None) -> None:
+        """Block until the given buckets (default: all) have no outstanding task."""
+        keys = None if buckets is None else tuple(buckets)
+        with self._cond:
+            while True:
+                self._raise_if_failed()
+                pending = (
+                    self._pending.values()
+                    if keys is None
+                    else (self._pending.get(k, 0) for k in keys)
+                )
+                if not any(pending):
+                    return
+                self._cond.wait()
+
+    def busy(self, buckets: Iterable[int]) -> bool:
+        with self._cond:
+            return any(self._pending.get(k, 0) for k in buckets)
+
+    def close(self) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+        self._tasks.put(_STOP)
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise WorkerError(
+                f"the SuperOffload CPU worker failed: {self._error!r}"
+            ) from self._error
+
+    def _run(self) -> None:
+        while True:
+            item = self._tasks.get()
+            if item is _STOP:
+                return
+            keys, task = item
+            try:
+                task()
+            except BaseException as error:  # surfaced to the training thread by wait()/submit()
+                with self._cond:
+                    self._error = error
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                for key in keys:
+                    self._pending[key] -= 1
+                self._cond.notify_all()
