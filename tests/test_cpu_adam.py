@@ -278,6 +278,29 @@ def test_nonfinite_gradients_leave_elements_untouched_and_roll_back_exactly(bad)
     assert torch.isfinite(param).all() and torch.equal(param[poisoned], snapshot[0][poisoned])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_gradients_equal_their_fp32_upcast_bit_for_bit(dtype):
+    n = 4099
+    grad = _wide_grad(n, 21).clamp(-6e4, 6e4).to(dtype)
+    grad[::41] = float("inf")
+    results = []
+    for g in (grad, grad.float()):
+        param, exp_avg, exp_avg_sq = _state(n, seed=4)
+        out = torch.empty(n, dtype=torch.bfloat16)
+        common = {"step": 3, **HYPER}
+        counts = (
+            ops.adam_step(param, g, exp_avg, exp_avg_sq, **common, grad_scale=0.7, out_lowp=out),
+            ops.adam_replay(
+                param, g, exp_avg, exp_avg_sq, **common, old_grad_scale=0.7, new_grad_scale=0.2
+            ),
+            ops.adam_rollback(param, g, exp_avg, exp_avg_sq, **common, grad_scale=0.2),
+        )
+        results.append((counts, [_bits(t) for t in (param, exp_avg, exp_avg_sq, out)]))
+    assert results[0][0] == results[1][0] and results[0][0][0] == len(range(0, n, 41))
+    for a, b in zip(results[0][1], results[1][1], strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("n", [15, 4099, 300_007])
 def test_every_isa_and_thread_count_gives_identical_bits(n):
     results = {}
@@ -310,6 +333,10 @@ def test_every_isa_and_thread_count_gives_identical_bits(n):
                     ),
                     ops.adam_rollback(param, grad, exp_avg, exp_avg_sq, **common, grad_scale=0.1),
                     ops.adam_step(param, grad, exp_avg, exp_avg_sq, **common, adamw=False),
+                    ops.adam_step(
+                        param, grad.bfloat16(), exp_avg, exp_avg_sq, **common, out_lowp=bf16
+                    ),
+                    ops.adam_step(param, grad.half(), exp_avg, exp_avg_sq, **common, out_lowp=fp16),
                 )
                 results[(isa, threads)] = (
                     counts,

@@ -26,14 +26,17 @@ KERNEL_SOURCES.append(CSRC / "dispatch.cpp")
 OP_STEP, OP_ROLLBACK, OP_REPLAY = 0, 1, 2
 LOWP_NONE, LOWP_BF16, LOWP_FP16 = 0, 1, 2
 
-# (op, lowp, step, adamw, scale, new_scale): step with bf16 copy-out, a clip replay with fp16
-# copy-out, its rollback, then an L2-Adam step.
+# (op, lowp, grad kind, step, adamw, scale, new_scale): step with bf16 copy-out, a clip replay
+# with fp16 copy-out, its rollback, an L2-Adam step, then steps reading bf16 and fp16 grads.
 SCENARIO = [
-    (OP_STEP, LOWP_BF16, 3, True, 0.7, 0.0),
-    (OP_REPLAY, LOWP_FP16, 3, True, 0.7, 0.2),
-    (OP_ROLLBACK, LOWP_NONE, 3, True, 0.2, 0.0),
-    (OP_STEP, LOWP_NONE, 4, False, 1.3, 0.0),
+    (OP_STEP, LOWP_BF16, LOWP_NONE, 3, True, 0.7, 0.0),
+    (OP_REPLAY, LOWP_FP16, LOWP_NONE, 3, True, 0.7, 0.2),
+    (OP_ROLLBACK, LOWP_NONE, LOWP_NONE, 3, True, 0.2, 0.0),
+    (OP_STEP, LOWP_NONE, LOWP_NONE, 4, False, 1.3, 0.0),
+    (OP_STEP, LOWP_BF16, LOWP_BF16, 5, True, 0.9, 0.0),
+    (OP_REPLAY, LOWP_NONE, LOWP_FP16, 5, False, 0.9, 0.4),
 ]
+GRAD_DTYPE = {LOWP_NONE: torch.float32, LOWP_BF16: torch.bfloat16, LOWP_FP16: torch.float16}
 HYPER = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
 
 
@@ -63,22 +66,27 @@ def _inputs(n: int) -> list[torch.Tensor]:
 def _write_input(path: Path, tensors: list[torch.Tensor]) -> None:
     n = tensors[0].numel()
     records = b""
-    for op, lowp, step, adamw, scale, new_scale in SCENARIO:
+    for op, lowp, grad_kind, step, adamw, scale, new_scale in SCENARIO:
         constants = _constants(step, **HYPER, adamw=adamw, bias_correction=True, undoing=True)
         step_size, rsqrt_bc2, beta1, beta2, eps, weight_decay, decay = constants
         args = (step_size, rsqrt_bc2, beta1, beta2, 1.0 - beta1, 1.0 - beta2, eps, weight_decay)
-        records += struct.pack("<ii11fi", op, lowp, *args, decay, scale, new_scale, int(adamw))
+        records += struct.pack(
+            "<iii11fi", op, lowp, grad_kind, *args, decay, scale, new_scale, int(adamw)
+        )
     arrays = b"".join(t.numpy().astype("<f4").tobytes() for t in tensors)
+    grad = tensors[1]
+    for dtype in (torch.bfloat16, torch.float16):
+        arrays += grad.to(dtype).view(torch.int16).numpy().astype("<i2").tobytes()
     path.write_bytes(struct.pack("<qq", n, len(SCENARIO)) + records + arrays)
 
 
 def _run_x86(tensors: list[torch.Tensor]) -> bytes:
     param, grad, exp_avg, exp_avg_sq = (t.clone() for t in tensors)
     out = b""
-    for op, lowp, step, adamw, scale, new_scale in SCENARIO:
+    for op, lowp, grad_kind, step, adamw, scale, new_scale in SCENARIO:
         low = {LOWP_BF16: torch.bfloat16, LOWP_FP16: torch.float16}.get(lowp)
         buf = torch.empty(param.numel(), dtype=low) if low is not None else None
-        state = (param, grad, exp_avg, exp_avg_sq)
+        state = (param, grad.to(GRAD_DTYPE[grad_kind]), exp_avg, exp_avg_sq)
         if op == OP_STEP:
             skipped = ops.adam_step(
                 *state, step=step, **HYPER, adamw=adamw, grad_scale=scale, out_lowp=buf

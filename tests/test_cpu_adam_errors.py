@@ -15,12 +15,19 @@ def _tensors(n: int = 8):
     return [torch.zeros(n) for _ in range(4)]
 
 
-@pytest.mark.parametrize("position", range(4))
+@pytest.mark.parametrize("position", [0, 2, 3])
 def test_wrong_dtype_is_a_type_error_naming_the_argument(position):
     tensors = _tensors()
     tensors[position] = tensors[position].double()
     name = ("param", "grad", "exp_avg", "exp_avg_sq")[position]
     with pytest.raises(TypeError, match=rf"{name} must be float32.*tensor\.float\(\)"):
+        ops.adam_step(*tensors, **HYPER)
+
+
+def test_grad_may_be_16_bit_but_not_double():
+    tensors = _tensors()
+    tensors[1] = tensors[1].double()
+    with pytest.raises(TypeError, match="grad must be float32, bfloat16 or float16"):
         ops.adam_step(*tensors, **HYPER)
 
 

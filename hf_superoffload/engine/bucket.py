@@ -40,11 +40,12 @@ class Bucket:
             self.master.copy_(self.flat_param)
             self.exp_avg = torch.zeros(numel)
             self.exp_avg_sq = torch.zeros(numel)
-            host_cast = self.lowp is not None and not cast.grads_on_device
-            # grad32 is what the kernel reads; grads cross the link in grad_low when they are
-            # cast on the host.
-            self.grad32 = torch.empty(numel) if host_cast else link.host_empty(numel, torch.float32)
-            self.grad_low = link.host_empty(numel, self.lowp) if host_cast else None
+            # Gradients land here and the kernel reads them as they are: model dtype when they
+            # cross uncast (the kernel upcasts in its own pass), else fp32.
+            grad_dtype = (
+                self.lowp if self.lowp is not None and not cast.grads_on_device else torch.float32
+            )
+            self.host_grad = link.host_empty(numel, grad_dtype)
             copy_out = self.lowp is not None and not cast.params_on_device
             self.param_low = link.host_empty(numel, self.lowp) if copy_out else None
 
@@ -60,10 +61,6 @@ class Bucket:
         self.d2h_event: torch.cuda.Event | None = None
         self.speculated_with: dict | None = None  # hyperparameters of the speculative step
         self.speculated_scale = 1.0  # the gradient scale it used (the predicted clip coef)
-
-    def host_grad_target(self) -> torch.Tensor:
-        """The host buffer the gradients land in (before any host-side cast)."""
-        return self.grad_low if self.grad_low is not None else self.grad32
 
     def views(self, tensor: torch.Tensor, param_index: int) -> torch.Tensor:
         offset = self.plan.offsets[param_index]

@@ -51,6 +51,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         bucket_size: int = DEFAULT_BUCKET_SIZE,
         cpu_threads: int | None = None,
         speculate: bool = True,
+        speculate_after_clip: bool = False,
         cast: str = "auto",
         model: torch.nn.Module | None = None,
         gradient_accumulation_steps: int = 1,
@@ -69,6 +70,9 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             _check_group(group)
         self.max_grad_norm = max_grad_norm or None
         self.speculate = speculate
+        # After a clipped step the next one likely clips too, and a replay costs a full extra
+        # CPU pass; by default such a step waits for validation instead of speculating.
+        self.speculate_after_clip = speculate_after_clip
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.stats_counters = StvStats()
         self.global_grad_norm: float | None = None
@@ -160,7 +164,8 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         else:
             self._predicted_coef = result.clip_coef
 
-        for bucket in self._buckets:
+        # Forward order (first layers first): the next forward needs those first.
+        for bucket in reversed(self._buckets):
             if not bucket.on_device:
                 self._settle_host_bucket(bucket, result.verdict, result.clip_coef)
         if result.verdict is not Verdict.SKIP:
@@ -290,7 +295,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         # On CPU the host buffer is the staging buffer; the worker may still read it from
         # the last step's replay, so wait for that first (normally long done).
         self._worker.wait([bucket.index])
-        return bucket.host_grad_target()
+        return bucket.host_grad
 
     def _launch(self, bucket: Bucket, speculate: bool = True) -> None:
         """The bucket's gradients are complete: norm, send to host, speculate."""
@@ -300,17 +305,21 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             self._sq_norms[bucket.index] = norm * norm
             if self._link.is_cuda and not bucket.on_device:
                 self._worker.wait([bucket.index])  # the host buffer is free again
-                bucket.host_grad_target().copy_(staging, non_blocking=True)
+                bucket.host_grad.copy_(staging, non_blocking=True)
                 self._link.keep_alive_on_d2h(staging)
                 self.stats_counters.bytes_d2h += staging.numel() * staging.element_size()
             bucket.d2h_event = self._link.record()
         bucket.staging = None if not bucket.on_device else bucket.staging
         bucket.launched = True
-        if speculate and self.speculate and not bucket.on_device:
+        if speculate and self._speculating and not bucket.on_device:
             hyper = self._hyper(bucket, bucket.step + 1)
             scale = self._predicted_coef
             bucket.speculated_with, bucket.speculated_scale = hyper, scale
             self._worker.submit([bucket.index], lambda: self._host_step(bucket, hyper, scale))
+
+    @property
+    def _speculating(self) -> bool:
+        return self.speculate and (self.speculate_after_clip or self._predicted_coef == 1.0)
 
     def _flush_unlaunched(self) -> None:
         """Launch buckets whose params did not all get a final gradient this step (unused
@@ -340,21 +349,14 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             "weight_decay": float(group["weight_decay"]),
         }
 
-    def _host_grad(self, bucket: Bucket) -> torch.Tensor:
-        """Wait for the bucket's gradients on the host and cast them to fp32 if needed."""
-        self._link.host_waits_for(bucket.d2h_event)
-        bucket.d2h_event = None
-        if bucket.grad_low is not None:
-            bucket.grad32.copy_(bucket.grad_low)
-        return bucket.grad32
-
     def _host_step(self, bucket: Bucket, hyper: dict, scale: float) -> None:
-        grad = self._host_grad(bucket)
+        self._link.host_waits_for(bucket.d2h_event)  # the gradients are on the host
+        bucket.d2h_event = None
         self._link.host_waits_for(bucket.h2d_event)  # param_low is free again
         start = time.perf_counter()
         ops.adam_step(
             bucket.master,
-            grad,
+            bucket.host_grad,
             bucket.exp_avg,
             bucket.exp_avg_sq,
             **hyper,
@@ -369,7 +371,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         start = time.perf_counter()
         ops.adam_replay(
             bucket.master,
-            bucket.grad32,
+            bucket.host_grad,
             bucket.exp_avg,
             bucket.exp_avg_sq,
             **hyper,
@@ -385,7 +387,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         start = time.perf_counter()
         ops.adam_rollback(
             bucket.master,
-            bucket.grad32,
+            bucket.host_grad,
             bucket.exp_avg,
             bucket.exp_avg_sq,
             **hyper,
@@ -400,7 +402,14 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         """Return the bucket's updated params to the model (runs on the worker thread)."""
         source = bucket.param_low if bucket.param_low is not None else bucket.master
         with self._link.h2d():
-            bucket.flat_param.copy_(source, non_blocking=self._link.is_cuda)
+            if self._link.is_cuda and source.dtype != bucket.flat_param.dtype:
+                # NOTE: a dtype-converting host->device copy_ casts on the CPU into a pageable
+                # temporary; move the pinned fp32 master as it is and cast on the device.
+                staged = torch.empty(source.numel(), dtype=source.dtype, device=self._link.device)
+                staged.copy_(source, non_blocking=True)
+                bucket.flat_param.copy_(staged)
+            else:
+                bucket.flat_param.copy_(source, non_blocking=self._link.is_cuda)
             bucket.h2d_event = self._link.record()
         if self._link.is_cuda:
             self.stats_counters.bytes_h2d += source.numel() * source.element_size()

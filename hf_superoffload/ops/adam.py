@@ -1,7 +1,8 @@
 """Python entry points of the compiled CPU Adam: step, rollback and fused replay.
 
 All three update flat, contiguous fp32 CPU tensors in place, in one pass over memory, on
-OpenMP threads with the GIL released. ``step`` is the 1-based number of the update being
+OpenMP threads with the GIL released. ``grad`` may also be bf16 or fp16 (each element is
+upcast exactly, so the result equals passing ``grad.float()``, without that extra pass). ``step`` is the 1-based number of the update being
 applied (or undone). The effective gradient is ``grad * grad_scale``, so unscaling and
 gradient clipping cost no extra pass.
 

@@ -3,8 +3,8 @@
 // the input file, runs this program, and compares its output bit for bit with the x86 build.
 //
 // Input (little-endian): int64 n, int64 n_ops, then n_ops records of
-//   {int32 op, int32 lowp_kind, AdamArgs}, then float32 param[n], grad[n], exp_avg[n],
-//   exp_avg_sq[n].
+//   {int32 op, int32 lowp_kind, int32 grad_kind, AdamArgs}, then float32 param[n], grad[n],
+//   exp_avg[n], exp_avg_sq[n], then the same gradients as uint16 bf16[n] and fp16[n].
 // Output: per op int64 skipped, then uint16 lowp[n] if the op wrote one; then the final
 //   float32 param[n], exp_avg[n], exp_avg_sq[n].
 // Usage: kernel_check ISA IN OUT
@@ -20,6 +20,7 @@ bool read_all(FILE* f, void* dst, size_t bytes) { return fread(dst, 1, bytes, f)
 struct OpRecord {
   int32_t op;
   int32_t lowp_kind;
+  int32_t grad_kind;
   AdamArgs args;
 };
 
@@ -45,16 +46,23 @@ int main(int argc, char** argv) {
   float* exp_avg = static_cast<float*>(malloc(4 * n));
   float* exp_avg_sq = static_cast<float*>(malloc(4 * n));
   uint16_t* lowp = static_cast<uint16_t*>(malloc(2 * n));
+  uint16_t* grad_bf16 = static_cast<uint16_t*>(malloc(2 * n));
+  uint16_t* grad_fp16 = static_cast<uint16_t*>(malloc(2 * n));
   if (!read_all(in, param, 4 * n) || !read_all(in, grad, 4 * n) ||
-      !read_all(in, exp_avg, 4 * n) || !read_all(in, exp_avg_sq, 4 * n))
+      !read_all(in, exp_avg, 4 * n) || !read_all(in, exp_avg_sq, 4 * n) ||
+      !read_all(in, grad_bf16, 2 * n) || !read_all(in, grad_fp16, 2 * n))
     return 4;
   fclose(in);
 
   FILE* out = fopen(argv[3], "wb");
   if (!out) return 5;
   for (int64_t k = 0; k < n_ops; ++k) {
-    AdamTensors t{param, grad, exp_avg, exp_avg_sq, ops[k].lowp_kind ? lowp : nullptr,
-                  ops[k].lowp_kind};
+    const int grad_kind = ops[k].grad_kind;
+    const void* grad_data = grad_kind == kLowpBf16   ? static_cast<const void*>(grad_bf16)
+                            : grad_kind == kLowpFp16 ? static_cast<const void*>(grad_fp16)
+                                                     : static_cast<const void*>(grad);
+    AdamTensors t{param,      grad_data, grad_kind, exp_avg, exp_avg_sq,
+                  ops[k].lowp_kind ? lowp : nullptr, ops[k].lowp_kind};
     const int64_t skipped = hso_adam_run(isa, ops[k].op, &ops[k].args, &t, n, 2);
     fwrite(&skipped, 8, 1, out);
     if (ops[k].lowp_kind) fwrite(lowp, 2, n, out);

@@ -34,6 +34,21 @@ struct ScalarIsa {
   static inline M gt(V a, V b) { return a > b; }
   static inline V select(M m, V a, V b) { return m ? a : b; }
   static inline int count_false(M m) { return m ? 0 : 1; }
+  static inline V load_bf16(const uint16_t* p) {
+    const uint32_t u = uint32_t(*p) << 16;
+    float x;
+    __builtin_memcpy(&x, &u, 4);
+    return x;
+  }
+  static inline V load_fp16(const uint16_t* p) {
+#if defined(__aarch64__)
+    __fp16 h;
+#else
+    _Float16 h;
+#endif
+    __builtin_memcpy(&h, p, 2);
+    return static_cast<float>(h);
+  }
   static inline void store_bf16(uint16_t* out, V x) {
     uint32_t u;
     __builtin_memcpy(&u, &x, 4);
@@ -101,14 +116,25 @@ inline typename I::M adam_inverse(const AdamArgs& a, typename I::V g, typename I
 }
 
 // One block of I::lanes() elements starting at i. Returns the number of skipped lanes.
-template <class I, int kOp, int kLowp, bool kAdamW>
+template <class I, int kGrad>
+inline typename I::V load_grad(const AdamTensors& t, int64_t i) {
+  if constexpr (kGrad == kLowpBf16) {
+    return I::load_bf16(static_cast<const uint16_t*>(t.grad) + i);
+  } else if constexpr (kGrad == kLowpFp16) {
+    return I::load_fp16(static_cast<const uint16_t*>(t.grad) + i);
+  } else {
+    return I::load(static_cast<const float*>(t.grad) + i);
+  }
+}
+
+template <class I, int kOp, int kLowp, bool kAdamW, int kGrad>
 inline int adam_block(const AdamArgs& a, const AdamTensors& t, int64_t i) {
   using V = typename I::V;
   using M = typename I::M;
   V p = I::load(t.param + i);
   V m = I::load(t.exp_avg + i);
   V v = I::load(t.exp_avg_sq + i);
-  const V grad = I::load(t.grad + i);
+  const V grad = load_grad<I, kGrad>(t, i);
   M ok;
   if constexpr (kOp == kOpStep) {
     ok = adam_forward<I, kAdamW>(a, I::mul(grad, I::set1(a.grad_scale)), p, m, v);
@@ -126,21 +152,31 @@ inline int adam_block(const AdamArgs& a, const AdamTensors& t, int64_t i) {
   return I::count_false(ok);
 }
 
-template <class I, int kOp, int kLowp, bool kAdamW>
+template <class I, int kOp, int kLowp, bool kAdamW, int kGrad>
 int64_t adam_span_impl(const AdamArgs& a, const AdamTensors& t, int64_t begin, int64_t end) {
   const int64_t lanes = I::lanes();
   int64_t skipped = 0;
   int64_t i = begin;
-  for (; i + lanes <= end; i += lanes) skipped += adam_block<I, kOp, kLowp, kAdamW>(a, t, i);
-  for (; i < end; ++i) skipped += adam_block<ScalarIsa, kOp, kLowp, kAdamW>(a, t, i);
+  for (; i + lanes <= end; i += lanes)
+    skipped += adam_block<I, kOp, kLowp, kAdamW, kGrad>(a, t, i);
+  for (; i < end; ++i) skipped += adam_block<ScalarIsa, kOp, kLowp, kAdamW, kGrad>(a, t, i);
   return skipped;
 }
 
-// Turns the runtime (op, lowp, adamw) triple into one of the 18 instantiations.
+// Turns the runtime (op, lowp, adamw, grad kind) into one of the 54 instantiations.
+template <class I, int kOp, int kLowp, bool kAdamW>
+int64_t adam_span_grad(const AdamArgs& a, const AdamTensors& t, int64_t b, int64_t e) {
+  switch (t.grad_kind) {
+    case kLowpBf16: return adam_span_impl<I, kOp, kLowp, kAdamW, kLowpBf16>(a, t, b, e);
+    case kLowpFp16: return adam_span_impl<I, kOp, kLowp, kAdamW, kLowpFp16>(a, t, b, e);
+    default: return adam_span_impl<I, kOp, kLowp, kAdamW, kLowpNone>(a, t, b, e);
+  }
+}
+
 template <class I, int kOp, int kLowp>
 int64_t adam_span_adamw(const AdamArgs& a, const AdamTensors& t, int64_t b, int64_t e) {
-  return a.adamw ? adam_span_impl<I, kOp, kLowp, true>(a, t, b, e)
-                 : adam_span_impl<I, kOp, kLowp, false>(a, t, b, e);
+  return a.adamw ? adam_span_grad<I, kOp, kLowp, true>(a, t, b, e)
+                 : adam_span_grad<I, kOp, kLowp, false>(a, t, b, e);
 }
 
 template <class I, int kOp>

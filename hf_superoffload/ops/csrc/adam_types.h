@@ -5,6 +5,7 @@
 #include <stdint.h>
 
 enum { kOpStep = 0, kOpRollback = 1, kOpReplay = 2 };
+// 16-bit formats of out_lowp, and of the gradient (kLowpNone there means fp32).
 enum { kLowpNone = 0, kLowpBf16 = 1, kLowpFp16 = 2 };
 
 // Per-call constants, derived in double precision by the caller and rounded to fp32 once.
@@ -23,7 +24,8 @@ struct AdamArgs {
 
 struct AdamTensors {
   float* param;
-  const float* grad;
+  const void* grad;  // fp32, or bf16/fp16 bits (upcast exactly per element) per grad_kind
+  int grad_kind;
   float* exp_avg;
   float* exp_avg_sq;
   uint16_t* out_lowp;  // bf16/fp16 bits, or null

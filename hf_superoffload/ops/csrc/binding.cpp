@@ -8,15 +8,25 @@
 
 namespace {
 
-void check_fp32_buffer(const at::Tensor& t, const char* name, int64_t numel) {
+void check_buffer(const at::Tensor& t, const char* name, int64_t numel) {
   TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be a CPU tensor, got one on ", t.device(),
                     "; keep optimizer state in host memory (e.g. tensor.cpu()).");
-  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, name, " must be float32, got ",
-                   t.scalar_type(), "; the master copy is fp32 (use tensor.float()).");
   TORCH_CHECK_VALUE(t.is_contiguous(), name,
                     " must be contiguous; pass tensor.contiguous() or a flat buffer view.");
   TORCH_CHECK_VALUE(t.numel() == numel, name, " has ", t.numel(),
                     " elements but param has ", numel, "; all four tensors must match.");
+}
+
+void check_fp32_buffer(const at::Tensor& t, const char* name, int64_t numel) {
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, name, " must be float32, got ",
+                   t.scalar_type(), "; the master copy is fp32 (use tensor.float()).");
+  check_buffer(t, name, numel);
+}
+
+int lowp_kind(const at::Tensor& t) {
+  return t.scalar_type() == at::kBFloat16 ? kLowpBf16
+         : t.scalar_type() == at::kHalf   ? kLowpFp16
+                                          : kLowpNone;
 }
 
 int64_t adam_apply(int64_t op, const std::string& isa, at::Tensor param, at::Tensor grad,
@@ -27,24 +37,26 @@ int64_t adam_apply(int64_t op, const std::string& isa, at::Tensor param, at::Ten
                    bool adamw, int64_t threads) {
   const int64_t n = param.numel();
   check_fp32_buffer(param, "param", n);
-  check_fp32_buffer(grad, "grad", n);
+  TORCH_CHECK_TYPE(grad.scalar_type() == at::kFloat || lowp_kind(grad) != kLowpNone,
+                   "grad must be float32, bfloat16 or float16, got ", grad.scalar_type(), ".");
+  check_buffer(grad, "grad", n);
   check_fp32_buffer(exp_avg, "exp_avg", n);
   check_fp32_buffer(exp_avg_sq, "exp_avg_sq", n);
 
-  AdamTensors tensors{param.data_ptr<float>(), grad.data_ptr<float>(),
+  AdamTensors tensors{param.data_ptr<float>(),  grad.data_ptr(),   lowp_kind(grad),
                       exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(), nullptr,
                       kLowpNone};
   if (out_lowp.has_value()) {
     const at::Tensor& low = *out_lowp;
     TORCH_CHECK_VALUE(low.device().is_cpu(), "out_lowp must be a CPU tensor (pinned is fine), ",
                       "got one on ", low.device(), ".");
-    TORCH_CHECK_TYPE(low.scalar_type() == at::kBFloat16 || low.scalar_type() == at::kHalf,
-                     "out_lowp must be bfloat16 or float16, got ", low.scalar_type(), ".");
+    TORCH_CHECK_TYPE(lowp_kind(low) != kLowpNone, "out_lowp must be bfloat16 or float16, got ",
+                     low.scalar_type(), ".");
     TORCH_CHECK_VALUE(low.is_contiguous(), "out_lowp must be contiguous.");
     TORCH_CHECK_VALUE(low.numel() == n, "out_lowp has ", low.numel(),
                       " elements but param has ", n, ".");
     tensors.out_lowp = static_cast<uint16_t*>(low.data_ptr());
-    tensors.lowp_kind = low.scalar_type() == at::kBFloat16 ? kLowpBf16 : kLowpFp16;
+    tensors.lowp_kind = lowp_kind(low);
   }
 
   const AdamArgs args{float(step_size),    float(rsqrt_bias_correction2),

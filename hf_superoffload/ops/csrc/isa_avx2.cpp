@@ -26,6 +26,13 @@ struct Avx2Isa {
   static inline M gt(V a, V b) { return _mm256_cmp_ps(a, b, _CMP_GT_OQ); }
   static inline V select(M m, V a, V b) { return _mm256_blendv_ps(b, a, m); }
   static inline int count_false(M m) { return 8 - __builtin_popcount(_mm256_movemask_ps(m)); }
+  static inline V load_bf16(const uint16_t* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static inline V load_fp16(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
   static inline void store_bf16(uint16_t* out, V x) {
     const __m256i u = _mm256_castps_si256(x);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));

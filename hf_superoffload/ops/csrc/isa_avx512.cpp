@@ -27,6 +27,13 @@ struct Avx512Isa {
   // blend(k, x, y) takes y where k is set.
   static inline V select(M m, V a, V b) { return _mm512_mask_blend_ps(m, b, a); }
   static inline int count_false(M m) { return 16 - __builtin_popcount(m); }
+  static inline V load_bf16(const uint16_t* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static inline V load_fp16(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
   static inline void store_bf16(uint16_t* out, V x) {
     const __m512i u = _mm512_castps_si512(x);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));

@@ -23,6 +23,12 @@ struct NeonIsa {
   static inline M gt(V a, V b) { return vcgtq_f32(a, b); }
   static inline V select(M m, V a, V b) { return vbslq_f32(m, a, b); }
   static inline int count_false(M m) { return 4 - int(vaddvq_u32(vshrq_n_u32(m, 31))); }
+  static inline V load_bf16(const uint16_t* p) {
+    return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16));
+  }
+  static inline V load_fp16(const uint16_t* p) {
+    return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)));
+  }
   static inline void store_bf16(uint16_t* out, V x) {
     const uint32x4_t u = vreinterpretq_u32_f32(x);
     const uint32x4_t lsb = vandq_u32(vshrq_n_u32(u, 16), vdupq_n_u32(1));

@@ -26,6 +26,14 @@ struct SveIsa {
   static inline M gt(V a, V b) { return svcmpgt_f32(all(), a, b); }
   static inline V select(M m, V a, V b) { return svsel_f32(m, a, b); }
   static inline int count_false(M m) { return int(svcntw() - svcntp_b32(all(), m)); }
+  static inline V load_bf16(const uint16_t* p) {
+    return svreinterpret_f32_u32(svlsl_n_u32_x(all(), svld1uh_u32(all(), p), 16));
+  }
+  static inline V load_fp16(const uint16_t* p) {
+    // Each fp16 lands in the low half of its 32-bit container, where the widening convert
+    // reads it.
+    return svcvt_f32_f16_x(all(), svreinterpret_f16_u32(svld1uh_u32(all(), p)));
+  }
   static inline void store_bf16(uint16_t* out, V x) {
     const svuint32_t u = svreinterpret_u32_f32(x);
     const svuint32_t lsb = svand_n_u32_x(all(), svlsr_n_u32_x(all(), u, 16), 1);
