@@ -6,8 +6,10 @@ Run on the device machine: ``python -m pytest -m gpu``.
   clipping on some steps and one step of NaN gradients; params and both moments within
   rtol 1e-4 / atol 1e-6 (fp32 rounding differences amplified over 20 steps).
 - bf16 model: vs the mixed-precision recipe it replaces (fp32 master and AdamW on the GPU,
-  bf16 params re-cast from the master each step); master within rtol 1e-3 / atol 1e-5: a
-  bf16 rounding of a param can flip on a 1-ulp master difference and shift later gradients.
+  bf16 params re-cast from the master each step): one step from the same state to fp32
+  rounding (rtol 1e-6), with the model holding exactly bf16(master); over 20 steps the loss
+  curve within 0.2% (a 1-ulp master difference can flip a bf16 rounding and bf16 forward
+  noise then amplifies it, so later steps cannot be compared bit-wise).
 """
 
 from __future__ import annotations
@@ -103,13 +105,16 @@ def test_fp32_model_matches_torch_adamw_on_gpu(gpu_buckets):
     opt.close()
 
 
-def _reference_bf16(max_norm):
+def _reference_bf16(max_norm, steps):
     model = _model(torch.bfloat16)
     params = list(model.parameters())
     masters = [p.detach().float().clone().requires_grad_(True) for p in params]
     opt = torch.optim.AdamW(masters, lr=LR, weight_decay=0.1, fused=True)
-    for batch in _batches():
-        model(input_ids=batch, labels=batch).loss.backward()
+    losses = []
+    for batch in _batches()[:steps]:
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        losses.append(loss.item())
         for master, param in zip(masters, params, strict=True):
             master.grad = param.grad.float()
             param.grad = None
@@ -119,16 +124,13 @@ def _reference_bf16(max_norm):
         with torch.no_grad():
             for master, param in zip(masters, params, strict=True):
                 param.copy_(master)
-    return masters
+    return masters, opt, losses
 
 
-@pytest.mark.parametrize("cast", ["gpu", "cpu", "auto"])
-def test_bf16_model_matches_mixed_precision_recipe(cast):
-    max_norm = 1.0
-    masters = _reference_bf16(max_norm)
+def _superoffload_bf16(max_norm, steps, cast):
     model = _model(torch.bfloat16)
     params = list(model.parameters())
-    with SuperOffloadOptimizer(
+    opt = SuperOffloadOptimizer(
         params,
         lr=LR,
         weight_decay=0.1,
@@ -137,12 +139,43 @@ def test_bf16_model_matches_mixed_precision_recipe(cast):
         bucket_size=20_000,
         model=model,
         cast=cast,
-    ) as opt:
-        for batch in _batches():
-            model(input_ids=batch, labels=batch).loss.backward()
-            opt.step()
-            opt.zero_grad()
+    )
+    losses = []
+    for batch in _batches()[:steps]:
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return opt, params, losses
+
+
+@pytest.mark.parametrize("cast", ["gpu", "cpu", "auto"])
+def test_bf16_model_matches_mixed_precision_recipe(cast):
+    # One step from the same state sees the same bf16 gradients: fp32 rounding only.
+    masters, ref_opt, _ = _reference_bf16(1.0, steps=1)
+    opt, params, _ = _superoffload_bf16(1.0, steps=1, cast=cast)
+    with opt:
         for master, param in zip(masters, params, strict=True):
             state = opt.master_state(param)
-            torch.testing.assert_close(state["master"], master.detach().cpu(), rtol=1e-3, atol=1e-5)
+            ref_state = ref_opt.state[master]
+            torch.testing.assert_close(state["master"], master.detach().cpu(), rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(
+                state["exp_avg"], ref_state["exp_avg"].cpu(), rtol=1e-6, atol=1e-9
+            )
+            torch.testing.assert_close(
+                state["exp_avg_sq"], ref_state["exp_avg_sq"].cpu(), rtol=1e-6, atol=1e-12
+            )
+            # The model holds the master rounded to bf16, whichever side cast it.
             assert torch.equal(param.detach().cpu(), state["master"].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("cast", ["gpu", "cpu"])
+def test_bf16_training_follows_the_recipe(cast):
+    # Over many steps bf16 forward noise amplifies 1-ulp master differences (a param's bf16
+    # rounding flips), so the check is on the loss curve, not the bits.
+    _, _, ref_losses = _reference_bf16(1.0, steps=STEPS)
+    opt, _, losses = _superoffload_bf16(1.0, steps=STEPS, cast=cast)
+    opt.close()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-3, atol=0)
+    assert losses[-1] < losses[0] - 0.1

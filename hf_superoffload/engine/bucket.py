@@ -51,7 +51,9 @@ class Bucket:
 
         self.step = 0  # committed updates
         self.reset_for_next_step()
-        self.h2d_event: torch.cuda.Event | None = None
+        self.h2d_event: torch.cuda.Event | None = None  # consumed by the next forward
+        self.last_h2d: torch.cuda.Event | None = None  # the worker's: param_low free again
+        self.speculation_applied = False  # written and read on the worker thread only
 
     def reset_for_next_step(self) -> None:
         self.arrived = 0  # params whose final gradient of this step has been staged

@@ -10,11 +10,19 @@ Life of a step (one GPU; with no GPU the same runs on CPU tensors, copies in pla
    coefficient (one fused pass), or roll everything back (non-finite gradients). The tail
    buckets (first layers, last to get gradients) step on the device with torch's fused AdamW.
 3. The next forward waits, per module, only for the buckets it is about to use.
+
+Exactness: commits and replays equal AdamW + clip_grad_norm_ to fp32 rounding (the replay's
+error is a few ulp of the terms of the undone step, see ops/adam.py; speculating with the
+last step's clip coefficient keeps that ratio near 1 when clipping persists). A skipped step
+is bit-exact when its non-finite gradients reach the first bucket to arrive (any NaN/Inf
+loss does) - the worker stops speculating as soon as a bucket's norm is non-finite - and
+within the rollback's rounding for buckets speculated before the bad one arrived.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 import weakref
@@ -105,6 +113,9 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         }
         self._micro = dict.fromkeys(self._slot, 0)
         self._sq_norms = torch.zeros(len(self._buckets), device=device)
+        # The worker reads each bucket's squared norm before speculating on it.
+        self._host_sq_norms = self._link.host_empty(len(self._buckets), torch.float32)
+        self._round = _SpeculationRound()
         self._device_adamw = self._make_device_adamw()
         self._worker = Worker()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in trainable]
@@ -174,6 +185,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             bucket.reset_for_next_step()
         self._micro = dict.fromkeys(self._micro, 0)
         self._sq_norms.zero_()
+        self._round = _SpeculationRound()
         if not self._waits_in_forward:
             self.synchronize()
         return loss
@@ -302,7 +314,9 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         staging = bucket.staging
         with self._link.d2h():
             norm = torch.linalg.vector_norm(staging, dtype=torch.float32)
-            self._sq_norms[bucket.index] = norm * norm
+            i = bucket.index
+            self._sq_norms[i] = norm * norm
+            self._host_sq_norms[i : i + 1].copy_(self._sq_norms[i : i + 1], non_blocking=True)
             if self._link.is_cuda and not bucket.on_device:
                 self._worker.wait([bucket.index])  # the host buffer is free again
                 bucket.host_grad.copy_(staging, non_blocking=True)
@@ -315,7 +329,10 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             hyper = self._hyper(bucket, bucket.step + 1)
             scale = self._predicted_coef
             bucket.speculated_with, bucket.speculated_scale = hyper, scale
-            self._worker.submit([bucket.index], lambda: self._host_step(bucket, hyper, scale))
+            event, round_ = bucket.d2h_event, self._round
+            self._worker.submit(
+                [bucket.index], lambda: self._speculate(bucket, hyper, scale, event, round_)
+            )
 
     @property
     def _speculating(self) -> bool:
@@ -349,10 +366,21 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             "weight_decay": float(group["weight_decay"]),
         }
 
-    def _host_step(self, bucket: Bucket, hyper: dict, scale: float) -> None:
-        self._link.host_waits_for(bucket.d2h_event)  # the gradients are on the host
-        bucket.d2h_event = None
-        self._link.host_waits_for(bucket.h2d_event)  # param_low is free again
+    def _speculate(self, bucket: Bucket, hyper: dict, scale: float, d2h_event, round_) -> None:
+        """Step a bucket before validation, unless this step's gradients already showed a
+        non-finite value: then it (and every later bucket) stays untouched, so the skip
+        that validation will decide needs no rollback and leaves the state bit-exact."""
+        self._link.host_waits_for(d2h_event)  # gradients and their norm are on the host
+        if round_.poisoned or not math.isfinite(float(self._host_sq_norms[bucket.index])):
+            round_.poisoned = True
+            bucket.speculation_applied = False
+            return
+        bucket.speculation_applied = True
+        self._host_step(bucket, hyper, scale, None)
+
+    def _host_step(self, bucket: Bucket, hyper: dict, scale: float, d2h_event) -> None:
+        self._link.host_waits_for(d2h_event)  # the gradients are on the host
+        self._link.host_waits_for(bucket.last_h2d)  # param_low is free again
         start = time.perf_counter()
         ops.adam_step(
             bucket.master,
@@ -367,7 +395,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         self._send_params(bucket)
 
     def _host_replay(self, bucket: Bucket, hyper: dict, old: float, new: float) -> None:
-        self._link.host_waits_for(bucket.h2d_event)
+        self._link.host_waits_for(bucket.last_h2d)
         start = time.perf_counter()
         ops.adam_replay(
             bucket.master,
@@ -383,7 +411,9 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         self._send_params(bucket)
 
     def _host_rollback(self, bucket: Bucket, hyper: dict, scale: float) -> None:
-        self._link.host_waits_for(bucket.h2d_event)
+        if not bucket.speculation_applied:
+            return  # the speculative step saw poisoned gradients and did nothing
+        self._link.host_waits_for(bucket.last_h2d)
         start = time.perf_counter()
         ops.adam_rollback(
             bucket.master,
@@ -410,7 +440,9 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
                 bucket.flat_param.copy_(staged)
             else:
                 bucket.flat_param.copy_(source, non_blocking=self._link.is_cuda)
-            bucket.h2d_event = self._link.record()
+            # One event, two readers: the next forward consumes h2d_event; the worker keeps
+            # last_h2d to know when param_low may be overwritten.
+            bucket.h2d_event = bucket.last_h2d = self._link.record()
         if self._link.is_cuda:
             self.stats_counters.bytes_h2d += source.numel() * source.element_size()
 
@@ -419,8 +451,10 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         spec = bucket.speculated_with
         if spec is None:
             if verdict is not Verdict.SKIP:
-                hyper = self._hyper(bucket, bucket.step + 1)
-                self._worker.submit([bucket.index], lambda: self._host_step(bucket, hyper, coef))
+                hyper, event = self._hyper(bucket, bucket.step + 1), bucket.d2h_event
+                self._worker.submit(
+                    [bucket.index], lambda: self._host_step(bucket, hyper, coef, event)
+                )
                 bucket.step += 1
             return
         scale = bucket.speculated_scale
@@ -431,7 +465,9 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         if current != spec:  # lr/betas changed between backward and step(): redo with the new
             self.stats_counters.rollbacks_hparams += 1
             self._worker.submit([bucket.index], lambda: self._host_rollback(bucket, spec, scale))
-            self._worker.submit([bucket.index], lambda: self._host_step(bucket, current, coef))
+            self._worker.submit(
+                [bucket.index], lambda: self._host_step(bucket, current, coef, None)
+            )
         elif scale != coef:
             self._worker.submit(
                 [bucket.index], lambda: self._host_replay(bucket, spec, scale, coef)
@@ -524,6 +560,13 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps} before step(); "
                 f"set gradient_accumulation_steps to the number of backward calls per step()."
             )
+
+
+class _SpeculationRound:
+    """Per-step flag shared by that step's speculative tasks (all run on the worker)."""
+
+    def __init__(self):
+        self.poisoned = False
 
 
 def _check_group(group: dict) -> None:
