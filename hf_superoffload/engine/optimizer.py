@@ -481,10 +481,13 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         if not tail:
             return None
         groups = [{"params": [b.master]} for b in tail]
-        return torch.optim.AdamW(groups, fused=True)
+        # NOTE: not fused=True: torch's fused CUDA kernel forms 1 - beta2 in fp32 (9.99987e-4
+        # for 0.999), 1.3e-5 off the double-precision value that torch's default AdamW and
+        # the CPU kernel use, and tail and host buckets must do the same arithmetic.
+        return torch.optim.AdamW(groups, foreach=True)
 
     def _step_tensor(self, bucket: Bucket) -> torch.Tensor:
-        return torch.tensor(float(bucket.step), dtype=torch.float32, device=bucket.master.device)
+        return torch.tensor(float(bucket.step), dtype=torch.float32)  # CPU, as torch keeps it
 
     def _step_device_buckets(self, coef: float) -> None:
         if self._device_adamw is None:
