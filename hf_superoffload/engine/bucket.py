@@ -18,7 +18,6 @@ class Bucket:
     def __init__(self, plan: BucketPlan, link: Link, on_device: bool, cast: CastPlan):
         self.plan = plan
         self.index = plan.index
-        self.on_device = on_device
         numel = plan.numel
         dtype = plan.params[0].dtype
         self.lowp = dtype if dtype != torch.float32 else None
@@ -29,31 +28,41 @@ class Bucket:
             view.copy_(param.detach().reshape(-1))
             param.data = view.view_as(param)
 
+        self.on_device = False
+        # Pinned master: with cast.params_on_device the H2D reads it directly.
+        self.master = link.host_empty(numel, torch.float32)
+        self.master.copy_(self.flat_param)
+        self.exp_avg = torch.zeros(numel)
+        self.exp_avg_sq = torch.zeros(numel)
+        # Gradients land here and the kernel reads them as they are: model dtype when they
+        # cross uncast (the kernel upcasts in its own pass), else fp32.
+        grad_dtype = (
+            self.lowp if self.lowp is not None and not cast.grads_on_device else torch.float32
+        )
+        self.host_grad = link.host_empty(numel, grad_dtype)
+        copy_out = self.lowp is not None and not cast.params_on_device
+        self.param_low = link.host_empty(numel, self.lowp) if copy_out else None
+        self.grad: torch.Tensor | None = None  # fp32 device gradients of a tail bucket
+        self.device_group: dict | None = None  # its param group in the device AdamW
         if on_device:
-            self.master = self.flat_param.float()
-            self.grad = torch.zeros(numel, device=link.device)
-            self.master.grad = self.grad
-            self.exp_avg = self.exp_avg_sq = None  # held by the device AdamW's state
-        else:
-            # Pinned master: with cast.params_on_device the H2D reads it directly.
-            self.master = link.host_empty(numel, torch.float32)
-            self.master.copy_(self.flat_param)
-            self.exp_avg = torch.zeros(numel)
-            self.exp_avg_sq = torch.zeros(numel)
-            # Gradients land here and the kernel reads them as they are: model dtype when they
-            # cross uncast (the kernel upcasts in its own pass), else fp32.
-            grad_dtype = (
-                self.lowp if self.lowp is not None and not cast.grads_on_device else torch.float32
-            )
-            self.host_grad = link.host_empty(numel, grad_dtype)
-            copy_out = self.lowp is not None and not cast.params_on_device
-            self.param_low = link.host_empty(numel, self.lowp) if copy_out else None
+            self.move_to_device(link.device)
 
         self.step = 0  # committed updates
         self.reset_for_next_step()
         self.h2d_event: torch.cuda.Event | None = None  # consumed by the next forward
         self.last_h2d: torch.cuda.Event | None = None  # the worker's: param_low free again
         self.speculation_applied = False  # written and read on the worker thread only
+
+    def move_to_device(self, device: torch.device) -> None:
+        """Make this a tail bucket: master, moments and fp32 gradients on the device (16 B per
+        element there), stepped by torch's AdamW; the host buffers are released."""
+        self.master = self.master.to(device)
+        self.exp_avg = self.exp_avg.to(device)
+        self.exp_avg_sq = self.exp_avg_sq.to(device)
+        self.grad = torch.zeros_like(self.master)
+        self.master.grad = self.grad
+        self.host_grad = self.param_low = None
+        self.on_device = True
 
     def reset_for_next_step(self) -> None:
         self.arrived = 0  # params whose final gradient of this step has been staged

@@ -35,7 +35,12 @@ from .bucket import Bucket
 from .buckets import plan_buckets
 from .cast_policy import choose_cast_plan
 from .link import Link
-from .placement import choose_device_buckets
+from .placement import (
+    DEVICE_BYTES_PER_ELEMENT,
+    TailTuner,
+    choose_device_buckets,
+    device_headroom_bytes,
+)
 from .stv import StvStats, Verdict, validate
 from .worker import Worker
 
@@ -116,7 +121,11 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         # The worker reads each bucket's squared norm before speculating on it.
         self._host_sq_norms = self._link.host_empty(len(self._buckets), torch.float32)
         self._round = _SpeculationRound()
-        self._device_adamw = self._make_device_adamw()
+        self._device_adamw: torch.optim.AdamW | None = None
+        for bucket in self._buckets:
+            if bucket.on_device:
+                self._register_device_bucket(bucket)
+        self._tuner = TailTuner() if gpu_buckets == "auto" else None
         self._worker = Worker()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in trainable]
         if model is not None:
@@ -188,6 +197,8 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         self._round = _SpeculationRound()
         if not self._waits_in_forward:
             self.synchronize()
+        if self._tuner is not None:
+            self._tune_device_tail()
         return loss
 
     def synchronize(self) -> None:
@@ -476,26 +487,34 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------ device tail
 
-    def _make_device_adamw(self) -> torch.optim.AdamW | None:
-        tail = [b for b in self._buckets if b.on_device]
-        if not tail:
-            return None
-        groups = [{"params": [b.master]} for b in tail]
-        # NOTE: not fused=True: torch's fused CUDA kernel forms 1 - beta2 in fp32 (9.99987e-4
-        # for 0.999), 1.3e-5 off the double-precision value that torch's default AdamW and
-        # the CPU kernel use, and tail and host buckets must do the same arithmetic.
-        return torch.optim.AdamW(groups, foreach=True)
+    def _register_device_bucket(self, bucket: Bucket) -> None:
+        """Give a tail bucket its group in the device AdamW, whose state *is* the bucket's
+        moments (so state_dict, load and migration need no copies)."""
+        group = {"params": [bucket.master]}
+        if self._device_adamw is None:
+            # NOTE: not fused=True: torch's fused CUDA kernel forms 1 - beta2 in fp32
+            # (9.99987e-4 for 0.999), 1.3e-5 off the double-precision value that torch's
+            # default AdamW and the CPU kernel use; tail and host buckets must agree.
+            self._device_adamw = torch.optim.AdamW([group], foreach=True)
+        else:
+            self._device_adamw.add_param_group(group)
+        bucket.device_group = self._device_adamw.param_groups[-1]
+        self._device_adamw.state[bucket.master] = {
+            "step": self._step_tensor(bucket),
+            "exp_avg": bucket.exp_avg,
+            "exp_avg_sq": bucket.exp_avg_sq,
+        }
 
     def _step_tensor(self, bucket: Bucket) -> torch.Tensor:
         return torch.tensor(float(bucket.step), dtype=torch.float32)  # CPU, as torch keeps it
 
     def _step_device_buckets(self, coef: float) -> None:
-        if self._device_adamw is None:
-            return
         tail = [b for b in self._buckets if b.on_device]
-        for bucket, inner in zip(tail, self._device_adamw.param_groups, strict=True):
+        if not tail:
+            return
+        for bucket in tail:
             hyper = self._hyper(bucket, bucket.step + 1)
-            inner.update(
+            bucket.device_group.update(
                 lr=hyper["lr"],
                 betas=(hyper["beta1"], hyper["beta2"]),
                 eps=hyper["eps"],
@@ -508,18 +527,58 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             bucket.step += 1
             bucket.flat_param.copy_(bucket.master)
 
+    def _tune_device_tail(self) -> None:
+        """gpu_buckets='auto': move host buckets next to the tail onto the device while the
+        GPU measurably waits for the CPU and device memory allows (see placement.TailTuner)."""
+        stats = self.stats_counters
+        want = self._tuner.elements_to_move(
+            time.perf_counter(),
+            stats.exposed_cpu_seconds,
+            stats.cpu_step_seconds,
+            sum(b.plan.numel for b in self._buckets if not b.on_device),
+        )
+        if not want:
+            return
+        headroom = device_headroom_bytes(self._link.device)
+        chosen, numel = [], 0
+        for bucket in reversed(self._buckets):  # host buckets nearest the tail first
+            if numel >= want:
+                break
+            if bucket.on_device:
+                continue
+            if (numel + bucket.plan.numel) * DEVICE_BYTES_PER_ELEMENT > headroom:
+                break
+            chosen.append(bucket)
+            numel += bucket.plan.numel
+        if not chosen:
+            self._tuner.stop("device memory is full")
+            return
+        self._move_buckets_to_device(chosen)
+        n_tail = sum(b.on_device for b in self._buckets)
+        logger.info(
+            "hf_superoffload: gpu_buckets='auto' moved %d buckets (%.1fM params) to the device "
+            "after step %d (GPU waited %.3f s for the CPU last step); n' = %d of %d",
+            len(chosen),
+            numel / 1e6,
+            stats.steps,
+            self._tuner.last_exposed,
+            n_tail,
+            len(self._buckets),
+        )
+
+    def _move_buckets_to_device(self, buckets: list[Bucket]) -> None:
+        """Between steps: turn host buckets into tail buckets, state and all."""
+        self._worker.wait([b.index for b in buckets])  # their settled updates are done
+        for bucket in buckets:
+            bucket.move_to_device(self._link.device)
+            self._register_device_bucket(bucket)
+
     def _device_waits_for_d2h(self) -> None:
         if self._link.is_cuda:
             torch.cuda.current_stream(self._link.device).wait_stream(self._link.d2h_stream)
 
     def _bucket_state(self, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if not bucket.on_device:
-            return bucket.master, bucket.exp_avg, bucket.exp_avg_sq
-        state = self._device_adamw.state[bucket.master]
-        if not state:  # before the first step: zero moments, as torch would create them
-            zeros = torch.zeros_like(bucket.master)
-            state.update(step=self._step_tensor(bucket), exp_avg=zeros, exp_avg_sq=zeros.clone())
-        return bucket.master, state["exp_avg"], state["exp_avg_sq"]
+        return bucket.master, bucket.exp_avg, bucket.exp_avg_sq
 
     # ------------------------------------------------------------------------ forward side
 

@@ -78,3 +78,54 @@ def _check_fits(plans: list[BucketPlan], chosen: int, device: torch.device) -> N
             f"buckets' optimizer state but only {free / 2**30:.1f} GiB is free; lower gpu_buckets "
             f"or bucket_size, or use gpu_buckets='auto'."
         )
+
+
+def device_headroom_bytes(device: torch.device) -> float:
+    """Device memory that more tail state may take without pushing the training peak (seen
+    so far) over the card, keeping a safety margin."""
+    if device.type != "cuda":
+        return float("inf")  # CPU mode: the "device" is host memory
+    total = torch.cuda.get_device_properties(device).total_memory
+    margin = max(2 * 2**30, 0.05 * total)
+    return total - torch.cuda.max_memory_allocated(device) - margin
+
+
+class TailTuner:
+    """Measures, for gpu_buckets='auto', how long each step's GPU work waited for the CPU Adam
+    and proposes how many more parameters to step on the device instead: the CPU work that was
+    exposed, i.e. exposed seconds times the measured CPU Adam rate. It watches a few steps after
+    warm-up and stops once a step waits less than ``threshold`` of its time."""
+
+    def __init__(self, warmup_steps: int = 2, tuning_steps: int = 8, threshold: float = 0.02):
+        self.warmup_steps = warmup_steps
+        self.tuning_steps = tuning_steps
+        self.threshold = threshold
+        self.steps_seen = 0
+        self.active = True
+        self.last_exposed = 0.0
+        self._last: tuple[float, float, float] | None = None  # (time, exposed, cpu seconds)
+
+    def elements_to_move(
+        self, now: float, exposed_total: float, cpu_total: float, host_elements: int
+    ) -> int:
+        last, self._last = self._last, (now, exposed_total, cpu_total)
+        self.steps_seen += 1
+        if not self.active or last is None or self.steps_seen <= self.warmup_steps:
+            return 0
+        if self.steps_seen > self.warmup_steps + self.tuning_steps:
+            self.stop("tuning window over")
+            return 0
+        wall, exposed, cpu = now - last[0], exposed_total - last[1], cpu_total - last[2]
+        self.last_exposed = exposed
+        if wall <= 0 or exposed < self.threshold * wall:
+            self.stop(f"the GPU waits {exposed:.3f} s of a {wall:.3f} s step")
+            return 0
+        if cpu <= 0 or host_elements == 0:
+            return 0
+        cpu_rate = host_elements / cpu  # elements the CPU Adam steps per second
+        return round(exposed * cpu_rate)
+
+    def stop(self, reason: str) -> None:
+        if self.active:
+            logger.info("hf_superoffload: gpu_buckets='auto' settled (%s)", reason)
+        self.active = False

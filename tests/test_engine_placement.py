@@ -1,0 +1,64 @@
+"""Placement of tail buckets: the request checks and the measured tuner of gpu_buckets='auto'."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_superoffload.engine.buckets import plan_buckets
+from hf_superoffload.engine.placement import TailTuner, choose_device_buckets
+
+
+def _plans(sizes):
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
+    return plan_buckets([{"params": params}], bucket_size=max(sizes))
+
+
+def test_requested_count_is_capped_at_the_bucket_count():
+    plans = _plans([10, 10, 10])
+    assert choose_device_buckets(10_000, plans, torch.device("cpu")) == 3
+    assert choose_device_buckets(1, plans, torch.device("cpu")) == 1
+
+
+@pytest.mark.parametrize("bad", [-1, "all", 1.5, True])
+def test_bad_request_says_what_to_pass(bad):
+    with pytest.raises(ValueError, match="gpu_buckets must be"):
+        choose_device_buckets(bad, _plans([10, 10]), torch.device("cpu"))
+
+
+def test_auto_takes_about_a_tenth_of_the_params_from_the_tail():
+    plans = _plans([100] * 30)
+    chosen = choose_device_buckets("auto", plans, torch.device("cpu"))
+    assert chosen == 3  # 10% of 3000 elements
+
+
+def _feed(tuner, steps):
+    """steps: (wall seconds, exposed seconds, cpu seconds) per step; returns proposals."""
+    now = exposed = cpu = 0.0
+    out = []
+    for wall, waited, cpu_s in steps:
+        now, exposed, cpu = now + wall, exposed + waited, cpu + cpu_s
+        out.append(tuner.elements_to_move(now, exposed, cpu, host_elements=1_000_000))
+    return out
+
+
+def test_tuner_moves_the_exposed_cpu_work_after_warmup():
+    tuner = TailTuner(warmup_steps=2, tuning_steps=8, threshold=0.02)
+    # CPU Adam at 1M elements / 0.5 s = 2M/s; the GPU waited 0.1 s -> move 200k elements.
+    proposals = _feed(tuner, [(1.0, 0.3, 0.5)] * 2 + [(1.0, 0.1, 0.5)])
+    assert proposals == [0, 0, 200_000]
+    assert tuner.active
+
+
+def test_tuner_stops_once_the_gpu_no_longer_waits():
+    tuner = TailTuner(warmup_steps=1, tuning_steps=8, threshold=0.02)
+    proposals = _feed(tuner, [(1.0, 0.5, 0.5), (1.0, 0.01, 0.5), (1.0, 0.5, 0.5)])
+    assert proposals == [0, 0, 0]
+    assert not tuner.active
+
+
+def test_tuner_stops_after_its_window():
+    tuner = TailTuner(warmup_steps=1, tuning_steps=2, threshold=0.02)
+    proposals = _feed(tuner, [(1.0, 0.2, 0.5)] * 5)
+    assert proposals[:3] == [0, 400_000, 400_000]
+    assert proposals[3:] == [0, 0] and not tuner.active
