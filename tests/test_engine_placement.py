@@ -32,13 +32,16 @@ def test_auto_takes_about_a_tenth_of_the_params_from_the_tail():
     assert chosen == 3  # 10% of 3000 elements
 
 
-def _feed(tuner, steps):
-    """steps: (wall seconds, exposed seconds, cpu seconds) per step; returns proposals."""
+def _feed(tuner, steps, host_elements=1_000_000):
+    """steps: (wall seconds, exposed seconds, cpu seconds) per step, the CPU stepping all
+    host elements each step; returns the proposals."""
     now = exposed = cpu = 0.0
+    elements = 0
     out = []
     for wall, waited, cpu_s in steps:
         now, exposed, cpu = now + wall, exposed + waited, cpu + cpu_s
-        out.append(tuner.elements_to_move(now, exposed, cpu, host_elements=1_000_000))
+        elements += host_elements
+        out.append(tuner.elements_to_move(now, exposed, cpu, elements, host_elements))
     return out
 
 
@@ -57,8 +60,14 @@ def test_tuner_stops_once_the_gpu_no_longer_waits():
     assert not tuner.active
 
 
+def test_tuner_moves_at_most_a_quarter_of_the_host_params_at_once():
+    tuner = TailTuner(warmup_steps=1, tuning_steps=8, threshold=0.02)
+    # The GPU waited 0.4 s at 2M elements/s: 800k, capped at 250k of the 1M on the host.
+    assert _feed(tuner, [(1.0, 0.4, 0.5)] * 2) == [0, 250_000]
+
+
 def test_tuner_stops_after_its_window():
     tuner = TailTuner(warmup_steps=1, tuning_steps=2, threshold=0.02)
-    proposals = _feed(tuner, [(1.0, 0.2, 0.5)] * 5)
-    assert proposals[:3] == [0, 400_000, 400_000]
+    proposals = _feed(tuner, [(1.0, 0.1, 0.5)] * 5)
+    assert proposals[:3] == [0, 200_000, 200_000]
     assert proposals[3:] == [0, 0] and not tuner.active

@@ -126,6 +126,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             if bucket.on_device:
                 self._register_device_bucket(bucket)
         self._tuner = TailTuner() if gpu_buckets == "auto" else None
+        self._cpu_elements_stepped = 0  # kernel throughput for the tuner (worker thread only)
         self._worker = Worker()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in trainable]
         if model is not None:
@@ -403,6 +404,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             out_lowp=bucket.param_low,
         )
         self.stats_counters.cpu_step_seconds += time.perf_counter() - start
+        self._cpu_elements_stepped += bucket.plan.numel
         self._send_params(bucket)
 
     def _host_replay(self, bucket: Bucket, hyper: dict, old: float, new: float) -> None:
@@ -535,6 +537,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             time.perf_counter(),
             stats.exposed_cpu_seconds,
             stats.cpu_step_seconds,
+            self._cpu_elements_stepped,
             sum(b.plan.numel for b in self._buckets if not b.on_device),
         )
         if not want:

@@ -93,37 +93,53 @@ def device_headroom_bytes(device: torch.device) -> float:
 class TailTuner:
     """Measures, for gpu_buckets='auto', how long each step's GPU work waited for the CPU Adam
     and proposes how many more parameters to step on the device instead: the CPU work that was
-    exposed, i.e. exposed seconds times the measured CPU Adam rate. It watches a few steps after
+    exposed, i.e. exposed seconds times the CPU Adam rate measured so far (elements over kernel
+    seconds since the start, since one step's tasks straddle step boundaries), at most
+    ``max_share`` of the params still on the host per move. It watches a few steps after
     warm-up and stops once a step waits less than ``threshold`` of its time."""
 
-    def __init__(self, warmup_steps: int = 2, tuning_steps: int = 8, threshold: float = 0.02):
+    def __init__(
+        self,
+        warmup_steps: int = 2,
+        tuning_steps: int = 8,
+        threshold: float = 0.02,
+        max_share: float = 0.25,
+    ):
         self.warmup_steps = warmup_steps
+        self.max_share = max_share
         self.tuning_steps = tuning_steps
         self.threshold = threshold
         self.steps_seen = 0
         self.active = True
         self.last_exposed = 0.0
-        self._last: tuple[float, float, float] | None = None  # (time, exposed, cpu seconds)
+        self._last: tuple[float, float] | None = None  # (time, exposed seconds)
 
     def elements_to_move(
-        self, now: float, exposed_total: float, cpu_total: float, host_elements: int
+        self,
+        now: float,
+        exposed_total: float,
+        cpu_seconds_total: float,
+        cpu_elements_total: int,
+        host_elements: int,
     ) -> int:
-        last, self._last = self._last, (now, exposed_total, cpu_total)
+        """Totals are cumulative since the optimizer started; ``host_elements`` is what the
+        CPU still owns."""
+        last, self._last = self._last, (now, exposed_total)
         self.steps_seen += 1
         if not self.active or last is None or self.steps_seen <= self.warmup_steps:
             return 0
         if self.steps_seen > self.warmup_steps + self.tuning_steps:
             self.stop("tuning window over")
             return 0
-        wall, exposed, cpu = now - last[0], exposed_total - last[1], cpu_total - last[2]
+        wall, exposed = now - last[0], exposed_total - last[1]
         self.last_exposed = exposed
         if wall <= 0 or exposed < self.threshold * wall:
             self.stop(f"the GPU waits {exposed:.3f} s of a {wall:.3f} s step")
             return 0
-        if cpu <= 0 or host_elements == 0:
+        if cpu_seconds_total <= 0 or host_elements == 0:
             return 0
-        cpu_rate = host_elements / cpu  # elements the CPU Adam steps per second
-        return round(exposed * cpu_rate)
+        cpu_rate = cpu_elements_total / cpu_seconds_total  # elements per kernel second
+        return min(round(exposed * cpu_rate), round(self.max_share * host_elements))
 
     def stop(self, reason: str) -> None:
         if self.active:
