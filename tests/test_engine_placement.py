@@ -71,3 +71,19 @@ def test_tuner_stops_after_its_window():
     proposals = _feed(tuner, [(1.0, 0.1, 0.5)] * 5)
     assert proposals[:3] == [0, 200_000, 200_000]
     assert proposals[3:] == [0, 0] and not tuner.active
+
+
+def test_tuner_ignores_the_step_right_after_a_move():
+    tuner = TailTuner(warmup_steps=1, tuning_steps=8, threshold=0.02)
+    now = exposed = cpu = 0.0
+    elements = 0
+
+    def step(wall, waited):
+        nonlocal now, exposed, cpu, elements
+        now, exposed, cpu, elements = now + wall, exposed + waited, cpu + 0.5, elements + 10**6
+        return tuner.elements_to_move(now, exposed, cpu, elements, 10**6)
+
+    assert [step(1.0, 0.1), step(1.0, 0.1)] == [0, 200_000]
+    tuner.moved()
+    assert step(3.0, 0.0) == 0 and tuner.active  # the move's own step: a new baseline only
+    assert step(1.0, 0.05) == 100_000  # measured again

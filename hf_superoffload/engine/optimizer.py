@@ -557,6 +557,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             self._tuner.stop("device memory is full")
             return
         self._move_buckets_to_device(chosen)
+        self._tuner.moved()
         n_tail = sum(b.on_device for b in self._buckets)
         logger.info(
             "hf_superoffload: gpu_buckets='auto' moved %d buckets (%.1fM params) to the device "

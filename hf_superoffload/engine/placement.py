@@ -141,6 +141,11 @@ class TailTuner:
         cpu_rate = cpu_elements_total / cpu_seconds_total  # elements per kernel second
         return min(round(exposed * cpu_rate), round(self.max_share * host_elements))
 
+    def moved(self) -> None:
+        """A move waited for all CPU work, so the next step shows no wait: measure from the
+        one after it."""
+        self._last = None
+
     def stop(self, reason: str) -> None:
         if self.active:
             logger.info("hf_superoffload: gpu_buckets='auto' settled (%s)", reason)
