@@ -31,6 +31,7 @@ from datasets import load_dataset
 from transformers import set_seed
 from trl import SFTConfig, SFTTrainer
 
+from hf_superoffload import SuperOffloadSFTConfig, SuperOffloadSFTTrainer
 from hf_superoffload.toy import build_tiny_llama, make_char_tokenizer, tiny_llama_config
 
 DATA_FILE = Path(__file__).resolve().parent / "data" / "arithmetic_sft.jsonl"
@@ -54,6 +55,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1.0,
         help="gradient clipping norm; 0 disables clipping (default: 1.0, the Trainer default)",
     )
+    p.add_argument(
+        "--optimizer",
+        choices=["superoffload", "adamw"],
+        default="superoffload",
+        help="superoffload (default): fp32 master and Adam state on the CPU, stepped during "
+        "backward; adamw: the Trainer's own torch AdamW, for comparison",
+    )
     p.add_argument("--seed", type=int, default=0, help="seeds the weights and data order")
     p.add_argument("--output-dir", default="outputs/sft-tiny-llama", help="where the model goes")
     p.add_argument("--data-file", type=Path, default=DATA_FILE, help="prompt-completion jsonl")
@@ -73,7 +81,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def make_sft_config(args: argparse.Namespace) -> SFTConfig:
     """The training arguments. Values that differ from TRL's defaults are set on purpose."""
     use_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    return SFTConfig(
+    superoffload = {}
+    if args.optimizer == "superoffload":
+        # A 0.1M-param model fits one default bucket; small ones exercise the bucket pipeline.
+        superoffload = {"superoffload_bucket_size": 1 << 14}
+    return SuperOffloadSFTConfig(
         output_dir=args.output_dir,
         max_steps=args.max_steps,
         per_device_train_batch_size=args.batch_size,
@@ -92,14 +104,17 @@ def make_sft_config(args: argparse.Namespace) -> SFTConfig:
         save_strategy="no",  # the final model is saved explicitly below
         report_to=[t.strip() for t in args.report_to.split(",") if t.strip()],
         dataloader_num_workers=0,
+        optim="adamw_torch",  # the plain-AdamW comparison uses torch's default arithmetic
+        **superoffload,
     )
 
 
 def build_trainer(
     args: argparse.Namespace, model, tokenizer, train_dataset, sft_config: SFTConfig | None = None
 ) -> SFTTrainer:
-    """The trainer for this job. The optimizer is the Trainer's default (torch AdamW)."""
-    return SFTTrainer(
+    """The trainer for this job: TRL's SFTTrainer, with SuperOffload unless --optimizer adamw."""
+    trainer_cls = SuperOffloadSFTTrainer if args.optimizer == "superoffload" else SFTTrainer
+    return trainer_cls(
         model=model,
         args=sft_config or make_sft_config(args),
         train_dataset=train_dataset,
@@ -131,6 +146,8 @@ def train(args: argparse.Namespace) -> dict:
         "train_runtime_s": result.metrics["train_runtime"],
         "device": str(trainer.args.device),
         "bf16": trainer.args.bf16,
+        "optimizer": args.optimizer,
+        "superoffload_stats": getattr(trainer, "superoffload_stats", None),
         "output_dir": str(Path(args.output_dir).resolve()),
     }
     with open(Path(args.output_dir) / "sft_summary.json", "w") as f:
@@ -144,9 +161,16 @@ def main(argv: list[str] | None = None) -> int:
     first, last = summary["first_loss"], summary["last_loss"]
     print(
         f"first training loss {first:.4f}, last {last:.4f} after {summary['steps']} steps "
-        f"({summary['train_runtime_s']:.1f} s on {summary['device']}, bf16={summary['bf16']}); "
-        f"model saved to {summary['output_dir']}"
+        f"({summary['train_runtime_s']:.1f} s on {summary['device']}, bf16={summary['bf16']}, "
+        f"optimizer {summary['optimizer']}); model saved to {summary['output_dir']}"
     )
+    if summary["superoffload_stats"]:
+        stats = summary["superoffload_stats"]
+        print(
+            f"superoffload: {stats['speculative_steps']} of {stats['steps']} steps speculated, "
+            f"{stats['rollbacks_clip']} replayed for clipping, {stats['rollbacks_nonfinite']} "
+            f"skipped, CPU Adam {stats['cpu_step_seconds']:.2f} s"
+        )
     if not last < first:
         print("error: the training loss did not go down", file=sys.stderr)
         return 1

@@ -3,5 +3,36 @@
 __version__ = "0.1.0"
 
 from .engine import SuperOffloadOptimizer
+from .integrations import (
+    SuperOffloadPlugin,
+    SuperOffloadTrainer,
+    SuperOffloadTrainerMixin,
+    SuperOffloadTrainingArguments,
+)
 
-__all__ = ["SuperOffloadOptimizer", "__version__"]
+# TRL is imported on first use of these names only: it is slow to import.
+_TRL_NAMES = (
+    "SuperOffloadDPOConfig",
+    "SuperOffloadDPOTrainer",
+    "SuperOffloadSFTConfig",
+    "SuperOffloadSFTTrainer",
+)
+
+
+def __getattr__(name: str):
+    if name in _TRL_NAMES:
+        from .integrations import trl
+
+        return getattr(trl, name)
+    raise AttributeError(f"module 'hf_superoffload' has no attribute {name!r}")
+
+
+__all__ = [
+    "SuperOffloadOptimizer",
+    "SuperOffloadPlugin",
+    "SuperOffloadTrainer",
+    "SuperOffloadTrainerMixin",
+    "SuperOffloadTrainingArguments",
+    "__version__",
+    *_TRL_NAMES,
+]

@@ -1,0 +1,133 @@
+"""SuperOffloadPlugin: the engine's options, in the style of accelerate's plugin dataclasses.
+
+Each field is resolved as explicit argument > ``SUPEROFFLOAD_<FIELD>`` environment variable >
+default, so an ``accelerate launch`` config (which passes environment variables through) or a
+shell can set them without code changes. Learning rate, betas, eps, weight decay, clipping and
+accumulation are not here: they come from the training arguments, the single source of truth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+ENV_PREFIX = "SUPEROFFLOAD_"
+_CASTS = ("auto", "gpu", "cpu")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+@dataclasses.dataclass
+class SuperOffloadPlugin:
+    gpu_buckets: int | str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "Tail buckets (the first layers) whose optimizer state stays on the GPU: an "
+            "int, or 'auto' to size it from free GPU memory and the measured wait for the CPU. "
+            "Env SUPEROFFLOAD_GPU_BUCKETS; default 'auto'."
+        },
+    )
+    bucket_size: int | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "Elements per gradient bucket (the unit of transfer and of speculation). "
+            "Env SUPEROFFLOAD_BUCKET_SIZE; default 2**25."
+        },
+    )
+    cpu_threads: int | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "Threads of the CPU Adam. Env SUPEROFFLOAD_CPU_THREADS; default: the cores "
+            "this process may use, less one for the thread feeding the GPU."
+        },
+    )
+    speculate: bool | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "Start each bucket's CPU Adam step during backward and validate it after "
+            "(speculation-then-validation). Env SUPEROFFLOAD_SPECULATE; default true."
+        },
+    )
+    speculate_after_clip: bool | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "Also speculate right after a clipped step (with its clip coefficient); off "
+            "by default since then a replay likely follows. Env SUPEROFFLOAD_SPECULATE_AFTER_CLIP."
+        },
+    )
+    cast: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "Where to cast between bf16 and fp32: 'auto' (cost model from measured "
+            "bandwidths), 'gpu' or 'cpu'. Env SUPEROFFLOAD_CAST; default 'auto'."
+        },
+    )
+
+    def __post_init__(self):
+        if self.gpu_buckets is None:
+            self.gpu_buckets = _env("GPU_BUCKETS", "auto")
+        if isinstance(self.gpu_buckets, str) and self.gpu_buckets != "auto":
+            self.gpu_buckets = _int("gpu_buckets", self.gpu_buckets, minimum=0)
+        elif isinstance(self.gpu_buckets, int) and not isinstance(self.gpu_buckets, bool):
+            _int("gpu_buckets", self.gpu_buckets, minimum=0)
+        elif self.gpu_buckets != "auto":
+            raise ValueError(
+                f"gpu_buckets must be a non-negative int or 'auto', got {self.gpu_buckets!r}."
+            )
+        self.bucket_size = _int(
+            "bucket_size", self.bucket_size or _env("BUCKET_SIZE", 1 << 25), minimum=1
+        )
+        threads = self.cpu_threads if self.cpu_threads is not None else _env("CPU_THREADS", None)
+        self.cpu_threads = None if threads is None else _int("cpu_threads", threads, minimum=1)
+        self.speculate = _bool("speculate", self.speculate, True)
+        self.speculate_after_clip = _bool("speculate_after_clip", self.speculate_after_clip, False)
+        self.cast = self.cast or _env("CAST", "auto")
+        if self.cast not in _CASTS:
+            raise ValueError(
+                f"cast must be one of {_CASTS}, got {self.cast!r} (env {ENV_PREFIX}CAST)."
+            )
+
+    @classmethod
+    def from_dict(cls, options: dict[str, Any]) -> SuperOffloadPlugin:
+        """Build from a mapping, refusing keys that are not fields (a typo must not be ignored)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise ValueError(
+                f"unknown SuperOffload options {unknown}; valid ones are {sorted(names)}."
+            )
+        return cls(**options)
+
+    def optimizer_kwargs(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _env(name: str, default: Any) -> Any:
+    return os.environ.get(ENV_PREFIX + name, default)
+
+
+def _int(name: str, value: Any, minimum: int) -> int:
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"{name} must be an int, got {value!r} (env {ENV_PREFIX}{name.upper()})."
+        ) from None
+    if isinstance(value, bool) or number < minimum or str(number) != str(value).strip():
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}.")
+    return number
+
+
+def _bool(name: str, value: bool | None, default: bool) -> bool:
+    if value is not None:
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}.")
+        return value
+    raw = os.environ.get(ENV_PREFIX + name.upper())
+    if raw is None:
+        return default
+    if raw.lower() in _TRUE:
+        return True
+    if raw.lower() in _FALSE:
+        return False
+    raise ValueError(f"env {ENV_PREFIX}{name.upper()} must be true/false (or 1/0), got {raw!r}.")

@@ -1,0 +1,140 @@
+"""SuperOffloadTrainerMixin: puts SuperOffloadOptimizer under a Transformers Trainer.
+
+Mix it in first (``class MyTrainer(SuperOffloadTrainerMixin, Trainer)``). It builds the optimizer
+from the training arguments (lr, betas, eps, weight decay with the Trainer's decay/no-decay
+split, ``max_grad_norm`` as the one clipping threshold, gradient accumulation), turns the
+Trainer's clipping into the STV validation (the norm it logs is the true pre-clip norm, computed
+during backward, no extra pass), tells the Trainer when a step was skipped (so the LR schedule
+holds), waits for in-flight updates before anything reads the params, and closes the worker
+when training ends.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from accelerate.utils import DistributedType
+from transformers import Trainer, TrainerCallback
+
+from ..engine import SuperOffloadOptimizer
+from .plugin import SuperOffloadPlugin
+
+logger = logging.getLogger("hf_superoffload")
+
+
+class SuperOffloadTrainerMixin:
+    def __init__(self, *args, superoffload_plugin: SuperOffloadPlugin | None = None, **kwargs):
+        self._superoffload_plugin = superoffload_plugin
+        super().__init__(*args, **kwargs)
+        self.add_callback(_SuperOffloadCallback(self))
+
+    @property
+    def superoffload_optimizer(self) -> SuperOffloadOptimizer | None:
+        optimizer = getattr(self, "optimizer", None)
+        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps it
+        return inner if isinstance(inner, SuperOffloadOptimizer) else None
+
+    def _resolved_plugin(self) -> SuperOffloadPlugin:
+        if self._superoffload_plugin is not None:
+            return self._superoffload_plugin
+        from_args = getattr(self.args, "superoffload_plugin", None)
+        return from_args() if callable(from_args) else SuperOffloadPlugin()
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is not None:
+            return self.optimizer
+        _check_supported(self)
+        opt_model = self.model if model is None else model
+        if self.args.bf16 and next(opt_model.parameters()).dtype == torch.float32:
+            # The fp32 master lives on the CPU, so the GPU copy only needs bf16.
+            logger.info("hf_superoffload: casting the model to bf16 (fp32 master stays on the CPU)")
+            opt_model.to(torch.bfloat16)
+        decay = set(self.get_decay_parameter_names(opt_model))
+        named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
+            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+        ]
+        groups = [g for g in groups if g["params"]]
+        self.optimizer = SuperOffloadOptimizer(
+            groups,
+            lr=self.args.learning_rate,
+            betas=(self.args.adam_beta1, self.args.adam_beta2),
+            eps=self.args.adam_epsilon,
+            max_grad_norm=self.args.max_grad_norm,
+            gradient_accumulation_steps=self.args.gradient_accumulation_steps,
+            model=opt_model,
+            **self._resolved_plugin().optimizer_kwargs(),
+        )
+        return self.optimizer
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        optimizer = self.superoffload_optimizer
+        if optimizer is not None:  # the Trainer decided before this backward if it syncs
+            optimizer.set_accumulation_boundary(self.accelerator.sync_gradients)
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def _clip_grad_norm(self, model):
+        optimizer = self.superoffload_optimizer
+        if optimizer is None:
+            return super()._clip_grad_norm(model)
+        return optimizer.clip_grad_norm_(self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        optimizer = self.superoffload_optimizer
+        if optimizer is None or grad_norm is not None:
+            return super()._get_grad_norm(model, grad_norm=grad_norm)
+        return optimizer.clip_grad_norm_(None)  # max_grad_norm 0: only the norm, for logging
+
+    def save_model(self, output_dir=None, _internal_call=False):
+        self._superoffload_synchronize()
+        return super().save_model(output_dir, _internal_call=_internal_call)
+
+    def _save_checkpoint(self, model, trial):
+        self._superoffload_synchronize()
+        return super()._save_checkpoint(model, trial)
+
+    def _superoffload_synchronize(self) -> None:
+        optimizer = self.superoffload_optimizer
+        if optimizer is not None:
+            optimizer.synchronize()
+
+
+class SuperOffloadTrainer(SuperOffloadTrainerMixin, Trainer):
+    """A Transformers Trainer whose optimizer is SuperOffloadOptimizer."""
+
+
+class _SuperOffloadCallback(TrainerCallback):
+    def __init__(self, trainer: SuperOffloadTrainerMixin):
+        self.trainer = trainer
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        optimizer = self.trainer.superoffload_optimizer
+        if optimizer is not None:
+            # accelerate reads this to decide whether the LR scheduler steps; without a grad
+            # scaler it never sets it itself.
+            self.trainer.optimizer._is_overflow = optimizer.last_step_skipped
+
+    def on_train_end(self, args, state, control, **kwargs):
+        optimizer = self.trainer.superoffload_optimizer
+        if optimizer is not None:
+            optimizer.synchronize()
+            self.trainer.superoffload_stats = optimizer.stats  # outlives the closed optimizer
+            optimizer.close()
+            # A later train() builds a fresh optimizer (resume from a checkpoint to continue).
+            self.trainer.optimizer = self.trainer.lr_scheduler = None
+
+
+def _check_supported(trainer) -> None:
+    distributed = trainer.accelerator.distributed_type
+    if distributed in (DistributedType.DEEPSPEED, DistributedType.FSDP):
+        raise ValueError(
+            f"SuperOffload runs its own optimizer offload and cannot combine with {distributed}; "
+            f"remove the DeepSpeed/FSDP config from accelerate (or use the plain Trainer with it)."
+        )
+    if trainer.args.fp16:
+        raise ValueError(
+            "SuperOffload does not support fp16 with loss scaling (GradScaler): gradients leave "
+            "the GPU during backward, before unscaling. Use bf16=True instead."
+        )
