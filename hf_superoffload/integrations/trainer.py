@@ -18,6 +18,7 @@ from accelerate.utils import DistributedType
 from transformers import Trainer, TrainerCallback
 
 from ..engine import SuperOffloadOptimizer
+from .metrics import ThroughputMeter, peak_tflops, stv_metrics
 from .plugin import SuperOffloadPlugin
 
 logger = logging.getLogger("hf_superoffload")
@@ -26,6 +27,7 @@ logger = logging.getLogger("hf_superoffload")
 class SuperOffloadTrainerMixin:
     def __init__(self, *args, superoffload_plugin: SuperOffloadPlugin | None = None, **kwargs):
         self._superoffload_plugin = superoffload_plugin
+        self._throughput = ThroughputMeter()
         super().__init__(*args, **kwargs)
         self.add_callback(_SuperOffloadCallback(self))
 
@@ -73,7 +75,17 @@ class SuperOffloadTrainerMixin:
         optimizer = self.superoffload_optimizer
         if optimizer is not None:  # the Trainer decided before this backward if it syncs
             optimizer.set_accumulation_boundary(self.accelerator.sync_gradients)
+        self._throughput.add_batch(inputs, self.accelerator.unwrap_model(model))
         return super().training_step(model, inputs, num_items_in_batch)
+
+    def log(self, logs, start_time=None):
+        """Training logs gain tokens_per_second, tflops, mfu and the stv/ counters (reduced
+        over ranks), so report_to="wandb" records them under train/."""
+        optimizer = self.superoffload_optimizer
+        if "loss" in logs and optimizer is not None:
+            logs.update(self._throughput.metrics(self.accelerator, peak_tflops()))
+            logs.update(stv_metrics(optimizer.stats, self.accelerator))
+        return super().log(logs, start_time)
 
     def _clip_grad_norm(self, model):
         optimizer = self.superoffload_optimizer
@@ -108,6 +120,9 @@ class SuperOffloadTrainer(SuperOffloadTrainerMixin, Trainer):
 class _SuperOffloadCallback(TrainerCallback):
     def __init__(self, trainer: SuperOffloadTrainerMixin):
         self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer._throughput.reset()  # throughput counts from here, not from __init__
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         optimizer = self.trainer.superoffload_optimizer

@@ -1,0 +1,117 @@
+"""Training metrics for the logs: tokens/s, model TFLOPS, MFU and the STV counters.
+
+Model FLOPs per token follow the PaLM appendix: 6 N for the weight matmuls forward and backward
+(N = trainable params less the input embedding, whose lookup does no matmul) plus
+12 x layers x hidden x sequence length for the attention scores and values; recomputation by
+activation checkpointing is not counted. MFU divides achieved model FLOP/s per GPU by the GPU's
+dense bf16 peak, from the table below or ``SUPEROFFLOAD_PEAK_TFLOPS``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+# Dense (no sparsity) bf16 tensor-core peaks, TFLOP/s, from the vendors' datasheets.
+PEAK_BF16_TFLOPS = {
+    "GH200": 989.0,
+    "GB200": 2500.0,
+    "B200": 2250.0,
+    "H200": 989.0,
+    "H100 PCIe": 756.0,
+    "H100 NVL": 835.0,
+    "H100": 989.0,  # SXM / HBM3
+    "A100": 312.0,
+}
+PEAK_ENV = "SUPEROFFLOAD_PEAK_TFLOPS"
+STV_KEYS = (
+    "speculative_steps",
+    "rollbacks_clip",
+    "rollbacks_nonfinite",
+    "exposed_cpu_seconds",
+    "replay_seconds",
+)
+
+
+def peak_tflops(device_name: str | None = None) -> float | None:
+    """The bf16 dense peak of the GPU (or the override); None when unknown (e.g. on CPU)."""
+    override = os.environ.get(PEAK_ENV)
+    if override:
+        try:
+            value = float(override)
+        except ValueError:
+            raise ValueError(f"{PEAK_ENV} must be a number of TFLOP/s, got {override!r}.") from None
+        if value <= 0:
+            raise ValueError(f"{PEAK_ENV} must be > 0, got {value}.")
+        return value
+    if device_name is None:
+        if not torch.cuda.is_available():
+            return None
+        device_name = torch.cuda.get_device_name()
+    for key, value in PEAK_BF16_TFLOPS.items():  # most specific names first
+        if key in device_name:
+            return value
+    return None
+
+
+def matmul_params(model: torch.nn.Module) -> int:
+    """Trainable params that take part in matmuls: all but the input embedding's lookup table
+    (a tied lm_head shares that weight and does a matmul, so then it counts)."""
+    embeddings = model.get_input_embeddings()
+    skip = {id(p) for p in embeddings.parameters()} if embeddings is not None else set()
+    if getattr(model.config, "tie_word_embeddings", False):
+        skip = set()
+    return sum(p.numel() for p in model.parameters() if p.requires_grad and id(p) not in skip)
+
+
+def model_flops_per_token(config, n_matmul_params: int, seq_len: int) -> float:
+    return 6.0 * n_matmul_params + 12.0 * config.num_hidden_layers * config.hidden_size * seq_len
+
+
+class ThroughputMeter:
+    """Tokens and sequence lengths seen since the last log, and the time they took."""
+
+    def __init__(self):
+        self._n_params: int | None = None  # counted once: a walk over every param
+        self.reset()
+
+    def reset(self) -> None:
+        self.tokens = 0
+        self.flops = 0.0
+        self.since = time.perf_counter()
+
+    def add_batch(self, inputs: dict, model: torch.nn.Module) -> None:
+        ids = inputs.get("input_ids")
+        if ids is None:
+            return
+        mask = inputs.get("attention_mask")
+        tokens = int(mask.sum()) if mask is not None else ids.numel()
+        if self._n_params is None:
+            self._n_params = matmul_params(model)
+        self.tokens += tokens
+        self.flops += tokens * model_flops_per_token(model.config, self._n_params, ids.shape[-1])
+
+    def metrics(self, accelerator, peak: float | None) -> dict[str, float]:
+        """Reduce over ranks (tokens and FLOPs summed; per-GPU figures divide by the ranks)."""
+        elapsed = max(time.perf_counter() - self.since, 1e-9)
+        totals = torch.tensor([float(self.tokens), self.flops], device=accelerator.device)
+        totals = accelerator.reduce(totals, reduction="sum")
+        tokens, flops = totals.tolist()
+        ranks = accelerator.num_processes
+        tflops = flops / elapsed / ranks / 1e12
+        out = {"tokens_per_second": tokens / elapsed, "tflops": tflops}
+        if peak is not None:
+            out["mfu"] = tflops / peak
+        self.reset()
+        return out
+
+
+def stv_metrics(stats: dict[str, float], accelerator) -> dict[str, float]:
+    """The optimizer's counters under ``stv/``; ranks agree on the step verdicts, the timings
+    are the slowest rank's."""
+    values = torch.tensor([float(stats[k]) for k in STV_KEYS], device=accelerator.device)
+    if accelerator.num_processes > 1:
+        values = accelerator.gather(values[None]).amax(dim=0)
+    return {f"stv/{key}": value for key, value in zip(STV_KEYS, values.tolist(), strict=True)}

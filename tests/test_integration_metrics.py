@@ -1,0 +1,89 @@
+"""Throughput/MFU/STV metrics in the Trainer's logs, and what wandb records of them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from wandb_offline import history
+
+from hf_superoffload.integrations.metrics import matmul_params, model_flops_per_token, peak_tflops
+from hf_superoffload.toy import build_tiny_llama, tiny_llama_config
+
+
+@pytest.mark.parametrize(
+    ("name", "peak"),
+    [
+        ("NVIDIA H100 80GB HBM3", 989.0),
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA H200", 989.0),
+        ("NVIDIA GH200 480GB", 989.0),
+        ("NVIDIA B200", 2250.0),
+        ("NVIDIA GB200", 2500.0),
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("Some Other GPU", None),
+    ],
+)
+def test_peak_table(monkeypatch, name, peak):
+    monkeypatch.delenv("SUPEROFFLOAD_PEAK_TFLOPS", raising=False)
+    assert peak_tflops(name) == peak
+
+
+def test_peak_override_and_its_errors(monkeypatch):
+    monkeypatch.setenv("SUPEROFFLOAD_PEAK_TFLOPS", "123.5")
+    assert peak_tflops("NVIDIA H100 80GB HBM3") == 123.5
+    monkeypatch.setenv("SUPEROFFLOAD_PEAK_TFLOPS", "fast")
+    with pytest.raises(ValueError, match="SUPEROFFLOAD_PEAK_TFLOPS must be a number"):
+        peak_tflops("x")
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_flops_per_token_is_6n_plus_attention(tied):
+    config = tiny_llama_config(vocab_size=105, tie_word_embeddings=tied)
+    model = build_tiny_llama(config, seed=0)
+    total = sum(p.numel() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight.numel()
+    n = total if tied else total - embedding  # a tied lm_head still does its matmul
+    assert matmul_params(model) == n
+    expected = 6 * n + 12 * config.num_hidden_layers * config.hidden_size * 32
+    assert model_flops_per_token(config, n, 32) == expected
+
+
+def test_wandb_offline_run_records_throughput_mfu_and_rollbacks(tmp_path, monkeypatch):
+    import datasets
+
+    from hf_superoffload import SuperOffloadTrainer, SuperOffloadTrainingArguments
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("SUPEROFFLOAD_PEAK_TFLOPS", "0.5")  # the CPU has no table entry
+    ids = torch.randint(0, 105, (16, 32), generator=torch.Generator().manual_seed(0)).tolist()
+    args = SuperOffloadTrainingArguments(
+        output_dir=str(tmp_path / "out"), max_steps=4, per_device_train_batch_size=2,
+        logging_steps=1, report_to=["wandb"], use_cpu=True, save_strategy="no",
+        max_grad_norm=1e-3, disable_tqdm=True, superoffload_bucket_size=4096,
+    )  # fmt: skip
+    dataset = datasets.Dataset.from_dict({"input_ids": ids, "labels": ids})
+    SuperOffloadTrainer(model=build_tiny_llama(seed=0), args=args, train_dataset=dataset).train()
+    import wandb
+
+    wandb.finish()  # flushes the run file (a script's exit would do it)
+
+    (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    rows = [row for row in history(run_file) if "train/loss" in row]
+    assert len(rows) == 4
+    for row in rows:
+        assert row["train/tokens_per_second"] > 0
+        assert row["train/tflops"] > 0
+        assert row["train/mfu"] == pytest.approx(row["train/tflops"] / 0.5)
+        for key in (
+            "speculative_steps",
+            "rollbacks_clip",
+            "rollbacks_nonfinite",
+            "exposed_cpu_seconds",
+            "replay_seconds",
+        ):
+            assert f"train/stv/{key}" in row
+    # max_grad_norm 1e-3 clips every step: the first (speculated) step was replayed.
+    assert rows[-1]["train/stv/rollbacks_clip"] >= 1
+    assert rows[-1]["train/stv/rollbacks_nonfinite"] == 0
