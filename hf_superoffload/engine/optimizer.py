@@ -96,6 +96,13 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         # rollback accurate (undoing a 1000x larger unclipped g^2 would cancel v's bits).
         self._predicted_coef = 1.0
 
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if distributed and torch.distributed.get_world_size() > 1:
+            # Our gradient hooks would see each rank's local, un-reduced gradients.
+            raise RuntimeError(
+                "SuperOffloadOptimizer does not support data parallelism yet (world size "
+                f"{torch.distributed.get_world_size()}); train on one process."
+            )
         trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         if not trainable:
             raise ValueError("SuperOffloadOptimizer got no parameters that require grad.")

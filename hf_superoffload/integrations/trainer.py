@@ -148,6 +148,13 @@ def _check_supported(trainer) -> None:
             f"SuperOffload runs its own optimizer offload and cannot combine with {distributed}; "
             f"remove the DeepSpeed/FSDP config from accelerate (or use the plain Trainer with it)."
         )
+    if distributed != DistributedType.NO:
+        # The gradient hooks would see each rank's local, un-reduced gradients.
+        raise ValueError(
+            f"SuperOffload runs on one process for now, got {distributed} with "
+            f"{trainer.accelerator.num_processes} processes; launch one process per run "
+            f"(accelerate_configs/single_gpu.yaml) until multi-GPU data parallelism lands."
+        )
     if trainer.args.fp16:
         raise ValueError(
             "SuperOffload does not support fp16 with loss scaling (GradScaler): gradients leave "
