@@ -40,6 +40,10 @@ class SuperOffloadArgumentsMixin:
         default=None, metadata={"help": _help("cast")}
     )
 
+    def __post_init__(self):
+        super().__post_init__()
+        self.superoffload_plugin()  # a bad superoffload_* value fails here, not at train()
+
     def superoffload_plugin(self) -> SuperOffloadPlugin:
         prefix = "superoffload_"
         return SuperOffloadPlugin(

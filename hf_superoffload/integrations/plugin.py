@@ -74,14 +74,15 @@ class SuperOffloadPlugin:
             raise ValueError(
                 f"gpu_buckets must be a non-negative int or 'auto', got {self.gpu_buckets!r}."
             )
-        self.bucket_size = _int(
-            "bucket_size", self.bucket_size or _env("BUCKET_SIZE", 1 << 25), minimum=1
-        )
+        if self.bucket_size is None:
+            self.bucket_size = _env("BUCKET_SIZE", 1 << 25)
+        self.bucket_size = _int("bucket_size", self.bucket_size, minimum=1)
         threads = self.cpu_threads if self.cpu_threads is not None else _env("CPU_THREADS", None)
         self.cpu_threads = None if threads is None else _int("cpu_threads", threads, minimum=1)
         self.speculate = _bool("speculate", self.speculate, True)
         self.speculate_after_clip = _bool("speculate_after_clip", self.speculate_after_clip, False)
-        self.cast = self.cast or _env("CAST", "auto")
+        if self.cast is None:
+            self.cast = _env("CAST", "auto")
         if self.cast not in _CASTS:
             raise ValueError(
                 f"cast must be one of {_CASTS}, got {self.cast!r} (env {ENV_PREFIX}CAST)."
@@ -114,7 +115,10 @@ def _int(name: str, value: Any, minimum: int) -> int:
             f"{name} must be an int, got {value!r} (env {ENV_PREFIX}{name.upper()})."
         ) from None
     if isinstance(value, bool) or number < minimum or str(number) != str(value).strip():
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}.")
+        raise ValueError(
+            f"{name} must be an int >= {minimum}, got {value!r} "
+            f"(argument or env {ENV_PREFIX}{name.upper()})."
+        )
     return number
 
 
