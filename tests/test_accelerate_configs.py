@@ -28,12 +28,16 @@ def test_config_loads_and_starts_with_its_command(path):
     )
 
 
-def test_single_gpu_config_launches_the_example(tmp_path):
-    # With no GPU visible accelerate runs the one process on the CPU.
+SINGLE_PROCESS = [p for p in CONFIGS if load_config_from_file(str(p)).num_processes == 1]
+
+
+@pytest.mark.parametrize("path", SINGLE_PROCESS, ids=lambda p: p.name)
+def test_single_process_config_launches_the_example(tmp_path, path):
+    # With no GPU visible accelerate runs the one process on the CPU (CPU affinity is a no-op).
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch",
-        "--config_file", str(REPO / "accelerate_configs" / "single_gpu.yaml"),
+        "--config_file", str(path),
         str(REPO / "examples" / "sft.py"),
         "--max-steps", "10", "--output-dir", str(tmp_path / "out"),
     ]  # fmt: skip
