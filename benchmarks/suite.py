@@ -1,0 +1,137 @@
+# Run (on the device machine: source scripts/device_env.sh first):
+#   python benchmarks/suite.py --hidden 3072 --layers 28 --seq 4096 --out-dir results
+"""Runs several systems on one model point, each in its own process (so one's memory cannot
+help or hurt another), and compares them measured in the same run.
+
+Writes ``<out-dir>/suite.csv`` (one row a system, appended; GPU, versions, date and the full
+config), ``<out-dir>/suite_<point>.png`` (tokens/s per system) and prints a table of ratios
+against no-offload and against each peer. A system that fails (out of memory, say) gets a row
+with its status and the last line of its error, not a number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ALL = [
+    "no_offload",
+    "superoffload",
+    "deepspeed_zero_offload",
+    "deepspeed_superoffload",
+    "torchao_offload",
+]
+MODEL_FLAGS = ("hidden", "layers", "inter", "vocab", "seq", "batch", "steps", "warmup", "clip")
+COLUMNS = [
+    "date", "gpu", "torch", "transformers", "system", "status", "params_b", "hidden", "layers",
+    "seq", "batch", "clip", "s_per_step", "tokens_per_s", "tflops", "mfu", "peak_gpu_gib",
+    "peak_host_rss_gib", "error", "stats", "config",
+]  # fmt: skip
+
+
+def run_system(system: str, args: argparse.Namespace) -> dict:
+    cmd = [sys.executable, str(HERE / "train_step.py"), "--system", system]
+    for flag in MODEL_FLAGS:
+        cmd += [f"--{flag}", str(getattr(args, flag))]
+    if system == "superoffload":
+        cmd += ["--gpu-buckets", args.gpu_buckets]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    rows = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    if result.returncode == 0 and rows:
+        return {**json.loads(rows[-1]), "status": "ok"}
+    tail = (result.stderr or result.stdout).strip().splitlines()
+    error = tail[-1] if tail else f"exit code {result.returncode}"
+    status = "out of memory" if "OutOfMemoryError" in result.stderr else "failed"
+    return {"system": system, "status": status, "error": error[:300]}
+
+
+def ratio_table(rows: list[dict]) -> str:
+    ok = {r["system"]: r["s_per_step"] for r in rows if r["status"] == "ok"}
+    lines = [f"{'system':<24} {'s/step':>8} {'GiB':>7}  speed-up of superoffload over it"]
+    ours = ok.get("superoffload")
+    for row in rows:
+        if row["status"] != "ok":
+            lines.append(f"{row['system']:<24} {row['status']}: {row.get('error', '')[:60]}")
+            continue
+        speedup = f"{row['s_per_step'] / ours:.2f}x" if ours else "n/a"
+        lines.append(
+            f"{row['system']:<24} {row['s_per_step']:>8.3f} {row['peak_gpu_gib']:>7.1f}  {speedup}"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r["status"] == "ok"]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.bar([r["system"] for r in ok], [r["tokens_per_s"] for r in ok], color="#4C72B0")
+    for i, r in enumerate(ok):
+        ax.text(i, r["tokens_per_s"], f"{r['s_per_step']:.2f} s\n{r['peak_gpu_gib']:.0f} GiB",
+                ha="center", va="bottom", fontsize=8)  # fmt: skip
+    ax.set_ylabel("tokens / s")
+    ax.set_title(title, fontsize=9)
+    ax.tick_params(axis="x", labelrotation=20, labelsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--systems", default=",".join(ALL))
+    parser.add_argument("--hidden", type=int, default=3072)
+    parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--inter", type=int, default=0)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=14)
+    parser.add_argument("--clip", type=float, default=1.0)
+    parser.add_argument("--gpu-buckets", default="auto")
+    parser.add_argument("--timeout", type=int, default=900, help="seconds per system")
+    parser.add_argument("--out-dir", type=Path, default=Path("results"))
+    args = parser.parse_args()
+
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    config = {flag: getattr(args, flag) for flag in MODEL_FLAGS}
+    rows = []
+    for system in args.systems.split(","):
+        row = run_system(system, args)
+        row["config"] = json.dumps({**config, "system": system})
+        rows.append(row)
+        print(json.dumps({k: row.get(k) for k in ("system", "status", "s_per_step", "error")}))
+    first_ok = next((r for r in rows if r["status"] == "ok"), {})
+    for row in rows:  # failed rows still say where and when
+        for key in ("date", "gpu", "torch", "transformers"):
+            row.setdefault(key, first_ok.get(key))
+        row.setdefault("clip", args.clip)
+
+    csv_path = args.out_dir / "suite.csv"
+    new = not csv_path.exists()
+    with open(csv_path, "a", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=COLUMNS, extrasaction="ignore")
+        if new:
+            writer.writeheader()
+        for row in rows:
+            writer.writerow({**row, "stats": json.dumps(row.get("stats"))})
+    point = f"h{args.hidden}-l{args.layers}-s{args.seq}-b{args.batch}-clip{args.clip:g}"
+    title = f"{first_ok.get('gpu', '?')}, {first_ok.get('params_b', '?')}B params, {point}"
+    plot(rows, args.out_dir / f"suite_{point}.png", title)
+    print(title)
+    print(ratio_table(rows))
+    os.sync()
+
+
+if __name__ == "__main__":
+    main()
