@@ -87,3 +87,24 @@ def test_wandb_offline_run_records_throughput_mfu_and_rollbacks(tmp_path, monkey
     # max_grad_norm 1e-3 clips every step: the first (speculated) step was replayed.
     assert rows[-1]["train/stv/rollbacks_clip"] >= 1
     assert rows[-1]["train/stv/rollbacks_nonfinite"] == 0
+
+
+@pytest.mark.parametrize(("max_grad_norm", "clips"), [(1e-3, True), (1e6, False)])
+def test_logged_clip_rollbacks_follow_the_threshold(tmp_path, max_grad_norm, clips):
+    import datasets
+
+    from hf_superoffload import SuperOffloadTrainer, SuperOffloadTrainingArguments
+
+    ids = torch.randint(0, 105, (16, 32), generator=torch.Generator().manual_seed(1)).tolist()
+    args = SuperOffloadTrainingArguments(
+        output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2, logging_steps=1,
+        report_to=[], use_cpu=True, save_strategy="no", max_grad_norm=max_grad_norm,
+        disable_tqdm=True, superoffload_bucket_size=4096,
+    )  # fmt: skip
+    dataset = datasets.Dataset.from_dict({"input_ids": ids, "labels": ids})
+    trainer = SuperOffloadTrainer(model=build_tiny_llama(seed=0), args=args, train_dataset=dataset)
+    trainer.train()
+    logged = [row["stv/rollbacks_clip"] for row in trainer.state.log_history if "loss" in row]
+    assert len(logged) == 4
+    assert (logged[-1] > 0) == clips
+    assert logged == sorted(logged)  # a cumulative counter
