@@ -27,7 +27,7 @@ ALL = [
     "deepspeed_superoffload",
     "torchao_offload",
 ]
-MODEL_FLAGS = ("hidden", "layers", "inter", "vocab", "seq", "batch", "steps", "warmup", "clip")
+MODEL_FLAGS = ("hidden", "layers", "inter", "vocab", "seq", "batch", "steps", "clip")
 COLUMNS = [
     "date", "gpu", "torch", "transformers", "system", "status", "params_b", "hidden", "layers",
     "seq", "batch", "clip", "s_per_step", "tokens_per_s", "tflops", "mfu", "peak_gpu_gib",
@@ -40,7 +40,9 @@ def run_system(system: str, args: argparse.Namespace) -> dict:
     for flag in MODEL_FLAGS:
         cmd += [f"--{flag}", str(getattr(args, flag))]
     if system == "superoffload":
-        cmd += ["--gpu-buckets", args.gpu_buckets]
+        cmd += ["--gpu-buckets", args.gpu_buckets, "--warmup", str(args.superoffload_warmup)]
+    else:
+        cmd += ["--warmup", str(args.warmup)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     rows = [line for line in result.stdout.splitlines() if line.startswith("{")]
     if result.returncode == 0 and rows:
@@ -96,7 +98,11 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--warmup", type=int, default=14)
+    parser.add_argument("--warmup", type=int, default=3, help="warm-up steps of the peers")
+    parser.add_argument(
+        "--superoffload-warmup", type=int, default=14,
+        help="superoffload's: gpu_buckets='auto' tunes itself over the first ~10 steps",
+    )  # fmt: skip
     parser.add_argument("--clip", type=float, default=1.0)
     parser.add_argument("--gpu-buckets", default="auto")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per system")
@@ -104,7 +110,7 @@ def main() -> None:
     args = parser.parse_args()
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    config = {flag: getattr(args, flag) for flag in MODEL_FLAGS}
+    config = {flag: getattr(args, flag) for flag in (*MODEL_FLAGS, "warmup", "superoffload_warmup")}
     rows = []
     for system in args.systems.split(","):
         row = run_system(system, args)
