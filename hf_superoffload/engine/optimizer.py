@@ -22,8 +22,6 @@ within the rollback's rounding for buckets speculated before the bad one arrived
 from __future__ import annotations
 
 import logging
-import math
-import os
 import time
 import weakref
 from collections.abc import Iterable
@@ -34,6 +32,9 @@ from .. import ops
 from .bucket import Bucket
 from .buckets import plan_buckets
 from .cast_policy import choose_cast_plan
+from .checks import check_group, common_device_and_dtype, default_cpu_threads
+from .device_tail import DeviceTail
+from .host_steps import HostSteps, SpeculationRound
 from .link import Link
 from .placement import (
     DEVICE_BYTES_PER_ELEMENT,
@@ -47,7 +48,6 @@ from .worker import Worker
 logger = logging.getLogger("hf_superoffload")
 
 DEFAULT_BUCKET_SIZE = 1 << 25  # 33.5M elements: ~7 ms of CPU Adam on 16 cores
-_HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
 
 
 class SuperOffloadOptimizer(torch.optim.Optimizer):
@@ -80,7 +80,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
                 f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}."
             )
         for group in self.param_groups:
-            _check_group(group)
+            check_group(group)
         self.max_grad_norm = max_grad_norm or None
         self.speculate = speculate
         # After a clipped step the next one likely clips too, and a replay costs a full extra
@@ -106,9 +106,9 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         if not trainable:
             raise ValueError("SuperOffloadOptimizer got no parameters that require grad.")
-        device, dtype = _common_device_and_dtype(trainable)
+        device, dtype = common_device_and_dtype(trainable)
         if cpu_threads is None:
-            cpu_threads = _default_cpu_threads(device)
+            cpu_threads = default_cpu_threads(device)
         ops.set_num_threads(cpu_threads)
 
         self._link = Link(device)
@@ -127,13 +127,13 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         self._sq_norms = torch.zeros(len(self._buckets), device=device)
         # The worker reads each bucket's squared norm before speculating on it.
         self._host_sq_norms = self._link.host_empty(len(self._buckets), torch.float32)
-        self._round = _SpeculationRound()
-        self._device_adamw: torch.optim.AdamW | None = None
+        self._round = SpeculationRound()
+        self._host = HostSteps(self._link, self.stats_counters, self._host_sq_norms)
+        self._tail = DeviceTail()
         for bucket in self._buckets:
             if bucket.on_device:
-                self._register_device_bucket(bucket)
+                self._tail.register(bucket)
         self._tuner = TailTuner() if gpu_buckets == "auto" else None
-        self._cpu_elements_stepped = 0  # kernel throughput for the tuner (worker thread only)
         self._worker = Worker()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in trainable]
         if model is not None:
@@ -197,12 +197,13 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             if not bucket.on_device:
                 self._settle_host_bucket(bucket, result.verdict, result.clip_coef)
         if result.verdict is not Verdict.SKIP:
-            self._step_device_buckets(result.clip_coef)
+            tail = [b for b in self._buckets if b.on_device]
+            self._tail.step(tail, [self._hyper(b, b.step + 1) for b in tail], result.clip_coef)
         for bucket in self._buckets:
             bucket.reset_for_next_step()
         self._micro = dict.fromkeys(self._micro, 0)
         self._sq_norms.zero_()
-        self._round = _SpeculationRound()
+        self._round = SpeculationRound()
         if not self._waits_in_forward:
             self.synchronize()
         if self._tuner is not None:
@@ -273,7 +274,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         for bucket in self._buckets:
             bucket.flat_param.copy_(bucket.master)
             if bucket.on_device:
-                self._device_adamw.state[bucket.master]["step"] = self._step_tensor(bucket)
+                self._tail.set_step(bucket)
 
     def close(self) -> None:
         """Stop the worker and remove the hooks; idempotent."""
@@ -350,7 +351,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             bucket.speculated_with, bucket.speculated_scale = hyper, scale
             event, round_ = bucket.d2h_event, self._round
             self._worker.submit(
-                [bucket.index], lambda: self._speculate(bucket, hyper, scale, event, round_)
+                [bucket.index], lambda: self._host.speculate(bucket, hyper, scale, event, round_)
             )
 
     @property
@@ -385,87 +386,6 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             "weight_decay": float(group["weight_decay"]),
         }
 
-    def _speculate(self, bucket: Bucket, hyper: dict, scale: float, d2h_event, round_) -> None:
-        """Step a bucket before validation, unless this step's gradients already showed a
-        non-finite value: then it (and every later bucket) stays untouched, so the skip
-        that validation will decide needs no rollback and leaves the state bit-exact."""
-        self._link.host_waits_for(d2h_event)  # gradients and their norm are on the host
-        if round_.poisoned or not math.isfinite(float(self._host_sq_norms[bucket.index])):
-            round_.poisoned = True
-            bucket.speculation_applied = False
-            return
-        bucket.speculation_applied = True
-        self._host_step(bucket, hyper, scale, None)
-
-    def _host_step(self, bucket: Bucket, hyper: dict, scale: float, d2h_event) -> None:
-        self._link.host_waits_for(d2h_event)  # the gradients are on the host
-        self._link.host_waits_for(bucket.last_h2d)  # param_low is free again
-        start = time.perf_counter()
-        ops.adam_step(
-            bucket.master,
-            bucket.host_grad,
-            bucket.exp_avg,
-            bucket.exp_avg_sq,
-            **hyper,
-            grad_scale=scale,
-            out_lowp=bucket.param_low,
-        )
-        self.stats_counters.cpu_step_seconds += time.perf_counter() - start
-        self._cpu_elements_stepped += bucket.plan.numel
-        self._send_params(bucket)
-
-    def _host_replay(self, bucket: Bucket, hyper: dict, old: float, new: float) -> None:
-        self._link.host_waits_for(bucket.last_h2d)
-        start = time.perf_counter()
-        ops.adam_replay(
-            bucket.master,
-            bucket.host_grad,
-            bucket.exp_avg,
-            bucket.exp_avg_sq,
-            **hyper,
-            old_grad_scale=old,
-            new_grad_scale=new,
-            out_lowp=bucket.param_low,
-        )
-        self.stats_counters.replay_seconds += time.perf_counter() - start
-        self._send_params(bucket)
-
-    def _host_rollback(self, bucket: Bucket, hyper: dict, scale: float) -> None:
-        if not bucket.speculation_applied:
-            return  # the speculative step saw poisoned gradients and did nothing
-        self._link.host_waits_for(bucket.last_h2d)
-        start = time.perf_counter()
-        ops.adam_rollback(
-            bucket.master,
-            bucket.host_grad,
-            bucket.exp_avg,
-            bucket.exp_avg_sq,
-            **hyper,
-            grad_scale=scale,
-        )
-        if bucket.param_low is not None:
-            bucket.param_low.copy_(bucket.master)
-        self.stats_counters.replay_seconds += time.perf_counter() - start
-        self._send_params(bucket)
-
-    def _send_params(self, bucket: Bucket) -> None:
-        """Return the bucket's updated params to the model (runs on the worker thread)."""
-        source = bucket.param_low if bucket.param_low is not None else bucket.master
-        with self._link.h2d():
-            if self._link.is_cuda and source.dtype != bucket.flat_param.dtype:
-                # NOTE: a dtype-converting host->device copy_ casts on the CPU into a pageable
-                # temporary; move the pinned fp32 master as it is and cast on the device.
-                staged = torch.empty(source.numel(), dtype=source.dtype, device=self._link.device)
-                staged.copy_(source, non_blocking=True)
-                bucket.flat_param.copy_(staged)
-            else:
-                bucket.flat_param.copy_(source, non_blocking=self._link.is_cuda)
-            # One event, two readers: the next forward consumes h2d_event; the worker keeps
-            # last_h2d to know when param_low may be overwritten.
-            bucket.h2d_event = bucket.last_h2d = self._link.record()
-        if self._link.is_cuda:
-            self.stats_counters.bytes_h2d += source.numel() * source.element_size()
-
     def _settle_host_bucket(self, bucket: Bucket, verdict: Verdict, coef: float) -> None:
         """Turn the speculated step into the validated one (or run the step if not speculated)."""
         spec = bucket.speculated_with
@@ -473,68 +393,28 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             if verdict is not Verdict.SKIP:
                 hyper, event = self._hyper(bucket, bucket.step + 1), bucket.d2h_event
                 self._worker.submit(
-                    [bucket.index], lambda: self._host_step(bucket, hyper, coef, event)
+                    [bucket.index], lambda: self._host.step(bucket, hyper, coef, event)
                 )
                 bucket.step += 1
             return
         scale = bucket.speculated_scale
         current = self._hyper(bucket, spec["step"])
         if verdict is Verdict.SKIP:
-            self._worker.submit([bucket.index], lambda: self._host_rollback(bucket, spec, scale))
+            self._worker.submit([bucket.index], lambda: self._host.rollback(bucket, spec, scale))
             return
         if current != spec:  # lr/betas changed between backward and step(): redo with the new
             self.stats_counters.rollbacks_hparams += 1
-            self._worker.submit([bucket.index], lambda: self._host_rollback(bucket, spec, scale))
+            self._worker.submit([bucket.index], lambda: self._host.rollback(bucket, spec, scale))
             self._worker.submit(
-                [bucket.index], lambda: self._host_step(bucket, current, coef, None)
+                [bucket.index], lambda: self._host.step(bucket, current, coef, None)
             )
         elif scale != coef:
             self._worker.submit(
-                [bucket.index], lambda: self._host_replay(bucket, spec, scale, coef)
+                [bucket.index], lambda: self._host.replay(bucket, spec, scale, coef)
             )
         bucket.step += 1
 
     # ------------------------------------------------------------------------ device tail
-
-    def _register_device_bucket(self, bucket: Bucket) -> None:
-        """Give a tail bucket its group in the device AdamW, whose state *is* the bucket's
-        moments (so state_dict, load and migration need no copies)."""
-        group = {"params": [bucket.master]}
-        if self._device_adamw is None:
-            # NOTE: not fused=True: torch's fused CUDA kernel forms 1 - beta2 in fp32
-            # (9.99987e-4 for 0.999), 1.3e-5 off the double-precision value that torch's
-            # default AdamW and the CPU kernel use; tail and host buckets must agree.
-            self._device_adamw = torch.optim.AdamW([group], foreach=True)
-        else:
-            self._device_adamw.add_param_group(group)
-        bucket.device_group = self._device_adamw.param_groups[-1]
-        self._device_adamw.state[bucket.master] = {
-            "step": self._step_tensor(bucket),
-            "exp_avg": bucket.exp_avg,
-            "exp_avg_sq": bucket.exp_avg_sq,
-        }
-
-    def _step_tensor(self, bucket: Bucket) -> torch.Tensor:
-        return torch.tensor(float(bucket.step), dtype=torch.float32)  # CPU, as torch keeps it
-
-    def _step_device_buckets(self, coef: float) -> None:
-        tail = [b for b in self._buckets if b.on_device]
-        if not tail:
-            return
-        for bucket in tail:
-            hyper = self._hyper(bucket, bucket.step + 1)
-            bucket.device_group.update(
-                lr=hyper["lr"],
-                betas=(hyper["beta1"], hyper["beta2"]),
-                eps=hyper["eps"],
-                weight_decay=hyper["weight_decay"],
-            )
-            if coef != 1.0:
-                bucket.grad.mul_(coef)
-        self._device_adamw.step()
-        for bucket in tail:
-            bucket.step += 1
-            bucket.flat_param.copy_(bucket.master)
 
     def _tune_device_tail(self) -> None:
         """gpu_buckets='auto': move host buckets next to the tail onto the device while the
@@ -544,7 +424,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             time.perf_counter(),
             stats.exposed_cpu_seconds,
             stats.cpu_step_seconds,
-            self._cpu_elements_stepped,
+            self._host.elements_stepped,
             sum(b.plan.numel for b in self._buckets if not b.on_device),
         )
         if not want:
@@ -582,7 +462,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         self._worker.wait([b.index for b in buckets])  # their settled updates are done
         for bucket in buckets:
             bucket.move_to_device(self._link.device)
-            self._register_device_bucket(bucket)
+            self._tail.register(bucket)
 
     def _device_waits_for_d2h(self) -> None:
         if self._link.is_cuda:
@@ -633,55 +513,6 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps} before step(); "
                 f"set gradient_accumulation_steps to the number of backward calls per step()."
             )
-
-
-class _SpeculationRound:
-    """Per-step flag shared by that step's speculative tasks (all run on the worker)."""
-
-    def __init__(self):
-        self.poisoned = False
-
-
-def _check_group(group: dict) -> None:
-    unknown = set(group) - {"params", *_HYPER_KEYS, "initial_lr", "name"}
-    if unknown:
-        raise ValueError(
-            f"unknown param-group keys {sorted(unknown)}; SuperOffloadOptimizer groups take "
-            f"{list(_HYPER_KEYS)}."
-        )
-    beta1, beta2 = group["betas"]
-    if not (0 < beta1 < 1 and 0 < beta2 < 1):
-        raise ValueError(
-            f"betas must be in (0, 1) (a zero beta cannot be rolled back), got {group['betas']}."
-        )
-    if group["lr"] * group["weight_decay"] >= 1:
-        raise ValueError("lr * weight_decay must be < 1 for the step to be undoable.")
-
-
-def _common_device_and_dtype(params: list[torch.nn.Parameter]) -> tuple[torch.device, torch.dtype]:
-    device, dtype = params[0].device, params[0].dtype
-    for param in params:
-        if param.device != device:
-            raise ValueError(
-                f"all trainable params must be on one device; found {device} and {param.device}. "
-                f"Move the model with model.to(device) before building the optimizer."
-            )
-        if param.dtype != dtype:
-            raise ValueError(
-                f"all trainable params must share one dtype; found {dtype} and {param.dtype}. "
-                f"Cast the model (e.g. model.to(torch.bfloat16)) first."
-            )
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"params must be float32, bfloat16 or float16, got {dtype}.")
-    if device.type not in ("cuda", "cpu"):
-        raise ValueError(f"params must be on a CUDA device or the CPU, got {device}.")
-    return device, dtype
-
-
-def _default_cpu_threads(device: torch.device) -> int:
-    cores = len(os.sched_getaffinity(0))
-    # Leave one core to the training thread that feeds the GPU.
-    return max(1, cores - 1) if device.type == "cuda" else torch.get_num_threads()
 
 
 def _shutdown(worker: Worker, hooks: list) -> None:
