@@ -183,13 +183,12 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         if result.verdict is Verdict.SKIP:
             stats.rollbacks_nonfinite += 1
             logger.warning("hf_superoffload: non-finite gradient norm; step skipped")
-        elif speculated and any(
-            b.speculated_with is not None and b.speculated_scale != result.clip_coef
-            for b in self._buckets
-        ):
-            stats.rollbacks_clip += 1
-            self._predicted_coef = result.clip_coef
         else:
+            if any(
+                b.speculated_with is not None and b.speculated_scale != result.clip_coef
+                for b in self._buckets
+            ):
+                stats.rollbacks_clip += 1
             self._predicted_coef = result.clip_coef
 
         # Forward order (first layers first): the next forward needs those first.
@@ -222,12 +221,14 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
     def master_state(self, param: torch.nn.Parameter) -> dict:
         """Copies of the fp32 master, both moments and the step count of ``param``."""
         self.synchronize()
+        return self._param_state(param)
+
+    def _param_state(self, param: torch.nn.Parameter) -> dict:
         bucket, i = self._slot[id(param)]
-        master, exp_avg, exp_avg_sq = self._bucket_state(bucket)
         return {
-            "master": bucket.views(master, i).detach().cpu().clone(),
-            "exp_avg": bucket.views(exp_avg, i).cpu().clone(),
-            "exp_avg_sq": bucket.views(exp_avg_sq, i).cpu().clone(),
+            "master": bucket.views(bucket.master, i).detach().cpu().clone(),
+            "exp_avg": bucket.views(bucket.exp_avg, i).cpu().clone(),
+            "exp_avg_sq": bucket.views(bucket.exp_avg_sq, i).cpu().clone(),
             "step": bucket.step,
         }
 
@@ -238,7 +239,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             ids = []
             for param in group["params"]:
                 if id(param) in self._slot:
-                    state[index] = self.master_state(param)
+                    state[index] = self._param_state(param)  # synchronized above
                 ids.append(index)
                 index += 1
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
@@ -266,10 +267,9 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
                     f"state_dict entry {index} has shape {tuple(entry['master'].shape)}, "
                     f"param has {tuple(param.shape)}; load into the same model."
                 )
-            master, exp_avg, exp_avg_sq = self._bucket_state(bucket)
-            bucket.views(master, i).copy_(entry["master"])
-            bucket.views(exp_avg, i).copy_(entry["exp_avg"])
-            bucket.views(exp_avg_sq, i).copy_(entry["exp_avg_sq"])
+            bucket.views(bucket.master, i).copy_(entry["master"])
+            bucket.views(bucket.exp_avg, i).copy_(entry["exp_avg"])
+            bucket.views(bucket.exp_avg_sq, i).copy_(entry["exp_avg_sq"])
             bucket.step = int(entry["step"])
         for bucket in self._buckets:
             bucket.flat_param.copy_(bucket.master)
@@ -343,7 +343,8 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
                 self._link.keep_alive_on_d2h(staging)
                 self.stats_counters.bytes_d2h += staging.numel() * staging.element_size()
             bucket.d2h_event = self._link.record()
-        bucket.staging = None if not bucket.on_device else bucket.staging
+        if not bucket.on_device:
+            bucket.staging = None  # the next step allocates afresh; a tail keeps its fp32 grads
         bucket.launched = True
         if speculate and self._speculating and not bucket.on_device:
             hyper = self._hyper(bucket, bucket.step + 1)
@@ -467,9 +468,6 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
     def _device_waits_for_d2h(self) -> None:
         if self._link.is_cuda:
             torch.cuda.current_stream(self._link.device).wait_stream(self._link.d2h_stream)
-
-    def _bucket_state(self, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return bucket.master, bucket.exp_avg, bucket.exp_avg_sq
 
     # ------------------------------------------------------------------------ forward side
 
