@@ -4,9 +4,10 @@
 help or hurt another), and compares them measured in the same run.
 
 Writes ``<out-dir>/suite.csv`` (one row a system, appended; GPU, versions, date and the full
-config), ``<out-dir>/suite_<point>.png`` (tokens/s per system) and prints a table of ratios
-against no-offload and against each peer. A system that fails (out of memory, say) gets a row
-with its status and the last line of its error, not a number.
+config), ``<out-dir>/suite_<point>.png`` (tokens/s per system), ``<out-dir>/logs/<system>.log``
+(each process's output) and prints a table of ratios against no-offload and against each peer.
+A system that fails (out of memory, say) gets a row with its status and the last line of its
+error, not a number.
 """
 
 from __future__ import annotations
@@ -70,6 +71,9 @@ def run_system(system: str, args: argparse.Namespace) -> dict:
     except subprocess.TimeoutExpired:
         return {"system": system, "status": "timed out", "error": f"over {args.timeout} s"}
     wall = round(time.perf_counter() - start, 1)
+    logs = args.out_dir / "logs"
+    logs.mkdir(exist_ok=True)
+    (logs / f"{system}.log").write_text(result.stdout + result.stderr)  # e.g. auto's moves
     rows = [line for line in result.stdout.splitlines() if line.startswith("{")]
     if result.returncode == 0 and rows:
         return {**json.loads(rows[-1]), "status": "ok", "wall_s": wall}

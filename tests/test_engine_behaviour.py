@@ -70,6 +70,8 @@ def test_stats_keys_and_types():
         value = got.stats[key]
         assert isinstance(value, (int, float)) and math.isfinite(value) and value >= 0, (key, value)
     assert got.stats["cpu_step_seconds"] > 0  # every bucket stepped on the CPU
+    assert got.stats["device_buckets"] == got.stats["device_params"] == 0
+    assert got.stats["buckets"] > 0
 
 
 def test_stats_speculative_steps_without_clipping():
@@ -181,6 +183,8 @@ def test_save_load_continue_equals_uninterrupted(tmp_path, gpu_buckets):
     ops run on the same values)."""
     cfg = _some(BASE.replace(steps=20, two_groups=True, schedule="warmup_decay"))
     whole = run_superoffload(cfg, gpu_buckets=gpu_buckets)
+    assert whole.stats["device_buckets"] == gpu_buckets
+    assert (whole.stats["device_params"] > 0) == (gpu_buckets > 0)
     batches = make_batches(cfg)
 
     first = cfg.replace(steps=10)

@@ -60,10 +60,11 @@ def test_tuner_stops_once_the_gpu_no_longer_waits():
     assert not tuner.active
 
 
-def test_tuner_moves_at_most_a_quarter_of_the_host_params_at_once():
-    tuner = TailTuner(warmup_steps=1, tuning_steps=8, threshold=0.02)
+def test_tuner_moves_at_most_max_share_of_the_host_params_at_once():
+    tuner = TailTuner(warmup_steps=1, tuning_steps=8, threshold=0.02, max_share=0.25)
     # The GPU waited 0.4 s at 2M elements/s: 800k, capped at 250k of the 1M on the host.
     assert _feed(tuner, [(1.0, 0.4, 0.5)] * 2) == [0, 250_000]
+    assert TailTuner().max_share == 0.5
 
 
 def test_tuner_stops_after_its_window():
@@ -87,3 +88,21 @@ def test_tuner_ignores_the_step_right_after_a_move():
     tuner.moved()
     assert step(3.0, 0.0) == 0 and tuner.active  # the move's own step: a new baseline only
     assert step(1.0, 0.05) == 100_000  # measured again
+
+
+def test_tuner_window_counts_measured_steps_not_baselines():
+    tuner = TailTuner(warmup_steps=1, tuning_steps=2, threshold=0.02)
+    now = exposed = cpu = 0.0
+    elements = 0
+
+    def step(waited):
+        nonlocal now, exposed, cpu, elements
+        now, exposed, cpu, elements = now + 1.0, exposed + waited, cpu + 0.5, elements + 10**6
+        return tuner.elements_to_move(now, exposed, cpu, elements, 10**6)
+
+    assert step(0.1) == 0  # warm-up
+    assert step(0.1) == 200_000  # measurement 1
+    tuner.moved()
+    assert step(0.1) == 0 and tuner.active  # baseline after the move, not a measurement
+    assert step(0.1) == 200_000  # measurement 2
+    assert step(0.1) == 0 and not tuner.active  # window of 2 measurements over

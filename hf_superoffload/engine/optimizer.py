@@ -145,7 +145,15 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
 
     @property
     def stats(self) -> dict[str, float]:
-        return self.stats_counters.as_dict()
+        """The STV counters, plus where the buckets are now (``gpu_buckets="auto"`` moves
+        them): ``device_buckets`` of ``buckets``, ``device_params`` elements."""
+        on_device = [b for b in self._buckets if b.on_device]
+        return {
+            **self.stats_counters.as_dict(),
+            "buckets": len(self._buckets),
+            "device_buckets": len(on_device),
+            "device_params": sum(b.plan.numel for b in on_device),
+        }
 
     def set_accumulation_boundary(self, is_boundary: bool | None) -> None:
         """Say whether the coming backward ends an accumulation window (integrations know this

@@ -95,21 +95,23 @@ class TailTuner:
     and proposes how many more parameters to step on the device instead: the CPU work that was
     exposed, i.e. exposed seconds times the CPU Adam rate measured so far (elements over kernel
     seconds since the start, since one step's tasks straddle step boundaries), at most
-    ``max_share`` of the params still on the host per move. It watches a few steps after
-    warm-up and stops once a step waits less than ``threshold`` of its time."""
+    ``max_share`` of the params still on the host per move. It measures up to ``tuning_steps``
+    steps after warm-up (the step right after a move is a new baseline, not a measurement) and
+    stops once a step waits less than ``threshold`` of its time."""
 
     def __init__(
         self,
         warmup_steps: int = 2,
         tuning_steps: int = 8,
         threshold: float = 0.02,
-        max_share: float = 0.25,
+        max_share: float = 0.5,
     ):
         self.warmup_steps = warmup_steps
         self.max_share = max_share
         self.tuning_steps = tuning_steps
         self.threshold = threshold
         self.steps_seen = 0
+        self.measurements = 0
         self.active = True
         self.last_exposed = 0.0
         self._last: tuple[float, float] | None = None  # (time, exposed seconds)
@@ -128,8 +130,9 @@ class TailTuner:
         self.steps_seen += 1
         if not self.active or last is None or self.steps_seen <= self.warmup_steps:
             return 0
-        if self.steps_seen > self.warmup_steps + self.tuning_steps:
-            self.stop("tuning window over")
+        self.measurements += 1
+        if self.measurements > self.tuning_steps:
+            self.stop(f"{self.tuning_steps} steps measured")
             return 0
         wall, exposed = now - last[0], exposed_total - last[1]
         self.last_exposed = exposed
