@@ -16,6 +16,7 @@ import argparse
 import csv
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -77,9 +78,15 @@ def run_system(system: str, args: argparse.Namespace) -> dict:
     rows = [line for line in result.stdout.splitlines() if line.startswith("{")]
     if result.returncode == 0 and rows:
         return {**json.loads(rows[-1]), "status": "ok", "wall_s": wall}
-    tail = (result.stderr or result.stdout).strip().splitlines()
-    error = tail[-1] if tail else f"exit code {result.returncode}"
-    status = "out of memory" if "OutOfMemoryError" in result.stderr else "failed"
+    if result.returncode < 0:  # no traceback to read: say what ended it
+        signal_name = signal.Signals(-result.returncode).name
+        status = "killed"
+        error = f"{signal_name}" + (" (host out of memory?)" if signal_name == "SIGKILL" else "")
+    else:
+        tracebacks = result.stderr.split("Traceback (most recent call last):")
+        lines = tracebacks[-1].strip().splitlines() if len(tracebacks) > 1 else []
+        error = lines[-1] if lines else f"exit code {result.returncode}"
+        status = "out of memory" if "OutOfMemoryError" in result.stderr else "failed"
     return {"system": system, "status": status, "error": error[:300], "wall_s": wall}
 
 
