@@ -180,3 +180,29 @@ def test_bf16_training_follows_the_recipe(cast):
     opt, _, losses = _superoffload_bf16(1.0, steps=STEPS, cast=cast)
     opt.close()
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-3, atol=0)
+
+
+def test_host_buffers_are_page_locked_at_their_own_size_and_released():
+    from hf_superoffload.engine.host_memory import PAGE
+
+    model = _model(torch.bfloat16)
+    opt = SuperOffloadOptimizer(
+        model.parameters(), lr=LR, gpu_buckets=0, bucket_size=20_000, model=model, cast="cpu"
+    )
+    link, buckets = opt._link, opt._buckets
+    buffers = [b.master for b in buckets] + [b.host_grad for b in buckets]
+    buffers += [b.param_low for b in buckets if b.param_low is not None]
+    assert all(buffer.is_pinned() for buffer in buffers)
+    needed = sum(t.numel() * t.element_size() for t in buffers) + 4 * len(buckets)  # + norms
+    assert needed <= link.pinned_bytes < needed + (len(buffers) + 1) * PAGE
+    for batch in _batches()[:2]:  # transfers run through them
+        model(input_ids=batch, labels=batch).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    before = link.pinned_bytes
+    moved = buckets[-1]
+    released = sum(t.numel() * t.element_size() for t in (moved.master, moved.host_grad))
+    opt._move_buckets_to_device([moved])
+    assert before - link.pinned_bytes >= released
+    opt.close()
+    assert link.pinned_bytes == 0

@@ -45,7 +45,7 @@ class Bucket:
         self.grad: torch.Tensor | None = None  # fp32 device gradients of a tail bucket
         self.device_group: dict | None = None  # its param group in the device AdamW
         if on_device:
-            self.move_to_device(link.device)
+            self.move_to_device(link)
 
         self.step = 0  # committed updates
         self.reset_for_next_step()
@@ -53,15 +53,17 @@ class Bucket:
         self.last_h2d: torch.cuda.Event | None = None  # the worker's: param_low free again
         self.speculation_applied = False  # written and read on the worker thread only
 
-    def move_to_device(self, device: torch.device) -> None:
+    def move_to_device(self, link: Link) -> None:
         """Make this a tail bucket: master, moments and fp32 gradients on the device (16 B per
         element there), stepped by torch's AdamW; the host buffers are released."""
-        self.master = self.master.to(device)
-        self.exp_avg = self.exp_avg.to(device)
-        self.exp_avg_sq = self.exp_avg_sq.to(device)
+        host_buffers = (self.master, self.host_grad, self.param_low)
+        self.master = self.master.to(link.device)
+        self.exp_avg = self.exp_avg.to(link.device)
+        self.exp_avg_sq = self.exp_avg_sq.to(link.device)
         self.grad = torch.zeros_like(self.master)
         self.master.grad = self.grad
         self.host_grad = self.param_low = None
+        link.release(*host_buffers)
         self.on_device = True
 
     def reset_for_next_step(self) -> None:

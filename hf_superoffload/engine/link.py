@@ -1,7 +1,7 @@
 """The device <-> host link: CUDA side streams and events, or their CPU stand-ins.
 
 With a GPU, gradients leave on a D2H stream and params return on an H2D stream, into and from
-pinned host buffers. With no GPU the model lives on the CPU and every "transfer" is a
+page-locked host buffers (``host_memory``). With no GPU the model lives on the CPU and every "transfer" is a
 synchronous copy on the calling thread, so the same engine logic (and CI) runs unchanged.
 """
 
@@ -11,6 +11,8 @@ import contextlib
 
 import torch
 
+from .host_memory import PinnedBuffers
+
 
 class Link:
     def __init__(self, device: torch.device):
@@ -19,10 +21,32 @@ class Link:
         if self.is_cuda:
             self.d2h_stream = torch.cuda.Stream(device)
             self.h2d_stream = torch.cuda.Stream(device)
+        self._pinned = PinnedBuffers() if self.is_cuda else None
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A host buffer for transfers: pinned when a GPU is on the other side."""
-        return torch.empty(numel, dtype=dtype, pin_memory=self.is_cuda)
+        """A host buffer for transfers: page-locked when a GPU is on the other side."""
+        if self._pinned is None:
+            return torch.empty(numel, dtype=dtype)
+        return self._pinned.empty(numel, dtype)
+
+    def release(self, *buffers: torch.Tensor | None) -> None:
+        """Done with these ``host_empty`` buffers (None entries are skipped): unpin them once
+        no queued copy can still touch them."""
+        if self._pinned is None:
+            return
+        torch.cuda.synchronize(self.device)
+        for buffer in buffers:
+            self._pinned.release(buffer)
+
+    def close(self) -> None:
+        """Unpin every host buffer; the link is not used afterwards."""
+        if self._pinned is not None:
+            torch.cuda.synchronize(self.device)
+            self._pinned.release_all()
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self._pinned.nbytes if self._pinned is not None else 0
 
     def d2h(self):
         return torch.cuda.stream(self.d2h_stream) if self.is_cuda else contextlib.nullcontext()

@@ -139,7 +139,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         if model is not None:
             self._hooks += self._install_forward_waits(model)
         self._waits_in_forward = model is not None
-        self._finalizer = weakref.finalize(self, _shutdown, self._worker, self._hooks)
+        self._finalizer = weakref.finalize(self, _shutdown, self._worker, self._hooks, self._link)
 
     # ----------------------------------------------------------------------------- public API
 
@@ -470,7 +470,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         """Between steps: turn host buckets into tail buckets, state and all."""
         self._worker.wait([b.index for b in buckets])  # their settled updates are done
         for bucket in buckets:
-            bucket.move_to_device(self._link.device)
+            bucket.move_to_device(self._link)
             self._tail.register(bucket)
 
     def _device_waits_for_d2h(self) -> None:
@@ -521,8 +521,9 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             )
 
 
-def _shutdown(worker: Worker, hooks: list) -> None:
+def _shutdown(worker: Worker, hooks: list, link: Link) -> None:
     for handle in hooks:
         handle.remove()
     hooks.clear()
     worker.close()
+    link.close()  # after the worker: its last tasks may still use the host buffers
