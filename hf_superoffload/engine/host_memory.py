@@ -5,7 +5,9 @@ bucket of one 4096 x 11008 weight (45M elements) takes 256 MiB of fp32 master in
 At 5.1B params that was 50 GiB of pinned buffers where 38 were needed (95 GiB host RSS on the
 benchmark). Here each buffer is ordinary host memory, page-aligned and page-locked with
 ``cudaHostRegister`` for as long as the engine owns it, so transfers from and to it stay
-asynchronous DMA.
+asynchronous DMA: on an H100, 55 GB/s each way like torch's pinned blocks (pageable: 4.5 D2H,
+8.7 H2D), with the copy call returning at once. torch's ``Tensor.is_pinned()`` says False for
+these buffers, since it only recognises its own allocator's.
 """
 
 from __future__ import annotations
