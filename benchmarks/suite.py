@@ -78,16 +78,20 @@ def run_system(system: str, args: argparse.Namespace) -> dict:
     rows = [line for line in result.stdout.splitlines() if line.startswith("{")]
     if result.returncode == 0 and rows:
         return {**json.loads(rows[-1]), "status": "ok", "wall_s": wall}
-    if result.returncode < 0:  # no traceback to read: say what ended it
-        signal_name = signal.Signals(-result.returncode).name
-        status = "killed"
-        error = f"{signal_name}" + (" (host out of memory?)" if signal_name == "SIGKILL" else "")
-    else:
-        tracebacks = result.stderr.split("Traceback (most recent call last):")
-        lines = tracebacks[-1].strip().splitlines() if len(tracebacks) > 1 else []
-        error = lines[-1] if lines else f"exit code {result.returncode}"
-        status = "out of memory" if "OutOfMemoryError" in result.stderr else "failed"
+    status, error = classify_failure(result.returncode, result.stderr)
     return {"system": system, "status": status, "error": error[:300], "wall_s": wall}
+
+
+def classify_failure(returncode: int, stderr: str) -> tuple[str, str]:
+    """(status, error) of a system process that gave no result row."""
+    if returncode < 0:  # no traceback to read: say what ended it
+        signal_name = signal.Signals(-returncode).name
+        hint = " (host out of memory?)" if signal_name == "SIGKILL" else ""
+        return "killed", signal_name + hint
+    tracebacks = stderr.split("Traceback (most recent call last):")
+    lines = tracebacks[-1].strip().splitlines() if len(tracebacks) > 1 else []
+    error = lines[-1] if lines else f"exit code {returncode}"
+    return ("out of memory" if "OutOfMemoryError" in error else "failed"), error
 
 
 def ratio_table(rows: list[dict]) -> str:

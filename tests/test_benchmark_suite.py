@@ -1,0 +1,53 @@
+"""benchmarks/suite.py's bookkeeping (the timed runs themselves need a GPU): failure rows and the
+ratio table."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import suite
+
+
+def test_a_signal_names_itself_and_sigkill_hints_at_host_memory():
+    assert suite.classify_failure(-signal.SIGKILL, "") == (
+        "killed",
+        "SIGKILL (host out of memory?)",
+    )
+    assert suite.classify_failure(-signal.SIGSEGV, "noise") == ("killed", "SIGSEGV")
+
+
+def test_the_last_traceback_gives_the_error_and_cuda_oom_its_own_status():
+    stderr = (
+        "warning: something\n"
+        "Traceback (most recent call last):\n  File x\nValueError: first\n"
+        "During handling...\n"
+        "Traceback (most recent call last):\n  File y\n"
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.95 GiB.\n"
+    )
+    status, error = suite.classify_failure(1, stderr)
+    assert status == "out of memory"
+    assert error.startswith("torch.OutOfMemoryError: CUDA out of memory")
+    assert suite.classify_failure(1, "Traceback (most recent call last):\nKeyError: 'x'\n") == (
+        "failed",
+        "KeyError: 'x'",
+    )
+    # A warning after a clean exit is not mistaken for the error.
+    assert suite.classify_failure(3, "UserWarning: leaked semaphores\n") == (
+        "failed",
+        "exit code 3",
+    )
+
+
+def test_ratio_table_gives_superoffloads_speedup_over_each_system():
+    rows = [
+        {"system": "no_offload", "status": "ok", "s_per_step": 1.2, "peak_gpu_gib": 54.6},
+        {"system": "superoffload", "status": "ok", "s_per_step": 0.6, "peak_gpu_gib": 30.0},
+        {"system": "deepspeed_superoffload", "status": "killed", "error": "SIGKILL"},
+    ]
+    lines = suite.ratio_table(rows).splitlines()
+    assert lines[1].split() == ["no_offload", "1.200", "54.6", "2.00x"]
+    assert lines[2].split() == ["superoffload", "0.600", "30.0", "1.00x"]
+    assert lines[3].startswith("deepspeed_superoffload") and "killed: SIGKILL" in lines[3]
