@@ -3,23 +3,27 @@
 """Runs several systems on one model point, each in its own process (so one's memory cannot
 help or hurt another), and compares them measured in the same run.
 
-Writes ``<out-dir>/suite.csv`` (one row a system, appended; GPU, versions, date and the full
-config), ``<out-dir>/suite_<point>.png`` (tokens/s per system), ``<out-dir>/logs/<system>.log``
-(each process's output) and prints a table of ratios against no-offload and against each peer.
-A system that fails (out of memory, say) gets a row with its status and the last line of its
-error, not a number.
+Writes ``<out-dir>/suite.csv`` (one row a system, appended as each finishes; GPU, versions,
+date and the full config), ``<out-dir>/suite_<point>.png`` (tokens/s per system),
+``<out-dir>/logs/<point>/<system>.log`` (each process's output, and ``prebuild.log``) and
+prints a table of ratios against no-offload and against each peer. A system that fails (out
+of memory, killed, timed out, its extension failed to build) gets a row with its status and
+the last line of its error, not a number.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import datetime
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -47,18 +51,42 @@ PREBUILD = {
 }
 
 
-def prebuild(systems: list[str]) -> None:
+def prebuild(systems: list[str], log: Path) -> dict[str, str]:
     """Builds the systems' CPU extensions together, before any system is timed: the builds
     are minutes of compiler time that would otherwise run one after the other, and nothing
-    measured runs beside them."""
+    measured runs beside them. Returns {system: error} for the systems whose build failed."""
     codes = sorted({PREBUILD[s] for s in systems if s in PREBUILD})
-    procs = [subprocess.Popen([sys.executable, "-c", code]) for code in codes]
-    failed = [p.args[-1] for p in procs if p.wait() != 0]
-    if failed:
-        sys.exit(f"building a CPU extension failed: {failed}")
+    with open(log, "w") as out:
+        procs = {
+            code: subprocess.Popen([sys.executable, "-c", code], stdout=out, stderr=out)
+            for code in codes
+        }
+        failed = {code for code, proc in procs.items() if proc.wait() != 0}
+    return {
+        system: f"building its CPU extension failed (see {log})"
+        for system in systems
+        if PREBUILD.get(system) in failed
+    }
 
 
-def run_system(system: str, args: argparse.Namespace) -> dict:
+def environment() -> dict:
+    """Where and when, for rows of systems that failed before reporting it themselves (read
+    without initialising CUDA here: a context in this process would take GPU memory from the
+    systems)."""
+    gpus = []
+    if shutil.which("nvidia-smi"):
+        query = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
+        smi = subprocess.run(query, capture_output=True, text=True)
+        gpus = smi.stdout.strip().splitlines() if smi.returncode == 0 else []
+    return {
+        "date": datetime.date.today().isoformat(),
+        "gpu": gpus[0] if gpus else "no GPU (nvidia-smi found none)",
+        "torch": version("torch"),
+        "transformers": version("transformers"),
+    }
+
+
+def run_system(system: str, args: argparse.Namespace, logs: Path) -> dict:
     cmd = [sys.executable, str(HERE / "train_step.py"), "--system", system]
     for flag in MODEL_FLAGS:
         cmd += [f"--{flag}", str(getattr(args, flag))]
@@ -69,11 +97,16 @@ def run_system(system: str, args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     try:
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return {"system": system, "status": "timed out", "error": f"over {args.timeout} s"}
+    except subprocess.TimeoutExpired as timeout:
+        # What it printed so far (bytes: run() does not decode a partial output).
+        partial = [
+            o.decode() if isinstance(o, bytes) else o or ""
+            for o in (timeout.stdout, timeout.stderr)
+        ]
+        (logs / f"{system}.log").write_text("".join(partial))
+        return {"system": system, "status": "timed out", "error": f"over {args.timeout} s",
+                "wall_s": round(time.perf_counter() - start, 1)}  # fmt: skip
     wall = round(time.perf_counter() - start, 1)
-    logs = args.out_dir / "logs"
-    logs.mkdir(exist_ok=True)
     (logs / f"{system}.log").write_text(result.stdout + result.stderr)  # e.g. auto's moves
     rows = [line for line in result.stdout.splitlines() if line.startswith("{")]
     if result.returncode == 0 and rows:
@@ -85,13 +118,32 @@ def run_system(system: str, args: argparse.Namespace) -> dict:
 def classify_failure(returncode: int, stderr: str) -> tuple[str, str]:
     """(status, error) of a system process that gave no result row."""
     if returncode < 0:  # no traceback to read: say what ended it
-        signal_name = signal.Signals(-returncode).name
-        hint = " (host out of memory?)" if signal_name == "SIGKILL" else ""
-        return "killed", signal_name + hint
+        number = -returncode
+        name = signal.Signals(number).name if number in set(signal.Signals) else f"signal {number}"
+        hint = " (host out of memory?)" if name == "SIGKILL" else ""
+        return "killed", name + hint
     tracebacks = stderr.split("Traceback (most recent call last):")
     lines = tracebacks[-1].strip().splitlines() if len(tracebacks) > 1 else []
     error = lines[-1] if lines else f"exit code {returncode}"
-    return ("out of memory" if "OutOfMemoryError" in error else "failed"), error
+    return ("out of memory" if "OutOfMemoryError" in stderr else "failed"), error
+
+
+def append_rows(csv_path: Path, rows: list[dict]) -> None:
+    if csv_path.exists():
+        with open(csv_path, newline="") as handle:
+            header = next(csv.reader(handle), None)
+        if header != COLUMNS:
+            sys.exit(
+                f"{csv_path} has other columns (written by another version of suite.py); "
+                "pass a new --out-dir"
+            )
+    new = not csv_path.exists()
+    with open(csv_path, "a", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=COLUMNS, extrasaction="ignore")
+        if new:
+            writer.writeheader()
+        for row in rows:
+            writer.writerow({**row, "stats": json.dumps(row.get("stats"))})
 
 
 def ratio_table(rows: list[dict]) -> str:
@@ -141,49 +193,51 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=3, help="warm-up steps of the peers")
     parser.add_argument(
-        "--superoffload-warmup", type=int, default=14,
-        help="superoffload's: gpu_buckets='auto' tunes itself over the first ~10 steps",
+        "--superoffload-warmup", type=int, default=20,
+        help="superoffload's: gpu_buckets='auto' may place buckets for up to ~18 steps, and "
+        "train_step.py refuses to time while it still does",
     )  # fmt: skip
     parser.add_argument("--clip", type=float, default=1.0)
     parser.add_argument("--gpu-buckets", default="auto")
-    parser.add_argument("--timeout", type=int, default=900, help="seconds per system")
+    parser.add_argument(
+        "--timeout", type=int, default=540,
+        help="seconds per system (the device machine stops a call at 600 s)",
+    )  # fmt: skip
     parser.add_argument("--out-dir", type=Path, default=Path("results"))
     args = parser.parse_args()
 
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     config = {flag: getattr(args, flag) for flag in (*MODEL_FLAGS, "warmup", "superoffload_warmup")}
     systems = args.systems.split(",")
     unknown = sorted(set(systems) - set(ALL))
     if unknown:
         sys.exit(f"unknown --systems {unknown}; choose from {ALL}")
-    prebuild(systems)
+    point = f"h{args.hidden}-l{args.layers}-s{args.seq}-b{args.batch}-clip{args.clip:g}"
+    logs = args.out_dir / "logs" / point
+    logs.mkdir(parents=True, exist_ok=True)
+    csv_path = args.out_dir / "suite.csv"
+    append_rows(csv_path, [])  # a file of other columns stops the suite before any run
+    where = environment()
+    build_failures = prebuild(systems, logs / "prebuild.log")
     rows = []
     for system in systems:
-        row = run_system(system, args)
-        row["config"] = json.dumps({**config, "system": system})
+        if system in build_failures:
+            row = {"system": system, "status": "failed", "error": build_failures[system]}
+        else:
+            row = run_system(system, args, logs)
+        row = {
+            **where,
+            "clip": args.clip,
+            **row,
+            "config": json.dumps({**config, "system": system}),
+        }
+        append_rows(csv_path, [row])  # row by row: a later hang loses nothing before it
         rows.append(row)
-        print(
-            json.dumps(
-                {k: row.get(k) for k in ("system", "status", "s_per_step", "wall_s", "error")}
-            )
-        )
-    first_ok = next((r for r in rows if r["status"] == "ok"), {})
-    for row in rows:  # failed rows still say where and when
-        for key in ("date", "gpu", "torch", "transformers"):
-            row.setdefault(key, first_ok.get(key))
-        row.setdefault("clip", args.clip)
-
-    csv_path = args.out_dir / "suite.csv"
-    new = not csv_path.exists()
-    with open(csv_path, "a", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=COLUMNS, extrasaction="ignore")
-        if new:
-            writer.writeheader()
-        for row in rows:
-            writer.writerow({**row, "stats": json.dumps(row.get("stats"))})
-    point = f"h{args.hidden}-l{args.layers}-s{args.seq}-b{args.batch}-clip{args.clip:g}"
-    title = f"{first_ok.get('gpu', '?')}, {first_ok.get('params_b', '?')}B params, {point}"
-    plot(rows, args.out_dir / f"suite_{point}.png", title)
+        summary = {k: row.get(k) for k in ("system", "status", "s_per_step", "wall_s", "error")}
+        print(json.dumps(summary))
+    first_ok = next((r for r in rows if r["status"] == "ok"), None)
+    title = f"{where['gpu']}, {first_ok['params_b'] if first_ok else '?'}B params, {point}"
+    if first_ok:
+        plot(rows, args.out_dir / f"suite_{point}.png", title)
     print(title)
     print(ratio_table(rows))
     os.sync()

@@ -64,6 +64,10 @@ class SuperOffload:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
+    def still_tuning(self) -> bool:
+        """gpu_buckets='auto' may still move buckets (each move synchronizes everything)."""
+        return bool(self.optimizer.stats["tail_tuning"])
+
     def finish(self):
         self.optimizer.synchronize()
         stats = self.optimizer.stats

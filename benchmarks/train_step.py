@@ -16,6 +16,7 @@ import json
 import logging
 import resource
 import statistics
+import sys
 import time
 
 import torch
@@ -71,7 +72,13 @@ def main() -> None:
     n_params, n_matmul = count_params(config)
     batch = torch.randint(0, config.vocab_size, (args.batch, args.seq), device="cuda")
     times = []
-    for _ in range(args.warmup + args.steps):
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup and args.system == "superoffload" and system.still_tuning():
+            sys.exit(
+                f"gpu_buckets='auto' was still placing buckets after {args.warmup} warm-up "
+                "steps, so a move could land in a timed step: raise --warmup (suite.py: "
+                "--superoffload-warmup)."
+            )
         start = time.perf_counter()
         system.step(batch)
         torch.cuda.synchronize()

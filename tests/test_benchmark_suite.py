@@ -51,3 +51,31 @@ def test_ratio_table_gives_superoffloads_speedup_over_each_system():
     assert lines[1].split() == ["no_offload", "1.200", "54.6", "2.00x"]
     assert lines[2].split() == ["superoffload", "0.600", "30.0", "1.00x"]
     assert lines[3].startswith("deepspeed_superoffload") and "killed: SIGKILL" in lines[3]
+
+
+def test_suite_records_a_row_per_system_even_when_none_can_run(tmp_path):
+    """On this GPU-less machine train_step.py cannot run: the suite still writes a row a
+    system, in its columns, with the status and error, plus the logs and the table."""
+    import csv
+    import subprocess
+
+    out = tmp_path / "results"
+    small = ["--hidden", "64", "--layers", "1", "--seq", "16", "--batch", "1", "--steps", "1"]
+    cmd = [sys.executable, str(Path(suite.__file__)), "--systems", "no_offload,torchao_offload"]
+    done = subprocess.run(cmd + small + ["--out-dir", str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    with open(out / "suite.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [r["system"] for r in rows] == ["no_offload", "torchao_offload"]
+    assert all(r["status"] == "failed" and r["error"] and r["date"] for r in rows)
+    assert list(rows[0]) == suite.COLUMNS
+    logs = out / "logs" / "h64-l1-s16-b1-clip1"
+    assert (logs / "no_offload.log").read_text()  # the failing process's own output
+    assert "no_offload               failed:" in done.stdout
+    # A second point appends under the same header; a file of other columns is refused.
+    subprocess.run(cmd + small + ["--out-dir", str(out)], capture_output=True, check=True)
+    with open(out / "suite.csv", newline="") as handle:
+        assert len(list(csv.DictReader(handle))) == 4
+    (out / "suite.csv").write_text("date,gpu\n")
+    refused = subprocess.run(cmd + small + ["--out-dir", str(out)], capture_output=True, text=True)
+    assert refused.returncode != 0 and "other columns" in refused.stderr

@@ -71,6 +71,7 @@ def test_stats_keys_and_types():
         assert isinstance(value, (int, float)) and math.isfinite(value) and value >= 0, (key, value)
     assert got.stats["cpu_step_seconds"] > 0  # every bucket stepped on the CPU
     assert got.stats["device_buckets"] == got.stats["device_params"] == 0
+    assert got.stats["tail_tuning"] == 0  # a fixed gpu_buckets never tunes
     assert got.stats["buckets"] > 0
 
 

@@ -4,6 +4,8 @@ registration runs in tests/test_engine_gpu.py."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ from hf_superoffload.engine.host_memory import PAGE, PinnedBuffers
 class FakeCudart:
     def __init__(self):
         self.registered: dict[int, int] = {}  # ptr -> bytes
+        self.fail_unregister: set[int] = set()  # ptrs whose unregister reports an error
 
     def cudaHostRegister(self, ptr, size, flags):
         assert flags == 0 and ptr % PAGE == 0 and size % PAGE == 0
@@ -23,6 +26,8 @@ class FakeCudart:
         return 0
 
     def cudaHostUnregister(self, ptr):
+        if ptr in self.fail_unregister:
+            return 1
         del self.registered[ptr]
         return 0
 
@@ -66,3 +71,31 @@ def test_release_unpins_that_buffer_only_and_release_all_the_rest(cudart):
         buffers.release(torch.empty(10))
     buffers.release_all()
     assert cudart.registered == {} and buffers.nbytes == 0
+
+
+def test_empty_buffers_are_not_registered_and_release_ignores_them(cudart):
+    buffers = PinnedBuffers()
+    empty = buffers.empty(0, torch.float32)
+    assert empty.numel() == 0 and cudart.registered == {}
+    buffers.release(empty)
+    assert buffers.nbytes == 0
+
+
+def test_buffers_still_held_are_unpinned_when_their_owner_is_collected(cudart):
+    buffers = PinnedBuffers()
+    kept = [buffers.empty(100, torch.float32) for _ in range(3)]
+    assert len(cudart.registered) == 3
+    del buffers  # e.g. an optimizer whose construction failed half-way
+    gc.collect()
+    assert cudart.registered == {}
+    kept[0].fill_(1)  # the memory itself lives on with its last reference
+
+
+def test_one_failed_unregister_does_not_stop_the_others(cudart):
+    buffers = PinnedBuffers()
+    held = [buffers.empty(100, torch.float32) for _ in range(3)]
+    cudart.fail_unregister.add(held[1].data_ptr())
+    with pytest.raises(RuntimeError, match="CUDA error 1"):
+        buffers.release_all()
+    assert set(cudart.registered) == {held[1].data_ptr()}  # only the failed one
+    assert buffers.nbytes == 0  # and nothing is left to retry on a dead context

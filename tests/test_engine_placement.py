@@ -64,7 +64,8 @@ def test_tuner_moves_at_most_max_share_of_the_host_params_at_once():
     tuner = TailTuner(warmup_steps=1, tuning_steps=8, threshold=0.02, max_share=0.25)
     # The GPU waited 0.4 s at 2M elements/s: 800k, capped at 250k of the 1M on the host.
     assert _feed(tuner, [(1.0, 0.4, 0.5)] * 2) == [0, 250_000]
-    assert TailTuner().max_share == 0.5
+    default = TailTuner(warmup_steps=1)  # at most half by default: 500k of the 1M
+    assert _feed(default, [(1.0, 0.4, 0.5)] * 2) == [0, 500_000]
 
 
 def test_tuner_stops_after_its_window():
@@ -106,3 +107,20 @@ def test_tuner_window_counts_measured_steps_not_baselines():
     assert step(0.1) == 0 and tuner.active  # baseline after the move, not a measurement
     assert step(0.1) == 200_000  # measurement 2
     assert step(0.1) == 0 and not tuner.active  # window of 2 measurements over
+
+
+def test_headroom_counts_the_allocators_reserved_peak_and_a_margin(monkeypatch):
+    from hf_superoffload.engine import placement
+
+    gib = 2**30
+
+    class Props:
+        total_memory = 80 * gib
+
+    monkeypatch.setattr(placement.torch.cuda, "get_device_properties", lambda device: Props)
+    monkeypatch.setattr(placement.torch.cuda, "max_memory_allocated", lambda device: 60 * gib)
+    # Reserved includes blocks held but fragmented: they are not free for more state either.
+    monkeypatch.setattr(placement.torch.cuda, "max_memory_reserved", lambda device: 66 * gib)
+    headroom = placement.device_headroom_bytes(torch.device("cuda", 0))
+    assert headroom == 80 * gib - 66 * gib - 4 * gib  # margin: 5% of the card, at least 2 GiB
+    assert placement.device_headroom_bytes(torch.device("cpu")) == float("inf")

@@ -29,23 +29,26 @@ class Bucket:
             param.data = view.view_as(param)
 
         self.on_device = False
-        # Pinned master: with cast.params_on_device the H2D reads it directly.
-        self.master = link.host_empty(numel, torch.float32)
-        self.master.copy_(self.flat_param)
-        self.exp_avg = torch.zeros(numel)
-        self.exp_avg_sq = torch.zeros(numel)
-        # Gradients land here and the kernel reads them as they are: model dtype when they
-        # cross uncast (the kernel upcasts in its own pass), else fp32.
-        grad_dtype = (
-            self.lowp if self.lowp is not None and not cast.grads_on_device else torch.float32
-        )
-        self.host_grad = link.host_empty(numel, grad_dtype)
-        copy_out = self.lowp is not None and not cast.params_on_device
-        self.param_low = link.host_empty(numel, self.lowp) if copy_out else None
         self.grad: torch.Tensor | None = None  # fp32 device gradients of a tail bucket
         self.device_group: dict | None = None  # its param group in the device AdamW
-        if on_device:
-            self.move_to_device(link)
+        if on_device:  # a tail bucket from the start: no host buffers at all
+            master = torch.empty(numel, dtype=torch.float32, device=link.device)
+            master.copy_(self.flat_param)
+            self._hold_state_on_device(master, torch.zeros_like(master), torch.zeros_like(master))
+        else:
+            # Page-locked master: with cast.params_on_device the H2D reads it directly.
+            self.master = link.host_empty(numel, torch.float32)
+            self.master.copy_(self.flat_param)
+            self.exp_avg = torch.zeros(numel)
+            self.exp_avg_sq = torch.zeros(numel)
+            # Gradients land here and the kernel reads them as they are: model dtype when
+            # they cross uncast (the kernel upcasts in its own pass), else fp32.
+            grad_dtype = (
+                self.lowp if self.lowp is not None and not cast.grads_on_device else torch.float32
+            )
+            self.host_grad = link.host_empty(numel, grad_dtype)
+            copy_out = self.lowp is not None and not cast.params_on_device
+            self.param_low = link.host_empty(numel, self.lowp) if copy_out else None
 
         self.step = 0  # committed updates
         self.reset_for_next_step()
@@ -57,13 +60,18 @@ class Bucket:
         """Make this a tail bucket: master, moments and fp32 gradients on the device (16 B per
         element there), stepped by torch's AdamW; the host buffers are released."""
         host_buffers = (self.master, self.host_grad, self.param_low)
-        self.master = self.master.to(link.device)
-        self.exp_avg = self.exp_avg.to(link.device)
-        self.exp_avg_sq = self.exp_avg_sq.to(link.device)
-        self.grad = torch.zeros_like(self.master)
-        self.master.grad = self.grad
-        self.host_grad = self.param_low = None
+        self._hold_state_on_device(
+            self.master.to(link.device),
+            self.exp_avg.to(link.device),
+            self.exp_avg_sq.to(link.device),
+        )
         link.release(*host_buffers)
+
+    def _hold_state_on_device(self, master, exp_avg, exp_avg_sq) -> None:
+        self.master, self.exp_avg, self.exp_avg_sq = master, exp_avg, exp_avg_sq
+        self.grad = torch.zeros_like(master)
+        master.grad = self.grad
+        self.host_grad = self.param_low = None
         self.on_device = True
 
     def reset_for_next_step(self) -> None:

@@ -1,8 +1,9 @@
 """The device <-> host link: CUDA side streams and events, or their CPU stand-ins.
 
-With a GPU, gradients leave on a D2H stream and params return on an H2D stream, into and from
-page-locked host buffers (``host_memory``). With no GPU the model lives on the CPU and every "transfer" is a
-synchronous copy on the calling thread, so the same engine logic (and CI) runs unchanged.
+With a GPU, gradients leave on a D2H stream and params return on an H2D stream, into and
+from page-locked host buffers (``host_memory``). With no GPU the model lives on the CPU and
+every "transfer" is a synchronous copy on the calling thread, so the same engine logic (and
+CI) runs unchanged.
 """
 
 from __future__ import annotations
@@ -41,8 +42,10 @@ class Link:
     def close(self) -> None:
         """Unpin every host buffer; the link is not used afterwards."""
         if self._pinned is not None:
-            torch.cuda.synchronize(self.device)
-            self._pinned.release_all()
+            try:
+                torch.cuda.synchronize(self.device)
+            finally:  # unpin even after a CUDA error: pinned memory must not leak
+                self._pinned.release_all()
 
     @property
     def pinned_bytes(self) -> int:

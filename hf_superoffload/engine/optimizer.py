@@ -146,13 +146,15 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
     @property
     def stats(self) -> dict[str, float]:
         """The STV counters, plus where the buckets are now (``gpu_buckets="auto"`` moves
-        them): ``device_buckets`` of ``buckets``, ``device_params`` elements."""
+        them): ``device_buckets`` of ``buckets``, ``device_params`` elements, and
+        ``tail_tuning`` (1 while ``auto`` may still move buckets)."""
         on_device = [b for b in self._buckets if b.on_device]
         return {
             **self.stats_counters.as_dict(),
             "buckets": len(self._buckets),
             "device_buckets": len(on_device),
             "device_params": sum(b.plan.numel for b in on_device),
+            "tail_tuning": int(self._tuner is not None and self._tuner.active),
         }
 
     def set_accumulation_boundary(self, is_boundary: bool | None) -> None:

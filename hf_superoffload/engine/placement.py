@@ -90,8 +90,7 @@ def device_headroom_bytes(device: torch.device) -> float:
         return float("inf")  # CPU mode: the "device" is host memory
     total = torch.cuda.get_device_properties(device).total_memory
     margin = max(2 * 2**30, 0.05 * total)
-    peak = max(torch.cuda.max_memory_reserved(device), torch.cuda.max_memory_allocated(device))
-    return total - peak - margin
+    return total - torch.cuda.max_memory_reserved(device) - margin
 
 
 class TailTuner:
