@@ -86,12 +86,28 @@ def environment() -> dict:
     }
 
 
-def run_system(system: str, args: argparse.Namespace, logs: Path) -> dict:
+def runs(systems: list[str], gpu_buckets: list[str]) -> list[tuple[str, str, str | None]]:
+    """(row name, system, gpu_buckets) per process to run: superoffload once per
+    ``--gpu-buckets`` value, the first named plainly (the ratio table's reference), the others
+    after their value, e.g. ``superoffload_gpu_buckets_12``."""
+    out = []
+    for system in systems:
+        if system != "superoffload":
+            out.append((system, system, None))
+            continue
+        for i, value in enumerate(gpu_buckets):
+            out.append((system if i == 0 else f"{system}_gpu_buckets_{value}", system, value))
+    return out
+
+
+def run_system(
+    name: str, system: str, gpu_buckets: str | None, args: argparse.Namespace, logs: Path
+) -> dict:
     cmd = [sys.executable, str(HERE / "train_step.py"), "--system", system]
     for flag in MODEL_FLAGS:
         cmd += [f"--{flag}", str(getattr(args, flag))]
     if system == "superoffload":
-        cmd += ["--gpu-buckets", args.gpu_buckets, "--warmup", str(args.superoffload_warmup)]
+        cmd += ["--gpu-buckets", gpu_buckets, "--warmup", str(args.superoffload_warmup)]
     else:
         cmd += ["--warmup", str(args.warmup)]
     start = time.perf_counter()
@@ -103,16 +119,16 @@ def run_system(system: str, args: argparse.Namespace, logs: Path) -> dict:
             o.decode() if isinstance(o, bytes) else o or ""
             for o in (timeout.stdout, timeout.stderr)
         ]
-        (logs / f"{system}.log").write_text("".join(partial))
-        return {"system": system, "status": "timed out", "error": f"over {args.timeout} s",
+        (logs / f"{name}.log").write_text("".join(partial))
+        return {"system": name, "status": "timed out", "error": f"over {args.timeout} s",
                 "wall_s": round(time.perf_counter() - start, 1)}  # fmt: skip
     wall = round(time.perf_counter() - start, 1)
-    (logs / f"{system}.log").write_text(result.stdout + result.stderr)  # e.g. auto's moves
+    (logs / f"{name}.log").write_text(result.stdout + result.stderr)  # e.g. auto's moves
     rows = [line for line in result.stdout.splitlines() if line.startswith("{")]
     if result.returncode == 0 and rows:
-        return {**json.loads(rows[-1]), "status": "ok", "wall_s": wall}
+        return {**json.loads(rows[-1]), "system": name, "status": "ok", "wall_s": wall}
     status, error = classify_failure(result.returncode, result.stderr)
-    return {"system": system, "status": status, "error": error[:300], "wall_s": wall}
+    return {"system": name, "status": status, "error": error[:300], "wall_s": wall}
 
 
 def classify_failure(returncode: int, stderr: str) -> tuple[str, str]:
@@ -198,7 +214,11 @@ def main() -> None:
         "train_step.py refuses to time while it still does",
     )  # fmt: skip
     parser.add_argument("--clip", type=float, default=1.0)
-    parser.add_argument("--gpu-buckets", default="auto")
+    parser.add_argument(
+        "--gpu-buckets", default="auto",
+        help="superoffload's n': 'auto' or a count; a comma list runs one superoffload row each "
+        "(e.g. auto,12 adds a fixed small tail beside auto)",
+    )  # fmt: skip
     parser.add_argument(
         "--timeout", type=int, default=540,
         help="seconds per system (the device machine stops a call at 600 s)",
@@ -219,17 +239,15 @@ def main() -> None:
     where = environment()
     build_failures = prebuild(systems, logs / "prebuild.log")
     rows = []
-    for system in systems:
+    for name, system, gpu_buckets in runs(systems, args.gpu_buckets.split(",")):
         if system in build_failures:
-            row = {"system": system, "status": "failed", "error": build_failures[system]}
+            row = {"system": name, "status": "failed", "error": build_failures[system]}
         else:
-            row = run_system(system, args, logs)
-        row = {
-            **where,
-            "clip": args.clip,
-            **row,
-            "config": json.dumps({**config, "system": system}),
-        }
+            row = run_system(name, system, gpu_buckets, args, logs)
+        run_config = {**config, "system": system}
+        if gpu_buckets is not None:
+            run_config["gpu_buckets"] = gpu_buckets
+        row = {**where, "clip": args.clip, **row, "config": json.dumps(run_config)}
         append_rows(csv_path, [row])  # row by row: a later hang loses nothing before it
         rows.append(row)
         summary = {k: row.get(k) for k in ("system", "status", "s_per_step", "wall_s", "error")}

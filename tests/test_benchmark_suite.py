@@ -79,3 +79,19 @@ def test_suite_records_a_row_per_system_even_when_none_can_run(tmp_path):
     (out / "suite.csv").write_text("date,gpu\n")
     refused = subprocess.run(cmd + small + ["--out-dir", str(out)], capture_output=True, text=True)
     assert refused.returncode != 0 and "other columns" in refused.stderr
+
+
+def test_each_gpu_buckets_value_is_its_own_superoffload_row_and_auto_stays_the_reference():
+    plan = suite.runs(["no_offload", "superoffload", "torchao_offload"], ["auto", "12"])
+    assert plan == [
+        ("no_offload", "no_offload", None),
+        ("superoffload", "superoffload", "auto"),
+        ("superoffload_gpu_buckets_12", "superoffload", "12"),
+        ("torchao_offload", "torchao_offload", None),
+    ]
+    rows = [
+        {"system": "superoffload", "status": "ok", "s_per_step": 1.0, "peak_gpu_gib": 50.0},
+        {"system": "superoffload_gpu_buckets_12", "status": "ok", "s_per_step": 1.5,
+         "peak_gpu_gib": 20.0},
+    ]  # fmt: skip
+    assert suite.ratio_table(rows).splitlines()[2].split()[-1] == "1.50x"
