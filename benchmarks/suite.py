@@ -22,9 +22,12 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from importlib.metadata import version
 from pathlib import Path
+
+import psutil
 
 HERE = Path(__file__).resolve().parent
 ALL = [
@@ -38,7 +41,7 @@ MODEL_FLAGS = ("hidden", "layers", "inter", "vocab", "seq", "batch", "steps", "c
 COLUMNS = [
     "date", "gpu", "torch", "transformers", "system", "status", "params_b", "hidden", "layers",
     "seq", "batch", "clip", "s_per_step", "tokens_per_s", "tflops", "mfu", "peak_gpu_gib",
-    "peak_host_rss_gib", "wall_s", "error", "stats", "config",
+    "peak_host_rss_gib", "peak_host_used_gib", "wall_s", "error", "stats", "config",
 ]  # fmt: skip
 
 
@@ -100,6 +103,39 @@ def runs(systems: list[str], gpu_buckets: list[str]) -> list[tuple[str, str, str
     return out
 
 
+class HostMemoryPeak:
+    """The peak of the host's used memory (all processes: psutil's ``used``) above its level
+    when the block starts, sampled on a thread. Unlike the trainer's own RSS it counts a
+    system's helper processes and their shared memory (DeepSpeed's super_offload runs its CPU
+    optimizer in a second process)."""
+
+    def __init__(self, interval: float = 0.5):
+        self.interval = interval
+        self.peak_bytes = 0
+        self._stop = threading.Event()
+
+    def __enter__(self):
+        self._baseline = psutil.virtual_memory().used
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def _sample(self) -> None:
+        while True:
+            used = psutil.virtual_memory().used - self._baseline
+            self.peak_bytes = max(self.peak_bytes, used)
+            if self._stop.wait(self.interval):
+                return
+
+    @property
+    def peak_gib(self) -> float:
+        return round(self.peak_bytes / 2**30, 2)
+
+
 def run_system(
     name: str, system: str, gpu_buckets: str | None, args: argparse.Namespace, logs: Path
 ) -> dict:
@@ -112,7 +148,8 @@ def run_system(
         cmd += ["--warmup", str(args.warmup)]
     start = time.perf_counter()
     try:
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        with HostMemoryPeak() as host:
+            result = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired as timeout:
         # What it printed so far (bytes: run() does not decode a partial output).
         partial = [
@@ -126,7 +163,13 @@ def run_system(
     (logs / f"{name}.log").write_text(result.stdout + result.stderr)  # e.g. auto's moves
     rows = [line for line in result.stdout.splitlines() if line.startswith("{")]
     if result.returncode == 0 and rows:
-        return {**json.loads(rows[-1]), "system": name, "status": "ok", "wall_s": wall}
+        measured = {
+            "system": name,
+            "status": "ok",
+            "wall_s": wall,
+            "peak_host_used_gib": host.peak_gib,
+        }
+        return {**json.loads(rows[-1]), **measured}
     status, error = classify_failure(result.returncode, result.stderr)
     return {"system": name, "status": status, "error": error[:300], "wall_s": wall}
 

@@ -95,3 +95,16 @@ def test_each_gpu_buckets_value_is_its_own_superoffload_row_and_auto_stays_the_r
          "peak_gpu_gib": 20.0},
     ]  # fmt: skip
     assert suite.ratio_table(rows).splitlines()[2].split()[-1] == "1.50x"
+
+
+def test_host_memory_peak_sees_memory_used_inside_the_block():
+    import time
+
+    import torch
+
+    with suite.HostMemoryPeak(interval=0.02) as host:
+        block = torch.ones(256 * 2**20 // 4)  # 256 MiB, written so the pages are resident
+        time.sleep(0.3)
+        del block
+    assert host.peak_bytes >= 128 * 2**20  # other processes may free some meanwhile
+    assert host.peak_gib == round(host.peak_bytes / 2**30, 2)
