@@ -1,45 +1,115 @@
-"""Data parallelism is refused until supported: under DDP the engine's gradient hooks would
-see each rank's local, un-reduced gradients, a silent error."""
+"""Data parallelism by replicas, on CPU with gloo: two ranks, each on half of every batch, must
+follow one process on the whole batch (torch.optim.AdamW + clip_grad_norm_) tensor by tensor,
+and stay bit-identical to each other: the same averaged gradients, the same kernels, the same
+verdicts. Rank 1 starts from other random weights, so the first broadcast is tested too.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from engine_reference import (
+    RunConfig,
+    TrainResult,
+    assert_same_trajectory,
+    build_model,
+    clip_threshold,
+    collect_engine_result,
+    engine_do_step,
+    make_batches,
+    make_engine,
+    make_scheduler,
+    run_reference,
+    train_loop,
+)
 
-from hf_superoffload import SuperOffloadOptimizer
+WORLD = 2
 
 
-def _build_on_rank(rank: int, world: int, rendezvous: str, results) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+def _config(**changes) -> RunConfig:
+    cfg = RunConfig(steps=12).replace(**changes)
+    return cfg.replace(max_grad_norm=clip_threshold(cfg, "some"))  # clips on some steps
+
+
+def _train_on_rank(rank, rendezvous, cfg, options, inject_on_rank, out_dir) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD
+    )  # fmt: skip
     try:
-        SuperOffloadOptimizer([torch.nn.Parameter(torch.zeros(4))], gpu_buckets=0).close()
-        results.put((rank, "built"))
-    except RuntimeError as error:
-        results.put((rank, str(error)))
+        model = build_model(cfg.replace(model_seed=cfg.model_seed + rank))
+        share = cfg.batch_size // WORLD
+        batches = [b[rank * share : (rank + 1) * share] for b in make_batches(cfg)]
+        local = cfg if rank == inject_on_rank else cfg.replace(inject=())
+        with make_engine(model, cfg, **options) as opt:
+            scheduler = make_scheduler(cfg, opt)  # None without cfg.schedule
+            records = train_loop(
+                local, model, opt, batches, engine_do_step(opt), scheduler=scheduler
+            )
+            result = collect_engine_result(opt, model, records)
+        torch.save(dataclasses.asdict(result), out_dir / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def _outcomes(world: int, tmp_path) -> list[str]:
+def _run_ranks(tmp_path, cfg, options, inject_on_rank=None) -> list[dict]:
     context = mp.get_context("spawn")
-    results = context.Queue()
-    procs = [
-        context.Process(target=_build_on_rank, args=(r, world, str(tmp_path / "rdv"), results))
-        for r in range(world)
-    ]
+    args = (str(tmp_path / "rendezvous"), cfg, options, inject_on_rank, tmp_path)
+    procs = [context.Process(target=_train_on_rank, args=(r, *args)) for r in range(WORLD)]
     for proc in procs:
         proc.start()
-    outcomes = sorted(results.get(timeout=60) for _ in procs)
     for proc in procs:
-        proc.join(timeout=60)
-    return [message for _, message in outcomes]
+        proc.join(timeout=300)
+    assert [proc.exitcode for proc in procs] == [0] * WORLD, "a rank failed (see its stderr)"
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
-def test_two_ranks_are_refused_with_a_clear_error(tmp_path):
-    outcomes = _outcomes(2, tmp_path)
-    assert all("does not support data parallelism yet (world size 2)" in m for m in outcomes)
+def _assert_replicas_identical(results: list[dict]) -> None:
+    first = results[0]
+    for other in results[1:]:
+        for key in ("params", "master", "exp_avg", "exp_avg_sq"):
+            for name, tensor in first[key].items():
+                assert torch.equal(tensor, other[key][name]), f"ranks differ in {key}[{name}]"
+        norms = [torch.tensor(r["grad_norms"]) for r in (first, other)]
+        torch.testing.assert_close(*norms, rtol=0, atol=0, equal_nan=True)
+        assert first["skipped"] == other["skipped"]
 
 
-def test_a_world_of_one_is_plain_training(tmp_path):
-    assert _outcomes(1, tmp_path) == ["built"]
+def _as_one_process(results: list[dict]) -> TrainResult:
+    """Rank 0's result with the whole batch's loss (the mean of the ranks' equal halves)."""
+    got = dict(results[0])
+    per_rank = [r["losses"] for r in results]
+    got["losses"] = [sum(step) / WORLD for step in zip(*per_rank, strict=True)]
+    return TrainResult(**got)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"gpu_buckets": 0}, {"gpu_buckets": 2}, {"gpu_buckets": "auto"}],
+    ids=lambda o: f"gpu_buckets={o['gpu_buckets']}",
+)
+def test_two_ranks_on_half_batches_follow_one_process_on_the_whole(tmp_path, options):
+    cfg = _config()
+    results = _run_ranks(tmp_path, cfg, options)
+    _assert_replicas_identical(results)
+    assert_same_trajectory(_as_one_process(results), run_reference(cfg))
+    assert results[0]["stats"]["rollbacks_clip"] + results[0]["stats"]["speculative_steps"] > 0
+
+
+def test_a_nan_on_one_rank_skips_the_step_on_every_rank(tmp_path):
+    cfg = _config(inject=((5, "lm_head.weight", "nan"),))
+    results = _run_ranks(tmp_path, cfg, {"gpu_buckets": 2}, inject_on_rank=1)
+    _assert_replicas_identical(results)
+    assert results[0]["skipped"][5] and sum(results[0]["skipped"]) == 1
+    assert_same_trajectory(_as_one_process(results), run_reference(cfg))
+
+
+def test_accumulation_and_param_groups_with_a_schedule(tmp_path):
+    cfg = _config(accum=2, two_groups=True, schedule="warmup_decay")
+    results = _run_ranks(tmp_path, cfg, {"gpu_buckets": 2})
+    _assert_replicas_identical(results)
+    assert_same_trajectory(_as_one_process(results), run_reference(cfg))

@@ -42,6 +42,7 @@ from .placement import (
     choose_device_buckets,
     device_headroom_bytes,
 )
+from .replicas import Replicas
 from .stv import StvStats, Verdict, validate
 from .worker import Worker
 
@@ -68,6 +69,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         cast: str = "auto",
         model: torch.nn.Module | None = None,
         gradient_accumulation_steps: int = 1,
+        process_group: torch.distributed.ProcessGroup | None = None,
     ):
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
@@ -96,13 +98,6 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         # rollback accurate (undoing a 1000x larger unclipped g^2 would cancel v's bits).
         self._predicted_coef = 1.0
 
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        if distributed and torch.distributed.get_world_size() > 1:
-            # Our gradient hooks would see each rank's local, un-reduced gradients.
-            raise RuntimeError(
-                "SuperOffloadOptimizer does not support data parallelism yet (world size "
-                f"{torch.distributed.get_world_size()}); train on one process."
-            )
         trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         if not trainable:
             raise ValueError("SuperOffloadOptimizer got no parameters that require grad.")
@@ -110,12 +105,19 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         if cpu_threads is None:
             cpu_threads = default_cpu_threads(device)
         ops.set_num_threads(cpu_threads)
+        # Data parallelism (process_group, or the initialised default group): each rank
+        # averages every bucket's gradients with the others, so the model must not also be
+        # wrapped in DistributedDataParallel.
+        self._replicas = Replicas(process_group)
+        self._replicas.broadcast_([p.data for p in trainable])
 
         self._link = Link(device)
         self._cast = choose_cast_plan(cast, device, dtype)
         order = {id(p): i for i, p in enumerate(model.parameters())} if model is not None else None
         plans = plan_buckets(self.param_groups, bucket_size, order)
-        n_device = choose_device_buckets(gpu_buckets, plans, device)
+        n_device = int(
+            self._replicas.agree(choose_device_buckets(gpu_buckets, plans, device), "min")
+        )
         first_device = len(plans) - n_device
         self._buckets = [
             Bucket(plan, self._link, plan.index >= first_device, self._cast) for plan in plans
@@ -343,6 +345,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         """The bucket's gradients are complete: norm, send to host, speculate."""
         staging = bucket.staging
         with self._link.d2h():
+            self._replicas.average_(staging)
             norm = torch.linalg.vector_norm(staging, dtype=torch.float32)
             i = bucket.index
             self._sq_norms[i] = norm * norm
@@ -438,9 +441,14 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             self._host.elements_stepped,
             sum(b.plan.numel for b in self._buckets if not b.on_device),
         )
+        if self._replicas.distributed:
+            # Every rank moves the same buckets: one placement, so one arithmetic per bucket.
+            want = int(self._replicas.agree(want, "max"))
+            if not want and not self._replicas.agree(self._tuner.active, "max"):
+                self._tuner = None  # all ranks have settled: no more agreement rounds
         if not want:
             return
-        headroom = device_headroom_bytes(self._link.device)
+        headroom = self._replicas.agree(device_headroom_bytes(self._link.device), "min")
         chosen, numel = [], 0
         for bucket in reversed(self._buckets):  # host buckets nearest the tail first
             if numel >= want:

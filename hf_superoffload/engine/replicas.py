@@ -1,0 +1,58 @@
+"""Data parallelism by replicas: every rank of a torch.distributed group holds the whole
+optimizer state, averages each bucket's gradients with the others before using them, and so
+takes bit-identical steps (the same reduced gradients, the same deterministic kernels, the
+same verdicts), with no parameter traffic after the first broadcast.
+
+Collectives must be issued in the same order on every rank. Bucket averages run where a
+bucket's gradients complete, in backward order, which is the same on all ranks for one model
+and one batch shape; decisions taken from local measurements (how many buckets ``auto``
+moves to the GPU) are agreed on first, so all ranks keep the same placement, and with it the
+same arithmetic for every bucket.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class Replicas:
+    """A world of one (no collectives at all) when torch.distributed is not initialised or
+    the group has one rank."""
+
+    def __init__(self, group: dist.ProcessGroup | None):
+        initialised = dist.is_available() and dist.is_initialized()
+        self.group = group if group is not None else (dist.group.WORLD if initialised else None)
+        self.size = dist.get_world_size(self.group) if self.group is not None else 1
+        if self.size == 1:
+            self.group = None
+            return
+        # NCCL reduces CUDA tensors only; gloo and the rest take CPU tensors.
+        nccl = dist.get_backend(self.group) == "nccl"
+        self._scalar_device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
+        self._source = dist.get_global_rank(self.group, 0)
+
+    @property
+    def distributed(self) -> bool:
+        return self.group is not None
+
+    def broadcast_(self, tensors: list[torch.Tensor]) -> None:
+        """Make every rank start from rank 0's values (as DDP does at construction)."""
+        if self.distributed:
+            for tensor in tensors:
+                dist.broadcast(tensor, src=self._source, group=self.group)
+
+    def average_(self, tensor: torch.Tensor) -> None:
+        """In place: the mean over ranks (sum, then divide: not every backend has AVG)."""
+        if self.distributed:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+            tensor.div_(self.size)
+
+    def agree(self, value: float, op: str) -> float:
+        """The ``op`` ("min" or "max") of a local decision over all ranks."""
+        if not self.distributed:
+            return value
+        reduce_op = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op]
+        holder = torch.tensor([float(value)], dtype=torch.float64, device=self._scalar_device)
+        dist.all_reduce(holder, op=reduce_op, group=self.group)
+        return holder.item()
