@@ -390,3 +390,17 @@ def test_master_state_is_a_copy():
             st[key].add_(1.0)
         again = engine_state(opt, model)
     assert_states_equal(again, first, "master_state after mutating a returned copy")
+
+
+def test_a_model_copied_after_the_optimizer_was_built_is_an_error_not_silent():
+    cfg = BASE.replace(steps=1)
+    model = build_model(cfg)
+    batch = make_batches(cfg)[0]
+    with make_engine(model, cfg) as opt:
+        model(input_ids=batch, labels=batch).loss.backward()
+        opt.step()  # attached: fine
+        opt.zero_grad()
+        model.to(torch.float64).to(torch.float32)  # every param is a fresh copy now
+        model(input_ids=batch, labels=batch).loss.backward()
+        with pytest.raises(RuntimeError, match="no longer live in SuperOffloadOptimizer"):
+            opt.step()

@@ -469,3 +469,13 @@ def test_refuses_fp16():
 
 def test_accepts_a_single_process_without_fp16():
     _check_supported(_stub(DistributedType.NO))
+
+
+@pytest.mark.parametrize("distributed_type", [DistributedType.MULTI_GPU, DistributedType.MULTI_CPU])
+def test_accepts_data_parallelism(distributed_type):
+    _check_supported(_stub(distributed_type))  # tests/test_integration_trainer_ddp.py trains it
+
+
+def test_refuses_other_distributed_types():
+    with pytest.raises(ValueError, match="one process per GPU"):
+        _check_supported(_stub(DistributedType.XLA))

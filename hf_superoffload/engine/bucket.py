@@ -27,6 +27,9 @@ class Bucket:
             view = self.flat_param[offset : offset + param.numel()]
             view.copy_(param.detach().reshape(-1))
             param.data = view.view_as(param)
+        # Where the first param must stay: model.to(...) or a wrapper that copies the params
+        # after this would detach the model from the optimizer (optimizer.step checks).
+        self.first_param_ptr = plan.params[0].data_ptr()
 
         self.on_device = False
         self.grad: torch.Tensor | None = None  # fp32 device gradients of a tail bucket

@@ -183,6 +183,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_accumulation()
+        self._check_params_attached()
         self._flush_unlaunched()
         self._device_waits_for_d2h()
         result = validate(self._sq_norms.sum(), self.max_grad_norm)
@@ -518,6 +519,16 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
                     bucket.h2d_event = None
 
         return hook
+
+    def _check_params_attached(self) -> None:
+        moved = [b for b in self._buckets if b.plan.params[0].data_ptr() != b.first_param_ptr]
+        if moved:
+            raise RuntimeError(
+                f"the model's parameters no longer live in SuperOffloadOptimizer's buffers "
+                f"({len(moved)} of {len(self._buckets)} buckets): something copied them after "
+                f"the optimizer was built (model.to(...), a wrapper); the updates would never "
+                f"reach the model. Move or wrap the model first, then build the optimizer."
+            )
 
     def _check_accumulation(self) -> None:
         if self._boundary_override is not None:

@@ -30,6 +30,8 @@ class SuperOffloadTrainerMixin:
         self._throughput = ThroughputMeter()
         super().__init__(*args, **kwargs)
         self.add_callback(_SuperOffloadCallback(self))
+        if self.accelerator.distributed_type in _DATA_PARALLEL:
+            _prepare_without_ddp(self.accelerator)
 
     @property
     def superoffload_optimizer(self) -> SuperOffloadOptimizer | None:
@@ -141,6 +143,27 @@ class _SuperOffloadCallback(TrainerCallback):
             self.trainer.optimizer = self.trainer.lr_scheduler = None
 
 
+# One process per GPU (or CPU, with gloo): the optimizer averages gradients itself.
+_DATA_PARALLEL = (DistributedType.MULTI_GPU, DistributedType.MULTI_CPU)
+
+
+def _prepare_without_ddp(accelerator) -> None:
+    """NOTE: bends accelerate's contract on purpose. ``prepare_model`` wraps a trainable model in
+    DistributedDataParallel when several processes run; DDP's reducer would average the
+    gradients after our hooks have already taken them (local, un-reduced) and would then
+    re-fill ``.grad``. SuperOffloadOptimizer averages each bucket itself, so the model is
+    prepared as accelerate prepares one for evaluation: device placement and autocast, no
+    wrapper. Accelerate's ``no_sync`` then finds nothing to disable, which is what we want."""
+    prepare_model = accelerator.prepare_model
+
+    def prepare_model_unwrapped(model, device_placement=None, evaluation_mode=False):
+        # No placement either: the Trainer placed the model before the optimizer took views
+        # of its params, and a multi-process CPU run's "cpu:0" would copy every param.
+        return prepare_model(model, device_placement=False, evaluation_mode=True)
+
+    accelerator.prepare_model = prepare_model_unwrapped
+
+
 def _check_supported(trainer) -> None:
     distributed = trainer.accelerator.distributed_type
     if distributed in (DistributedType.DEEPSPEED, DistributedType.FSDP):
@@ -148,12 +171,11 @@ def _check_supported(trainer) -> None:
             f"SuperOffload runs its own optimizer offload and cannot combine with {distributed}; "
             f"remove the DeepSpeed/FSDP config from accelerate (or use the plain Trainer with it)."
         )
-    if distributed != DistributedType.NO:
-        # The gradient hooks would see each rank's local, un-reduced gradients.
+    if distributed not in (DistributedType.NO, *_DATA_PARALLEL):
         raise ValueError(
-            f"SuperOffload runs on one process for now, got {distributed} with "
-            f"{trainer.accelerator.num_processes} processes; launch one process per run "
-            f"(accelerate_configs/single_gpu.yaml) until multi-GPU data parallelism lands."
+            f"SuperOffload supports one process, or data parallelism with one process per GPU "
+            f"(MULTI_GPU, or MULTI_CPU for tests), not {distributed}; use one of the configs "
+            f"in accelerate_configs/."
         )
     if trainer.args.fp16:
         raise ValueError(

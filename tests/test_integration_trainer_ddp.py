@@ -1,0 +1,80 @@
+"""`SuperOffloadTrainer` with data parallelism, on CPU: two gloo processes, as `accelerate launch
+--num_processes 2` starts them, each training the tiny Llama of test_integration_trainer.py on
+its shard of every batch. The reference is the plain `Trainer` in the same two processes
+(DistributedDataParallel + torch's AdamW + clipping). Same losses, grad norms and final params
+within the single-process tolerances, and the two ranks' SuperOffload params bit-identical."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from test_integration_trainer import STEPS, _params, _step_logs, _trainer
+
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _train_on_rank(rank: int, port: int, out_dir) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    results = {}
+    for superoffload in (False, True):
+        trainer = _trainer(out_dir / f"run{int(superoffload)}", superoffload)
+        assert trainer.accelerator.num_processes == WORLD
+        trainer.train()
+        logs = _step_logs(trainer)
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        results[superoffload] = {
+            "losses": [log["loss"] for log in logs],
+            "grad_norms": [log["grad_norm"] for log in logs],
+            "params": _params(model),
+            "ddp_wrapped": type(trainer.model_wrapped).__name__,
+        }
+    torch.save(results, out_dir / f"rank{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("ddp")
+    port = _free_port()
+    context = mp.get_context("spawn")
+    procs = [
+        context.Process(target=_train_on_rank, args=(rank, port, out_dir)) for rank in range(WORLD)
+    ]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=600)
+    assert [proc.exitcode for proc in procs] == [0] * WORLD, "a rank failed (see its stderr)"
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def test_the_plain_trainer_used_ddp_and_superoffload_did_not(runs):
+    assert runs[0][False]["ddp_wrapped"] == "DistributedDataParallel"
+    assert runs[0][True]["ddp_wrapped"] != "DistributedDataParallel"
+
+
+def test_superoffload_follows_the_plain_ddp_trainer(runs):
+    ours, plain = runs[0][True], runs[0][False]
+    assert len(ours["losses"]) == len(plain["losses"]) == STEPS
+    torch.testing.assert_close(ours["losses"], plain["losses"], rtol=1e-5, atol=0)
+    torch.testing.assert_close(ours["grad_norms"], plain["grad_norms"], rtol=1e-4, atol=0)
+    for name, param in plain["params"].items():
+        torch.testing.assert_close(ours["params"][name], param, rtol=1e-4, atol=1e-6)
+
+
+def test_ranks_hold_bit_identical_params(runs):
+    for name, param in runs[0][True]["params"].items():
+        assert torch.equal(param, runs[1][True]["params"][name]), name
