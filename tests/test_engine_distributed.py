@@ -1,7 +1,8 @@
-"""Data parallelism by replicas, on CPU with gloo: two ranks, each on half of every batch, must
-follow one process on the whole batch (torch.optim.AdamW + clip_grad_norm_) tensor by tensor,
-and stay bit-identical to each other: the same averaged gradients, the same kernels, the same
-verdicts. Rank 1 starts from other random weights, so the first broadcast is tested too.
+"""Data parallelism by replicas, on CPU with gloo (and, marked multi_gpu, on two GPUs with
+NCCL). Two ranks, each on half of every batch, must follow one process on the whole batch
+(torch.optim.AdamW + clip_grad_norm_) tensor by tensor, and stay bit-identical to each other:
+the same averaged gradients, the same kernels, the same verdicts. Rank 1 starts from other
+random weights, so the first broadcast is tested too.
 """
 
 from __future__ import annotations
@@ -35,15 +36,19 @@ def _config(**changes) -> RunConfig:
     return cfg.replace(max_grad_norm=clip_threshold(cfg, "some"))  # clips on some steps
 
 
-def _train_on_rank(rank, rendezvous, cfg, options, inject_on_rank, out_dir) -> None:
+def _train_on_rank(rank, rendezvous, cfg, options, inject_on_rank, out_dir, backend) -> None:
     torch.set_num_threads(1)
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
     dist.init_process_group(
-        "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD
+        backend, init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD
     )  # fmt: skip
     try:
-        model = build_model(cfg.replace(model_seed=cfg.model_seed + rank))
+        model = build_model(cfg.replace(model_seed=cfg.model_seed + rank), device)
         share = cfg.batch_size // WORLD
-        batches = [b[rank * share : (rank + 1) * share] for b in make_batches(cfg)]
+        batches = [b[rank * share : (rank + 1) * share] for b in make_batches(cfg, device=device)]
         local = cfg if rank == inject_on_rank else cfg.replace(inject=())
         with make_engine(model, cfg, **options) as opt:
             scheduler = make_scheduler(cfg, opt)  # None without cfg.schedule
@@ -56,9 +61,9 @@ def _train_on_rank(rank, rendezvous, cfg, options, inject_on_rank, out_dir) -> N
         dist.destroy_process_group()
 
 
-def _run_ranks(tmp_path, cfg, options, inject_on_rank=None) -> list[dict]:
+def _run_ranks(tmp_path, cfg, options, inject_on_rank=None, backend="gloo") -> list[dict]:
     context = mp.get_context("spawn")
-    args = (str(tmp_path / "rendezvous"), cfg, options, inject_on_rank, tmp_path)
+    args = (str(tmp_path / "rendezvous"), cfg, options, inject_on_rank, tmp_path, backend)
     procs = [context.Process(target=_train_on_rank, args=(r, *args)) for r in range(WORLD)]
     for proc in procs:
         proc.start()
@@ -113,3 +118,15 @@ def test_accumulation_and_param_groups_with_a_schedule(tmp_path):
     results = _run_ranks(tmp_path, cfg, {"gpu_buckets": 2})
     _assert_replicas_identical(results)
     assert_same_trajectory(_as_one_process(results), run_reference(cfg))
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("options", [{"gpu_buckets": 2}, {"gpu_buckets": "auto"}], ids=str)
+def test_two_gpus_with_nccl_follow_one_gpu_on_the_whole_batch(tmp_path, options):
+    if torch.cuda.device_count() < WORLD:
+        pytest.skip(f"needs {WORLD} CUDA GPUs")
+    cfg = _config()
+    results = _run_ranks(tmp_path, cfg, options, backend="nccl")
+    _assert_replicas_identical(results)
+    assert_same_trajectory(_as_one_process(results), run_reference(cfg, device="cuda:0"))
+    assert results[0]["stats"]["bytes_d2h"] > 0

@@ -124,3 +124,18 @@ def test_headroom_counts_the_allocators_reserved_peak_and_a_margin(monkeypatch):
     headroom = placement.device_headroom_bytes(torch.device("cuda", 0))
     assert headroom == 80 * gib - 66 * gib - 4 * gib  # margin: 5% of the card, at least 2 GiB
     assert placement.device_headroom_bytes(torch.device("cpu")) == float("inf")
+
+
+def test_default_cpu_threads_share_a_host_between_unbound_ranks(monkeypatch):
+    from hf_superoffload.engine import checks
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(checks.os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(checks.os, "sched_getaffinity", lambda pid: set(range(64)))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert checks.default_cpu_threads(cuda) == 63  # one core feeds the GPU
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert checks.default_cpu_threads(cuda) == 15  # 64 / 4 ranks, minus the feeding core
+    # Bound ranks (accelerate's enable_cpu_affinity) already see their own node's cores.
+    monkeypatch.setattr(checks.os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert checks.default_cpu_threads(cuda) == 15

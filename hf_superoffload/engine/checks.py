@@ -46,6 +46,13 @@ def common_device_and_dtype(params: list[torch.nn.Parameter]) -> tuple[torch.dev
 
 
 def default_cpu_threads(device: torch.device) -> int:
+    if device.type != "cuda":
+        return torch.get_num_threads()
     cores = len(os.sched_getaffinity(0))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if local_ranks > 1 and cores == os.cpu_count():
+        # Data-parallel ranks of one host, none bound to its own cores (accelerate's
+        # enable_cpu_affinity binds each to its GPU's NUMA node): share the cores out.
+        cores //= local_ranks
     # Leave one core to the training thread that feeds the GPU.
-    return max(1, cores - 1) if device.type == "cuda" else torch.get_num_threads()
+    return max(1, cores - 1)
