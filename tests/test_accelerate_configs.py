@@ -62,6 +62,6 @@ def test_data_parallel_config_launches_the_example_on_cpu_processes(tmp_path, pa
         "--max-steps", "6", "--output-dir", str(tmp_path / "out"),
     ]  # fmt: skip
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode in (0, 1), result.stderr[-3000:]  # 1: loss did not fall
+    assert result.returncode == 0, result.stderr[-3000:]  # the loss falls within 6 steps
     assert (tmp_path / "out" / "config.json").exists(), result.stderr[-3000:]
     assert "optimizer superoffload" in result.stdout

@@ -8,6 +8,7 @@ random weights, so the first broadcast is tested too.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 
 import pytest
 import torch
@@ -28,6 +29,9 @@ from engine_reference import (
     train_loop,
 )
 
+from hf_superoffload import SuperOffloadOptimizer
+from hf_superoffload.engine.replicas import Replicas
+
 WORLD = 2
 
 
@@ -42,9 +46,7 @@ def _train_on_rank(rank, rendezvous, cfg, options, inject_on_rank, out_dir, back
     if backend == "nccl":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
-    dist.init_process_group(
-        backend, init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD
-    )  # fmt: skip
+    _join_group(backend, rendezvous, rank)
     try:
         model = build_model(cfg.replace(model_seed=cfg.model_seed + rank), device)
         share = cfg.batch_size // WORLD
@@ -61,15 +63,31 @@ def _train_on_rank(rank, rendezvous, cfg, options, inject_on_rank, out_dir, back
         dist.destroy_process_group()
 
 
-def _run_ranks(tmp_path, cfg, options, inject_on_rank=None, backend="gloo") -> list[dict]:
+def _join_group(backend: str, rendezvous: str, rank: int) -> None:
+    # A short timeout: if one rank dies, the other fails in a minute instead of hanging CI.
+    dist.init_process_group(
+        backend, init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD,
+        timeout=datetime.timedelta(seconds=60),
+    )  # fmt: skip
+
+
+def _spawn(target, args) -> None:
+    """Run ``target(rank, *args)`` on WORLD spawned processes; all must exit cleanly."""
     context = mp.get_context("spawn")
-    args = (str(tmp_path / "rendezvous"), cfg, options, inject_on_rank, tmp_path, backend)
-    procs = [context.Process(target=_train_on_rank, args=(r, *args)) for r in range(WORLD)]
+    procs = [context.Process(target=target, args=(r, *args)) for r in range(WORLD)]
     for proc in procs:
         proc.start()
     for proc in procs:
         proc.join(timeout=300)
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
     assert [proc.exitcode for proc in procs] == [0] * WORLD, "a rank failed (see its stderr)"
+
+
+def _run_ranks(tmp_path, cfg, options, inject_on_rank=None, backend="gloo") -> list[dict]:
+    rendezvous = str(tmp_path / "rendezvous")
+    _spawn(_train_on_rank, (rendezvous, cfg, options, inject_on_rank, tmp_path, backend))
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
@@ -130,3 +148,89 @@ def test_two_gpus_with_nccl_follow_one_gpu_on_the_whole_batch(tmp_path, options)
     _assert_replicas_identical(results)
     assert_same_trajectory(_as_one_process(results), run_reference(cfg, device="cuda:0"))
     assert results[0]["stats"]["bytes_d2h"] > 0
+
+
+def _agree_on_rank(rank, rendezvous, out_dir) -> None:
+    _join_group("gloo", rendezvous, rank)
+    try:
+        replicas = Replicas(None, torch.device("cpu"))
+        found = {
+            "size": replicas.size,
+            "min": replicas.agree(10 + rank, "min"),
+            "max": replicas.agree(10 + rank, "max"),
+            "rank0": replicas.from_rank0([rank, 5.0 + rank]),
+        }
+        grads = torch.full((3,), float(rank + 1), dtype=torch.bfloat16)
+        replicas.average_(grads)
+        found["average"] = grads.tolist()
+        torch.save(found, out_dir / f"agree{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_replicas_agree_on_local_decisions_and_average(tmp_path):
+    """What keeps placement and cast plan one across ranks: the min/max of local values and
+    rank 0's values, the same on every rank."""
+    _spawn(_agree_on_rank, (str(tmp_path / "rendezvous"), tmp_path))
+    for rank in range(WORLD):
+        found = torch.load(tmp_path / f"agree{rank}.pt")
+        assert found == {
+            "size": 2, "min": 10.0, "max": 11.0, "rank0": [0.0, 5.0], "average": [1.5] * 3,
+        }  # fmt: skip
+
+
+class _ThreeLayers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x, use_b: bool):
+        x = torch.tanh(self.a(x))
+        if use_b:
+            x = torch.tanh(self.b(x))
+        return self.c(x).pow(2).mean()
+
+
+_UNUSED_STEPS = 4
+
+
+def _unused_on_rank(rank, rendezvous, out_dir) -> None:
+    torch.set_num_threads(1)
+    _join_group("gloo", rendezvous, rank)
+    try:
+        torch.manual_seed(0)
+        model = _ThreeLayers()
+        data = torch.randn(_UNUSED_STEPS, WORLD, 8, generator=torch.Generator().manual_seed(1))
+        options = {"lr": 1e-2, "weight_decay": 0.0, "max_grad_norm": 1.0, "bucket_size": 72}
+        with SuperOffloadOptimizer(
+            model.parameters(), gpu_buckets=0, model=model, **options
+        ) as opt:
+            for step in range(_UNUSED_STEPS):
+                model(data[step, rank], use_b=rank == 0).backward()  # rank 1 never uses b
+                opt.step()
+                opt.zero_grad()
+            opt.synchronize()
+            torch.save({n: p.detach().clone() for n, p in model.named_parameters()},
+                       out_dir / f"unused{rank}.pt")  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_param_unused_on_one_rank_keeps_the_ranks_in_step(tmp_path):
+    """Rank 1's batch skips layer b: its bucket completes only at step() there, so the launch
+    order (and with it the collectives) would differ without the in-order rule."""
+    _spawn(_unused_on_rank, (str(tmp_path / "rendezvous"), tmp_path))
+    ranks = [torch.load(tmp_path / f"unused{r}.pt") for r in range(WORLD)]
+    torch.manual_seed(0)
+    model = _ThreeLayers()
+    data = torch.randn(_UNUSED_STEPS, WORLD, 8, generator=torch.Generator().manual_seed(1))
+    reference = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    for step in range(_UNUSED_STEPS):
+        loss = sum(model(data[step, r], use_b=r == 0) for r in range(WORLD)) / WORLD
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        reference.step()
+        reference.zero_grad()
+    for name, param in model.named_parameters():
+        assert torch.equal(ranks[0][name], ranks[1][name]), name
+        torch.testing.assert_close(ranks[0][name], param.detach(), rtol=1e-5, atol=1e-6)

@@ -446,6 +446,19 @@ def test_worker_closed_after_train(tmp_path):
     assert trainer.superoffload_stats["steps"] == 2
 
 
+def test_accelerate_leaves_the_optimizer_state_where_it_is(tmp_path, monkeypatch):
+    """Accelerate's device placement would copy the whole state_dict to the GPU and back when
+    it prepares the optimizer (12 B/param there): ours is prepared without placement."""
+    calls = []
+    original = SuperOffloadOptimizer.state_dict
+    monkeypatch.setattr(
+        SuperOffloadOptimizer, "state_dict", lambda self: calls.append(1) or original(self)
+    )
+    trainer = _trainer(tmp_path, True, max_steps=2)
+    trainer.train()
+    assert calls == []  # no save_strategy: nothing else reads the state either
+
+
 # ----------------------------------------------------------------------------------- errors
 
 

@@ -1,8 +1,9 @@
 """`SuperOffloadTrainer` with data parallelism, on CPU: two gloo processes, as `accelerate launch
 --num_processes 2` starts them, each training the tiny Llama of test_integration_trainer.py on
-its shard of every batch. The reference is the plain `Trainer` in the same two processes
+its shard of every batch, two micro-batches per step. The reference is the plain `Trainer` in the same two processes
 (DistributedDataParallel + torch's AdamW + clipping). Same losses, grad norms and final params
-within the single-process tolerances, and the two ranks' SuperOffload params bit-identical."""
+within the single-process tolerances, the two ranks' SuperOffload params bit-identical, and a
+run resumed from its halfway checkpoint ending where the uninterrupted one did."""
 
 from __future__ import annotations
 
@@ -30,13 +31,20 @@ def _train_on_rank(rank: int, port: int, out_dir) -> None:
     )  # fmt: skip
     torch.set_num_threads(1)
     results = {}
-    for superoffload in (False, True):
-        trainer = _trainer(out_dir / f"run{int(superoffload)}", superoffload)
+    for run in ("plain", "superoffload", "resumed"):
+        superoffload = run != "plain"
+        trainer = _trainer(
+            out_dir / ("plain" if run == "plain" else "superoffload"), superoffload,
+            gradient_accumulation_steps=2,  # accelerate's sync_gradients marks the boundary
+            ddp_timeout=120,  # a dead rank fails the other in minutes, not half an hour
+            save_strategy="steps" if superoffload else "no", save_steps=STEPS // 2,
+        )  # fmt: skip
         assert trainer.accelerator.num_processes == WORLD
-        trainer.train()
+        halfway = out_dir / "superoffload" / f"checkpoint-{STEPS // 2}"
+        trainer.train(resume_from_checkpoint=str(halfway) if run == "resumed" else None)
         logs = _step_logs(trainer)
         model = trainer.accelerator.unwrap_model(trainer.model)
-        results[superoffload] = {
+        results[run] = {
             "losses": [log["loss"] for log in logs],
             "grad_norms": [log["grad_norm"] for log in logs],
             "params": _params(model),
@@ -57,17 +65,20 @@ def runs(tmp_path_factory):
         proc.start()
     for proc in procs:
         proc.join(timeout=600)
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
     assert [proc.exitcode for proc in procs] == [0] * WORLD, "a rank failed (see its stderr)"
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
 def test_the_plain_trainer_used_ddp_and_superoffload_did_not(runs):
-    assert runs[0][False]["ddp_wrapped"] == "DistributedDataParallel"
-    assert runs[0][True]["ddp_wrapped"] != "DistributedDataParallel"
+    assert runs[0]["plain"]["ddp_wrapped"] == "DistributedDataParallel"
+    assert runs[0]["superoffload"]["ddp_wrapped"] != "DistributedDataParallel"
 
 
 def test_superoffload_follows_the_plain_ddp_trainer(runs):
-    ours, plain = runs[0][True], runs[0][False]
+    ours, plain = runs[0]["superoffload"], runs[0]["plain"]
     assert len(ours["losses"]) == len(plain["losses"]) == STEPS
     torch.testing.assert_close(ours["losses"], plain["losses"], rtol=1e-5, atol=0)
     torch.testing.assert_close(ours["grad_norms"], plain["grad_norms"], rtol=1e-4, atol=0)
@@ -76,5 +87,13 @@ def test_superoffload_follows_the_plain_ddp_trainer(runs):
 
 
 def test_ranks_hold_bit_identical_params(runs):
-    for name, param in runs[0][True]["params"].items():
-        assert torch.equal(param, runs[1][True]["params"][name]), name
+    for name, param in runs[0]["superoffload"]["params"].items():
+        assert torch.equal(param, runs[1]["superoffload"]["params"][name]), name
+
+
+def test_resuming_halfway_under_data_parallelism_ends_where_one_run_does(runs):
+    """Rank 0 saved the checkpoint; both ranks load it (onto the host, not each GPU)."""
+    for rank in range(WORLD):
+        resumed, whole = runs[rank]["resumed"], runs[rank]["superoffload"]
+        for name, param in whole["params"].items():
+            torch.testing.assert_close(resumed["params"][name], param, rtol=1e-6, atol=1e-8)

@@ -50,9 +50,10 @@ def default_cpu_threads(device: torch.device) -> int:
         return torch.get_num_threads()
     cores = len(os.sched_getaffinity(0))
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if local_ranks > 1 and cores == os.cpu_count():
-        # Data-parallel ranks of one host, none bound to its own cores (accelerate's
-        # enable_cpu_affinity binds each to its GPU's NUMA node): share the cores out.
-        cores //= local_ranks
+    bound = os.environ.get("ACCELERATE_CPU_AFFINITY") == "1"  # each on its GPU's NUMA node
+    if local_ranks > 1 and not bound:
+        # Data-parallel ranks of one host that all see the same cores: share them out
+        # (set cpu_threads to override, e.g. after binding ranks yourself with numactl).
+        cores = max(1, cores // local_ranks)
     # Leave one core to the training thread that feeds the GPU.
     return max(1, cores - 1)

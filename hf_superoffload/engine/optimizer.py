@@ -31,7 +31,7 @@ import torch
 from .. import ops
 from .bucket import Bucket
 from .buckets import plan_buckets
-from .cast_policy import choose_cast_plan
+from .cast_policy import CastPlan, choose_cast_plan
 from .checks import check_group, common_device_and_dtype, default_cpu_threads
 from .device_tail import DeviceTail
 from .host_steps import HostSteps, SpeculationRound
@@ -108,11 +108,16 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         # Data parallelism (process_group, or the initialised default group): each rank
         # averages every bucket's gradients with the others, so the model must not also be
         # wrapped in DistributedDataParallel.
-        self._replicas = Replicas(process_group)
+        self._replicas = Replicas(process_group, device)
         self._replicas.broadcast_([p.data for p in trainable])
 
         self._link = Link(device)
         self._cast = choose_cast_plan(cast, device, dtype)
+        if self._replicas.distributed:  # one plan: it sets the dtype every rank reduces in
+            grads, params = self._replicas.from_rank0(
+                [self._cast.grads_on_device, self._cast.params_on_device]
+            )
+            self._cast = CastPlan(bool(grads), bool(params), f"rank 0's: {self._cast.reason}")
         order = {id(p): i for i, p in enumerate(model.parameters())} if model is not None else None
         plans = plan_buckets(self.param_groups, bucket_size, order)
         n_device = int(
@@ -126,6 +131,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             id(p): (bucket, i) for bucket in self._buckets for i, p in enumerate(bucket.plan.params)
         }
         self._micro = dict.fromkeys(self._slot, 0)
+        self._next_launch = 0
         self._sq_norms = torch.zeros(len(self._buckets), device=device)
         # The worker reads each bucket's squared norm before speculating on it.
         self._host_sq_norms = self._link.host_empty(len(self._buckets), torch.float32)
@@ -214,6 +220,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         for bucket in self._buckets:
             bucket.reset_for_next_step()
         self._micro = dict.fromkeys(self._micro, 0)
+        self._next_launch = 0  # replicas launch buckets in order (see _launch_complete)
         self._sq_norms.zero_()
         self._round = SpeculationRound()
         if not self._waits_in_forward:
@@ -314,7 +321,22 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             self._stage(bucket, i, param.grad)
         param.grad = None  # the bucket owns it now; frees device memory early
         if bucket.arrived == len(bucket.plan.params):
+            self._launch_complete(bucket)
+
+    def _launch_complete(self, bucket: Bucket) -> None:
+        """Launch a bucket whose gradients are all in. With replicas every rank must launch
+        (and so average) the buckets in one order: bucket order, the order their gradients
+        normally complete in. A bucket that completes early (an earlier bucket has a param
+        this rank's batch did not use) waits for the earlier ones, or for step()'s flush."""
+        if not self._replicas.distributed:
             self._launch(bucket)
+            return
+        while self._next_launch < len(self._buckets):
+            ready = self._buckets[self._next_launch]
+            if ready.arrived < len(ready.plan.params):
+                return
+            self._launch(ready)
+            self._next_launch += 1
 
     def _stage(self, bucket: Bucket, i: int, grad: torch.Tensor | None) -> None:
         if bucket.arrived == 0:
@@ -376,7 +398,8 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
     def _flush_unlaunched(self) -> None:
         """Launch buckets whose params did not all get a final gradient this step (unused
         params, or step() before the last accumulation pass): what accumulated so far is
-        used, and a missing gradient counts as zero. These buckets step after validation."""
+        used, and a missing gradient counts as zero. These buckets step after validation (with
+        replicas they may speculate first, as they may have on the other ranks)."""
         for bucket in self._buckets:
             if bucket.launched:
                 continue
@@ -385,7 +408,10 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
                     if not bucket.staged[i]:
                         self._stage(bucket, i, param.grad)
                         param.grad = None
-            self._launch(bucket, speculate=False)
+            # With replicas a bucket flushed here on one rank may have launched in backward on
+            # another: speculate as a backward launch would, so all ranks do the same steps.
+            self._launch(bucket, speculate=self._replicas.distributed)
+        self._next_launch = len(self._buckets)
 
     # ------------------------------------------------------------------------ host work
 

@@ -20,16 +20,16 @@ class Replicas:
     """A world of one (no collectives at all) when torch.distributed is not initialised or
     the group has one rank."""
 
-    def __init__(self, group: dist.ProcessGroup | None):
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device):
         initialised = dist.is_available() and dist.is_initialized()
         self.group = group if group is not None else (dist.group.WORLD if initialised else None)
         self.size = dist.get_world_size(self.group) if self.group is not None else 1
         if self.size == 1:
             self.group = None
             return
-        # NCCL reduces CUDA tensors only; gloo and the rest take CPU tensors.
+        # NCCL reduces CUDA tensors only (on the model's GPU); gloo takes CPU tensors.
         nccl = dist.get_backend(self.group) == "nccl"
-        self._scalar_device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
+        self._scalar_device = device if nccl else torch.device("cpu")
         self._source = dist.get_global_rank(self.group, 0)
 
     @property
@@ -43,10 +43,15 @@ class Replicas:
                 dist.broadcast(tensor, src=self._source, group=self.group)
 
     def average_(self, tensor: torch.Tensor) -> None:
-        """In place: the mean over ranks (sum, then divide: not every backend has AVG)."""
-        if self.distributed:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
-            tensor.div_(self.size)
+        """In place: the mean over ranks (sum, then divide: not every backend has AVG). 16-bit
+        gradients are summed in fp32, one rounding at the end instead of one per addition."""
+        if not self.distributed:
+            return
+        wide = tensor.float() if tensor.dtype != torch.float32 else tensor
+        dist.all_reduce(wide, op=dist.ReduceOp.SUM, group=self.group)
+        wide.div_(self.size)
+        if wide is not tensor:
+            tensor.copy_(wide)
 
     def agree(self, value: float, op: str) -> float:
         """The ``op`` ("min" or "max") of a local decision over all ranks."""
@@ -56,3 +61,11 @@ class Replicas:
         holder = torch.tensor([float(value)], dtype=torch.float64, device=self._scalar_device)
         dist.all_reduce(holder, op=reduce_op, group=self.group)
         return holder.item()
+
+    def from_rank0(self, values: list[float]) -> list[float]:
+        """Rank 0's ``values`` on every rank (a decision measured locally, taken once)."""
+        if not self.distributed:
+            return values
+        holder = torch.tensor(values, dtype=torch.float64, device=self._scalar_device)
+        dist.broadcast(holder, src=self._source, group=self.group)
+        return holder.tolist()

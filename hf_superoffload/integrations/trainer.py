@@ -12,10 +12,12 @@ when training ends.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 from accelerate.utils import DistributedType
 from transformers import Trainer, TrainerCallback
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 
 from ..engine import SuperOffloadOptimizer
 from .metrics import ThroughputMeter, peak_tflops, stv_metrics
@@ -30,8 +32,6 @@ class SuperOffloadTrainerMixin:
         self._throughput = ThroughputMeter()
         super().__init__(*args, **kwargs)
         self.add_callback(_SuperOffloadCallback(self))
-        if self.accelerator.distributed_type in _DATA_PARALLEL:
-            _prepare_without_ddp(self.accelerator)
 
     @property
     def superoffload_optimizer(self) -> SuperOffloadOptimizer | None:
@@ -71,7 +71,25 @@ class SuperOffloadTrainerMixin:
             model=opt_model,
             **self._resolved_plugin().optimizer_kwargs(),
         )
+        _prepare_in_place(self.accelerator, self.optimizer)
+        if self.accelerator.distributed_type in _DATA_PARALLEL:
+            _prepare_without_ddp(self.accelerator, opt_model)
         return self.optimizer
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        optimizer_file = os.path.join(checkpoint or "", OPTIMIZER_NAME)
+        if (
+            self.superoffload_optimizer is None
+            or self.args.world_size == 1
+            or not os.path.isfile(optimizer_file)
+        ):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        # NOTE: with several processes the Trainer loads the optimizer file onto each GPU
+        # (map_location=args.device): 12 B/param there, where ours goes to the host anyway.
+        state = torch.load(optimizer_file, map_location="cpu", weights_only=True, mmap=True)
+        self.optimizer.load_state_dict(state)
+        scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
+        self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         optimizer = self.superoffload_optimizer
@@ -147,21 +165,42 @@ class _SuperOffloadCallback(TrainerCallback):
 _DATA_PARALLEL = (DistributedType.MULTI_GPU, DistributedType.MULTI_CPU)
 
 
-def _prepare_without_ddp(accelerator) -> None:
-    """NOTE: bends accelerate's contract on purpose. ``prepare_model`` wraps a trainable model in
-    DistributedDataParallel when several processes run; DDP's reducer would average the
-    gradients after our hooks have already taken them (local, un-reduced) and would then
-    re-fill ``.grad``. SuperOffloadOptimizer averages each bucket itself, so the model is
-    prepared as accelerate prepares one for evaluation: device placement and autocast, no
-    wrapper. Accelerate's ``no_sync`` then finds nothing to disable, which is what we want."""
+def _prepare_in_place(accelerator, ours: SuperOffloadOptimizer) -> None:
+    """NOTE: bends accelerate's contract on purpose, for ``optimizer`` only. With device
+    placement, AcceleratedOptimizer copies the optimizer's state_dict to the accelerator's
+    device and loads it back: 12 B/param on the GPU for a moment (an out-of-memory error for the
+    models this package is for) and a round trip of the whole state for nothing, since
+    SuperOffloadOptimizer keeps its state where it belongs."""
+    prepare_optimizer = accelerator.prepare_optimizer
+
+    def prepare_optimizer_for_superoffload(optimizer, device_placement=None):
+        if optimizer is ours:
+            return prepare_optimizer(optimizer, device_placement=False)
+        return prepare_optimizer(optimizer, device_placement=device_placement)
+
+    accelerator.prepare_optimizer = prepare_optimizer_for_superoffload
+
+
+def _prepare_without_ddp(accelerator, trained: torch.nn.Module) -> None:
+    """NOTE: bends accelerate's contract on purpose, for ``trained`` only. ``prepare_model``
+    wraps a trainable model in DistributedDataParallel when several processes run; DDP's
+    reducer would average the gradients after our hooks have already taken them (local,
+    un-reduced) and would then re-fill ``.grad``. SuperOffloadOptimizer averages each bucket
+    itself, so this model is prepared as accelerate prepares one for evaluation (autocast and
+    compilation, no wrapper) and is not placed again: the Trainer placed it before the
+    optimizer took views of its params, and a multi-process CPU run's "cpu:0" would copy them.
+    Accelerate's ``no_sync`` then finds nothing to disable, which is what we want. Any other
+    model (a reference model, say) is prepared as usual."""
     prepare_model = accelerator.prepare_model
 
-    def prepare_model_unwrapped(model, device_placement=None, evaluation_mode=False):
-        # No placement either: the Trainer placed the model before the optimizer took views
-        # of its params, and a multi-process CPU run's "cpu:0" would copy every param.
-        return prepare_model(model, device_placement=False, evaluation_mode=True)
+    def prepare_model_for_superoffload(model, device_placement=None, evaluation_mode=False):
+        if model is trained:
+            return prepare_model(model, device_placement=False, evaluation_mode=True)
+        return prepare_model(
+            model, device_placement=device_placement, evaluation_mode=evaluation_mode
+        )
 
-    accelerator.prepare_model = prepare_model_unwrapped
+    accelerator.prepare_model = prepare_model_for_superoffload
 
 
 def _check_supported(trainer) -> None:
