@@ -64,10 +64,10 @@ def _train_on_rank(rank, rendezvous, cfg, options, inject_on_rank, out_dir, back
 
 
 def _join_group(backend: str, rendezvous: str, rank: int) -> None:
-    # A short timeout: if one rank dies, the other fails in a minute instead of hanging CI.
+    # A short timeout: if one rank dies, the other fails in minutes instead of hanging CI.
     dist.init_process_group(
         backend, init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD,
-        timeout=datetime.timedelta(seconds=60),
+        timeout=datetime.timedelta(seconds=120),
     )  # fmt: skip
 
 
