@@ -3,11 +3,11 @@ optimizer state, averages each bucket's gradients with the others before using t
 takes bit-identical steps (the same reduced gradients, the same deterministic kernels, the
 same verdicts), with no parameter traffic after the first broadcast.
 
-Collectives must be issued in the same order on every rank. Bucket averages run where a
-bucket's gradients complete, in backward order, which is the same on all ranks for one model
-and one batch shape; decisions taken from local measurements (how many buckets ``auto``
-moves to the GPU) are agreed on first, so all ranks keep the same placement, and with it the
-same arithmetic for every bucket.
+Collectives must be issued in the same order on every rank. Buckets are averaged as they
+launch, and under replicas they launch in bucket order (the optimizer holds back a bucket that
+completes before an earlier one); decisions taken from local measurements (the cast plan, how
+many buckets ``auto`` moves to the GPU) are agreed on first, so all ranks keep the same
+placement, and with it the same arithmetic for every bucket.
 """
 
 from __future__ import annotations

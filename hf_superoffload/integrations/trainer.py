@@ -166,19 +166,12 @@ _DATA_PARALLEL = (DistributedType.MULTI_GPU, DistributedType.MULTI_CPU)
 
 
 def _prepare_in_place(accelerator, ours: SuperOffloadOptimizer) -> None:
-    """NOTE: bends accelerate's contract on purpose, for ``optimizer`` only. With device
+    """NOTE: bends accelerate's contract on purpose, for ``ours`` only. With device
     placement, AcceleratedOptimizer copies the optimizer's state_dict to the accelerator's
     device and loads it back: 12 B/param on the GPU for a moment (an out-of-memory error for the
     models this package is for) and a round trip of the whole state for nothing, since
     SuperOffloadOptimizer keeps its state where it belongs."""
-    prepare_optimizer = accelerator.prepare_optimizer
-
-    def prepare_optimizer_for_superoffload(optimizer, device_placement=None):
-        if optimizer is ours:
-            return prepare_optimizer(optimizer, device_placement=False)
-        return prepare_optimizer(optimizer, device_placement=device_placement)
-
-    accelerator.prepare_optimizer = prepare_optimizer_for_superoffload
+    _prepare_one_object_with(accelerator, "prepare_optimizer", ours, device_placement=False)
 
 
 def _prepare_without_ddp(accelerator, trained: torch.nn.Module) -> None:
@@ -191,16 +184,22 @@ def _prepare_without_ddp(accelerator, trained: torch.nn.Module) -> None:
     optimizer took views of its params, and a multi-process CPU run's "cpu:0" would copy them.
     Accelerate's ``no_sync`` then finds nothing to disable, which is what we want. Any other
     model (a reference model, say) is prepared as usual."""
-    prepare_model = accelerator.prepare_model
+    _prepare_one_object_with(
+        accelerator, "prepare_model", trained, device_placement=False, evaluation_mode=True
+    )
 
-    def prepare_model_for_superoffload(model, device_placement=None, evaluation_mode=False):
-        if model is trained:
-            return prepare_model(model, device_placement=False, evaluation_mode=True)
-        return prepare_model(
-            model, device_placement=device_placement, evaluation_mode=evaluation_mode
-        )
 
-    accelerator.prepare_model = prepare_model_for_superoffload
+def _prepare_one_object_with(accelerator, method: str, target, **options) -> None:
+    """Make ``accelerator.<method>`` prepare ``target`` with ``options`` (every option that
+    method takes), and anything else as it was asked to."""
+    prepare = getattr(accelerator, method)
+
+    def prepare_target_with_options(obj, *args, **kwargs):
+        if obj is target:
+            return prepare(obj, **options)
+        return prepare(obj, *args, **kwargs)
+
+    setattr(accelerator, method, prepare_target_with_options)
 
 
 def _check_supported(trainer) -> None:
