@@ -13,7 +13,6 @@ import datetime
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from engine_reference import (
     RunConfig,
     TrainResult,
@@ -28,6 +27,7 @@ from engine_reference import (
     run_reference,
     train_loop,
 )
+from ranks import spawn_ranks
 
 from hf_superoffload import SuperOffloadOptimizer
 from hf_superoffload.engine.replicas import Replicas
@@ -71,23 +71,11 @@ def _join_group(backend: str, rendezvous: str, rank: int) -> None:
     )  # fmt: skip
 
 
-def _spawn(target, args) -> None:
-    """Run ``target(rank, *args)`` on WORLD spawned processes; all must exit cleanly."""
-    context = mp.get_context("spawn")
-    procs = [context.Process(target=target, args=(r, *args)) for r in range(WORLD)]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(timeout=300)
-    for proc in procs:
-        if proc.is_alive():
-            proc.terminate()
-    assert [proc.exitcode for proc in procs] == [0] * WORLD, "a rank failed (see its stderr)"
-
-
 def _run_ranks(tmp_path, cfg, options, inject_on_rank=None, backend="gloo") -> list[dict]:
     rendezvous = str(tmp_path / "rendezvous")
-    _spawn(_train_on_rank, (rendezvous, cfg, options, inject_on_rank, tmp_path, backend))
+    spawn_ranks(
+        _train_on_rank, (rendezvous, cfg, options, inject_on_rank, tmp_path, backend), WORLD
+    )
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
@@ -171,7 +159,7 @@ def _agree_on_rank(rank, rendezvous, out_dir) -> None:
 def test_replicas_agree_on_local_decisions_and_average(tmp_path):
     """What keeps placement and cast plan one across ranks: the min/max of local values and
     rank 0's values, the same on every rank."""
-    _spawn(_agree_on_rank, (str(tmp_path / "rendezvous"), tmp_path))
+    spawn_ranks(_agree_on_rank, (str(tmp_path / "rendezvous"), tmp_path), WORLD)
     for rank in range(WORLD):
         found = torch.load(tmp_path / f"agree{rank}.pt")
         assert found == {
@@ -219,7 +207,7 @@ def _unused_on_rank(rank, rendezvous, out_dir) -> None:
 def test_a_param_unused_on_one_rank_keeps_the_ranks_in_step(tmp_path):
     """Rank 1's batch skips layer b: its bucket completes only at step() there, so the launch
     order (and with it the collectives) would differ without the in-order rule."""
-    _spawn(_unused_on_rank, (str(tmp_path / "rendezvous"), tmp_path))
+    spawn_ranks(_unused_on_rank, (str(tmp_path / "rendezvous"), tmp_path), WORLD)
     ranks = [torch.load(tmp_path / f"unused{r}.pt") for r in range(WORLD)]
     torch.manual_seed(0)
     model = _ThreeLayers()

@@ -12,7 +12,7 @@ import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from ranks import spawn_ranks
 from test_integration_trainer import STEPS, _params, _step_logs, _trainer
 
 WORLD = 2
@@ -57,18 +57,7 @@ def _train_on_rank(rank: int, port: int, out_dir) -> None:
 def runs(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("ddp")
     port = _free_port()
-    context = mp.get_context("spawn")
-    procs = [
-        context.Process(target=_train_on_rank, args=(rank, port, out_dir)) for rank in range(WORLD)
-    ]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(timeout=600)
-    for proc in procs:
-        if proc.is_alive():
-            proc.terminate()
-    assert [proc.exitcode for proc in procs] == [0] * WORLD, "a rank failed (see its stderr)"
+    spawn_ranks(_train_on_rank, (port, out_dir), WORLD, timeout=600)
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
