@@ -12,19 +12,33 @@ import torch
 from .buckets import BucketPlan
 from .cast_policy import CastPlan
 from .link import Link
+from .partition import HostPartition
 
 
-class Bucket:
+def host_transfer_buffers(
+    link: Link, numel: int, model_dtype: torch.dtype, cast: CastPlan
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The host gradient buffer and the optional rounded param copy-out of a host partition.
+
+    Gradients land in the first and the kernel reads them as they are: model dtype when they
+    cross uncast (the kernel upcasts in its own pass), else fp32. The second exists when params
+    cross in the model dtype (the kernel writes it in its pass)."""
+    lowp = model_dtype if model_dtype != torch.float32 else None
+    grad_dtype = lowp if lowp is not None and not cast.grads_on_device else torch.float32
+    host_grad = link.host_empty(numel, grad_dtype)
+    copy_out = lowp is not None and not cast.params_on_device
+    return host_grad, (link.host_empty(numel, lowp) if copy_out else None)
+
+
+class Bucket(HostPartition):
     def __init__(self, plan: BucketPlan, link: Link, on_device: bool, cast: CastPlan):
         self.plan = plan
-        self.index = plan.index
         numel = plan.numel
         dtype = plan.params[0].dtype
-        self.lowp = dtype if dtype != torch.float32 else None
 
-        self.flat_param = torch.empty(numel, dtype=dtype, device=link.device)
+        flat_param = torch.empty(numel, dtype=dtype, device=link.device)
         for param, offset in zip(plan.params, plan.offsets, strict=True):
-            view = self.flat_param[offset : offset + param.numel()]
+            view = flat_param[offset : offset + param.numel()]
             view.copy_(param.detach().reshape(-1))
             param.data = view.view_as(param)
         # Where the first param must stay: model.to(...) or a wrapper that copies the params
@@ -36,28 +50,22 @@ class Bucket:
         self.device_group: dict | None = None  # its param group in the device AdamW
         if on_device:  # a tail bucket from the start: no host buffers at all
             master = torch.empty(numel, dtype=torch.float32, device=link.device)
-            master.copy_(self.flat_param)
-            self._hold_state_on_device(master, torch.zeros_like(master), torch.zeros_like(master))
+            master.copy_(flat_param)
+            exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
+            host_grad = param_low = None
         else:
             # Page-locked master: with cast.params_on_device the H2D reads it directly.
-            self.master = link.host_empty(numel, torch.float32)
-            self.master.copy_(self.flat_param)
-            self.exp_avg = torch.zeros(numel)
-            self.exp_avg_sq = torch.zeros(numel)
-            # Gradients land here and the kernel reads them as they are: model dtype when
-            # they cross uncast (the kernel upcasts in its own pass), else fp32.
-            grad_dtype = (
-                self.lowp if self.lowp is not None and not cast.grads_on_device else torch.float32
-            )
-            self.host_grad = link.host_empty(numel, grad_dtype)
-            copy_out = self.lowp is not None and not cast.params_on_device
-            self.param_low = link.host_empty(numel, self.lowp) if copy_out else None
-
-        self.step = 0  # committed updates
+            master = link.host_empty(numel, torch.float32)
+            master.copy_(flat_param)
+            exp_avg, exp_avg_sq = torch.zeros(numel), torch.zeros(numel)
+            host_grad, param_low = host_transfer_buffers(link, numel, dtype, cast)
+        super().__init__(
+            plan.index, plan.group_index, master, exp_avg, exp_avg_sq, host_grad, param_low,
+            flat_param,
+        )  # fmt: skip
+        if on_device:
+            self._hold_state_on_device(master, exp_avg, exp_avg_sq)
         self.reset_for_next_step()
-        self.h2d_event: torch.cuda.Event | None = None  # consumed by the next forward
-        self.last_h2d: torch.cuda.Event | None = None  # the worker's: param_low free again
-        self.speculation_applied = False  # written and read on the worker thread only
 
     def move_to_device(self, link: Link) -> None:
         """Make this a tail bucket: master, moments and fp32 gradients on the device (16 B per
@@ -78,13 +86,11 @@ class Bucket:
         self.on_device = True
 
     def reset_for_next_step(self) -> None:
+        self.reset_speculation()
         self.arrived = 0  # params whose final gradient of this step has been staged
         self.staged = [False] * len(self.plan.params)
         self.launched = False  # grads staged, norm computed, sent to the host
         self.staging: torch.Tensor | None = None
-        self.d2h_event: torch.cuda.Event | None = None
-        self.speculated_with: dict | None = None  # hyperparameters of the speculative step
-        self.speculated_scale = 1.0  # the gradient scale it used (the predicted clip coef)
 
     def views(self, tensor: torch.Tensor, param_index: int) -> torch.Tensor:
         offset = self.plan.offsets[param_index]

@@ -34,7 +34,6 @@ from .buckets import plan_buckets
 from .cast_policy import CastPlan, choose_cast_plan
 from .checks import check_group, common_device_and_dtype, default_cpu_threads
 from .device_tail import DeviceTail
-from .host_steps import HostSteps, SpeculationRound
 from .link import Link
 from .placement import (
     DEVICE_BYTES_PER_ELEMENT,
@@ -43,8 +42,7 @@ from .placement import (
     device_headroom_bytes,
 )
 from .replicas import Replicas
-from .stv import StvStats, Verdict, validate
-from .worker import Worker
+from .stv import Stv, Verdict, validate
 
 logger = logging.getLogger("hf_superoffload")
 
@@ -84,19 +82,10 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             check_group(group)
         self.max_grad_norm = max_grad_norm or None
-        self.speculate = speculate
-        # After a clipped step the next one likely clips too, and a replay costs a full extra
-        # CPU pass; by default such a step waits for validation instead of speculating.
-        self.speculate_after_clip = speculate_after_clip
         self.gradient_accumulation_steps = gradient_accumulation_steps
-        self.stats_counters = StvStats()
         self.global_grad_norm: float | None = None
         self.last_step_skipped = False
         self._boundary_override: bool | None = None
-        # Speculate with the last step's clip coefficient: when clipping keeps triggering, the
-        # replay then changes the gradient scale by a ratio near 1, which keeps the algebraic
-        # rollback accurate (undoing a 1000x larger unclipped g^2 would cancel v's bits).
-        self._predicted_coef = 1.0
 
         trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         if not trainable:
@@ -133,21 +122,24 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         self._micro = dict.fromkeys(self._slot, 0)
         self._next_launch = 0
         self._sq_norms = torch.zeros(len(self._buckets), device=device)
-        # The worker reads each bucket's squared norm before speculating on it.
-        self._host_sq_norms = self._link.host_empty(len(self._buckets), torch.float32)
-        self._round = SpeculationRound()
-        self._host = HostSteps(self._link, self.stats_counters, self._host_sq_norms)
+        self._stv = Stv(
+            self._link,
+            lambda: self.param_groups,
+            len(self._buckets),
+            speculate=speculate,
+            speculate_after_clip=speculate_after_clip,
+        )
+        self.stats_counters = self._stv.stats
         self._tail = DeviceTail()
         for bucket in self._buckets:
             if bucket.on_device:
                 self._tail.register(bucket)
         self._tuner = TailTuner() if gpu_buckets == "auto" else None
-        self._worker = Worker()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in trainable]
         if model is not None:
             self._hooks += self._install_forward_waits(model)
         self._waits_in_forward = model is not None
-        self._finalizer = weakref.finalize(self, _shutdown, self._worker, self._hooks, self._link)
+        self._finalizer = weakref.finalize(self, _shutdown, self._stv, self._hooks, self._link)
 
     # ----------------------------------------------------------------------------- public API
 
@@ -192,37 +184,19 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         self._check_params_attached()
         self._flush_unlaunched()
         self._device_waits_for_d2h()
-        result = validate(self._sq_norms.sum(), self.max_grad_norm)
+        result = validate(self._sq_norms.sum().sqrt(), self.max_grad_norm)
         self.global_grad_norm = result.total_norm
         self.last_step_skipped = result.verdict is Verdict.SKIP
-        stats = self.stats_counters
-        stats.steps += 1
-        speculated = any(b.speculated_with is not None for b in self._buckets)
-        stats.speculative_steps += speculated
-        if result.verdict is Verdict.SKIP:
-            stats.rollbacks_nonfinite += 1
-            logger.warning("hf_superoffload: non-finite gradient norm; step skipped")
-        else:
-            if any(
-                b.speculated_with is not None and b.speculated_scale != result.clip_coef
-                for b in self._buckets
-            ):
-                stats.rollbacks_clip += 1
-            self._predicted_coef = result.clip_coef
-
         # Forward order (first layers first): the next forward needs those first.
-        for bucket in reversed(self._buckets):
-            if not bucket.on_device:
-                self._settle_host_bucket(bucket, result.verdict, result.clip_coef)
+        self._stv.conclude(result, [b for b in reversed(self._buckets) if not b.on_device])
         if result.verdict is not Verdict.SKIP:
             tail = [b for b in self._buckets if b.on_device]
-            self._tail.step(tail, [self._hyper(b, b.step + 1) for b in tail], result.clip_coef)
+            self._tail.step(tail, [self._stv.hyper(b, b.step + 1) for b in tail], result.clip_coef)
         for bucket in self._buckets:
             bucket.reset_for_next_step()
         self._micro = dict.fromkeys(self._micro, 0)
         self._next_launch = 0  # replicas launch buckets in order (see _launch_complete)
         self._sq_norms.zero_()
-        self._round = SpeculationRound()
         if not self._waits_in_forward:
             self.synchronize()
         if self._tuner is not None:
@@ -231,12 +205,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
 
     def synchronize(self) -> None:
         """Wait for all CPU work in flight; afterwards the model params hold the new values."""
-        start = time.perf_counter()
-        self._worker.wait()
-        for bucket in self._buckets:
-            self._link.compute_waits_for(bucket.h2d_event)
-            bucket.h2d_event = None
-        self.stats_counters.exposed_cpu_seconds += time.perf_counter() - start
+        self._stv.synchronize(self._buckets)
 
     def master_state(self, param: torch.nn.Parameter) -> dict:
         """Copies of the fp32 master, both moments and the step count of ``param``."""
@@ -361,7 +330,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
                 return torch.empty(bucket.plan.numel, dtype=dtype, device=self._link.device)
         # On CPU the host buffer is the staging buffer; the worker may still read it from
         # the last step's replay, so wait for that first (normally long done).
-        self._worker.wait([bucket.index])
+        self._stv.worker.wait([bucket.index])
         return bucket.host_grad
 
     def _launch(self, bucket: Bucket, speculate: bool = True) -> None:
@@ -372,9 +341,10 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             norm = torch.linalg.vector_norm(staging, dtype=torch.float32)
             i = bucket.index
             self._sq_norms[i] = norm * norm
-            self._host_sq_norms[i : i + 1].copy_(self._sq_norms[i : i + 1], non_blocking=True)
+            host_sq_norm = self._stv.host_sq_norms[i : i + 1]
+            host_sq_norm.copy_(self._sq_norms[i : i + 1], non_blocking=True)
             if self._link.is_cuda and not bucket.on_device:
-                self._worker.wait([bucket.index])  # the host buffer is free again
+                self._stv.worker.wait([bucket.index])  # the host buffer is free again
                 bucket.host_grad.copy_(staging, non_blocking=True)
                 self._link.keep_alive_on_d2h(staging)
                 self.stats_counters.bytes_d2h += staging.numel() * staging.element_size()
@@ -382,18 +352,8 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         if not bucket.on_device:
             bucket.staging = None  # the next step allocates afresh; a tail keeps its fp32 grads
         bucket.launched = True
-        if speculate and self._speculating and not bucket.on_device:
-            hyper = self._hyper(bucket, bucket.step + 1)
-            scale = self._predicted_coef
-            bucket.speculated_with, bucket.speculated_scale = hyper, scale
-            event, round_ = bucket.d2h_event, self._round
-            self._worker.submit(
-                [bucket.index], lambda: self._host.speculate(bucket, hyper, scale, event, round_)
-            )
-
-    @property
-    def _speculating(self) -> bool:
-        return self.speculate and (self.speculate_after_clip or self._predicted_coef == 1.0)
+        if not bucket.on_device:
+            self._stv.launch(bucket, bucket.d2h_event, speculate)
 
     def _flush_unlaunched(self) -> None:
         """Launch buckets whose params did not all get a final gradient this step (unused
@@ -413,48 +373,6 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             self._launch(bucket, speculate=self._replicas.distributed)
         self._next_launch = len(self._buckets)
 
-    # ------------------------------------------------------------------------ host work
-
-    def _hyper(self, bucket: Bucket, step: int) -> dict:
-        group = self.param_groups[bucket.plan.group_index]
-        beta1, beta2 = group["betas"]
-        return {
-            "step": step,
-            "lr": float(group["lr"]),
-            "beta1": float(beta1),
-            "beta2": float(beta2),
-            "eps": float(group["eps"]),
-            "weight_decay": float(group["weight_decay"]),
-        }
-
-    def _settle_host_bucket(self, bucket: Bucket, verdict: Verdict, coef: float) -> None:
-        """Turn the speculated step into the validated one (or run the step if not speculated)."""
-        spec = bucket.speculated_with
-        if spec is None:
-            if verdict is not Verdict.SKIP:
-                hyper, event = self._hyper(bucket, bucket.step + 1), bucket.d2h_event
-                self._worker.submit(
-                    [bucket.index], lambda: self._host.step(bucket, hyper, coef, event)
-                )
-                bucket.step += 1
-            return
-        scale = bucket.speculated_scale
-        current = self._hyper(bucket, spec["step"])
-        if verdict is Verdict.SKIP:
-            self._worker.submit([bucket.index], lambda: self._host.rollback(bucket, spec, scale))
-            return
-        if current != spec:  # lr/betas changed between backward and step(): redo with the new
-            self.stats_counters.rollbacks_hparams += 1
-            self._worker.submit([bucket.index], lambda: self._host.rollback(bucket, spec, scale))
-            self._worker.submit(
-                [bucket.index], lambda: self._host.step(bucket, current, coef, None)
-            )
-        elif scale != coef:
-            self._worker.submit(
-                [bucket.index], lambda: self._host.replay(bucket, spec, scale, coef)
-            )
-        bucket.step += 1
-
     # ------------------------------------------------------------------------ device tail
 
     def _tune_device_tail(self) -> None:
@@ -465,7 +383,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             time.perf_counter(),
             stats.exposed_cpu_seconds,
             stats.cpu_step_seconds,
-            self._host.elements_stepped,
+            self._stv.host.elements_stepped,
             sum(b.plan.numel for b in self._buckets if not b.on_device),
         )
         if self._replicas.distributed:
@@ -505,7 +423,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
 
     def _move_buckets_to_device(self, buckets: list[Bucket]) -> None:
         """Between steps: turn host buckets into tail buckets, state and all."""
-        self._worker.wait([b.index for b in buckets])  # their settled updates are done
+        self._stv.worker.wait([b.index for b in buckets])  # their settled updates are done
         for bucket in buckets:
             bucket.move_to_device(self._link)
             self._tail.register(bucket)
@@ -532,17 +450,8 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         return handles
 
     def _forward_wait(self, buckets: list[Bucket]):
-        keys = [b.index for b in buckets]
-
         def hook(module, args):
-            if self._worker.busy(keys):
-                start = time.perf_counter()
-                self._worker.wait(keys)
-                self.stats_counters.exposed_cpu_seconds += time.perf_counter() - start
-            for bucket in buckets:
-                if bucket.h2d_event is not None:
-                    self._link.compute_waits_for(bucket.h2d_event)
-                    bucket.h2d_event = None
+            self._stv.wait_for(buckets)
 
         return hook
 
@@ -568,9 +477,9 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             )
 
 
-def _shutdown(worker: Worker, hooks: list, link: Link) -> None:
+def _shutdown(stv: Stv, hooks: list, link: Link) -> None:
     for handle in hooks:
         handle.remove()
     hooks.clear()
-    worker.close()
+    stv.close()
     link.close()  # after the worker: its last tasks may still use the host buffers

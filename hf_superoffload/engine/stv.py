@@ -1,16 +1,37 @@
-"""Speculation-then-validation: the verdict on a speculated step, and the counters.
+"""Speculation-then-validation (STV) over host partitions: the one state machine both engines
+drive (the standalone optimizer's buckets, and the ZeRO-3 optimizer's sub groups).
 
-Independent of how gradients arrive: the engine feeds it the global squared gradient norm
-(accumulated per bucket during backward) and acts on the verdict.
+Per step:
+1. ``launch(part, d2h_event)``: a partition's gradients are on their way to the host (the event
+   says when they have landed, its squared norm is in ``host_sq_norms``); unless the policy says
+   otherwise its CPU Adam step starts now, *speculatively*, on the worker thread, with the last
+   step's clip coefficient as the gradient scale.
+2. ``conclude(validation, parts)``: the global gradient norm has decided (``validate``). COMMIT
+   keeps the speculated updates; CLIP replays them with the clip coefficient (rollback + step in
+   one pass); SKIP (non-finite) rolls them back. A partition that did not speculate steps now.
+3. ``synchronize(parts)``: wait for the worker; afterwards the params hold the new values.
+
+The engines say how gradients arrive, where updated params go (``HostPartition.flat_param``),
+how the global norm is reduced and which clip rule applies; nothing here depends on that.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 import math
+import time
+from collections.abc import Callable, Iterable
 
 import torch
+
+from .host_steps import HostSteps, SpeculationRound
+from .link import Link
+from .partition import HostPartition
+from .worker import Worker
+
+logger = logging.getLogger("hf_superoffload")
 
 
 class Verdict(enum.Enum):
@@ -26,19 +47,24 @@ class Validation:
     clip_coef: float  # gradient multiplier for the committed step (1.0 unless CLIP)
 
 
-def validate(total_sq_norm: torch.Tensor, max_grad_norm: float | None) -> Validation:
-    """Decide the fate of a step from the global squared gradient norm (an fp32 scalar).
+def torch_clip_coef(total_norm: torch.Tensor, max_grad_norm: float) -> float:
+    """torch.nn.utils.clip_grad_norm_'s multiplier, to the bit: ``max_norm / (norm + 1e-6)``
+    in fp32 (applied by the caller only when it is below 1)."""
+    return float(max_grad_norm / (total_norm + 1e-6))
 
-    The clip coefficient follows torch.nn.utils.clip_grad_norm_ to the bit:
-    ``max_norm / (norm + 1e-6)`` in fp32, applied only when it is below 1.
-    """
-    total_norm = total_sq_norm.float().sqrt()
+
+def validate(
+    total_norm: torch.Tensor,
+    max_grad_norm: float | None,
+    clip_coef: Callable[[torch.Tensor, float], float] = torch_clip_coef,
+) -> Validation:
+    """Decide the fate of a step from the global gradient norm (an fp32 scalar tensor)."""
     norm = float(total_norm)
     if not math.isfinite(norm):
         return Validation(Verdict.SKIP, norm, 0.0)
     if not max_grad_norm:
         return Validation(Verdict.COMMIT, norm, 1.0)
-    coef = float(max_grad_norm / (total_norm + 1e-6))
+    coef = clip_coef(total_norm, max_grad_norm)
     if coef < 1.0:
         return Validation(Verdict.CLIP, norm, coef)
     return Validation(Verdict.COMMIT, norm, 1.0)
@@ -46,7 +72,7 @@ def validate(total_sq_norm: torch.Tensor, max_grad_norm: float | None) -> Valida
 
 @dataclasses.dataclass
 class StvStats:
-    """Counters of one optimizer; per optimizer step, not per bucket, except the seconds."""
+    """Counters of one optimizer; per optimizer step, not per partition, except the seconds."""
 
     steps: int = 0
     speculative_steps: int = 0
@@ -61,3 +87,141 @@ class StvStats:
 
     def as_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
+
+
+def adam_hyper(group: dict, step: int) -> dict:
+    """The kernel's keyword arguments for update number ``step`` of a param group."""
+    beta1, beta2 = group["betas"]
+    return {
+        "step": step,
+        "lr": float(group["lr"]),
+        "beta1": float(beta1),
+        "beta2": float(beta2),
+        "eps": float(group["eps"]),
+        "weight_decay": float(group["weight_decay"]),
+    }
+
+
+class Stv:
+    def __init__(
+        self,
+        link: Link,
+        param_groups: Callable[[], list[dict]],
+        n_partitions: int,
+        *,
+        speculate: bool = True,
+        speculate_after_clip: bool = False,
+        stats: StvStats | None = None,
+    ):
+        self.link = link
+        self.stats = stats if stats is not None else StvStats()
+        self.param_groups = param_groups  # read at every step: schedulers change lr
+        self.speculate = speculate
+        # After a clipped step the next one likely clips too, and a replay costs a full extra
+        # CPU pass; by default such a step waits for validation instead of speculating.
+        self.speculate_after_clip = speculate_after_clip
+        # Speculate with the last step's clip coefficient: when clipping keeps triggering, the
+        # replay then changes the gradient scale by a ratio near 1, which keeps the algebraic
+        # rollback accurate (undoing a 1000x larger unclipped g^2 would cancel v's bits).
+        self.predicted_coef = 1.0
+        # The worker reads each partition's squared norm before speculating on it.
+        self.host_sq_norms = link.host_empty(n_partitions, torch.float32)
+        self.host = HostSteps(link, self.stats, self.host_sq_norms)
+        self.worker = Worker()
+        self._round = SpeculationRound()
+
+    # --------------------------------------------------------------------- backward side
+
+    @property
+    def speculating(self) -> bool:
+        return self.speculate and (self.speculate_after_clip or self.predicted_coef == 1.0)
+
+    def hyper(self, part: HostPartition, step: int) -> dict:
+        return adam_hyper(self.param_groups()[part.group_index], step)
+
+    def launch(self, part: HostPartition, d2h_event, speculate: bool = True) -> None:
+        """The partition's gradients (and its squared norm in ``host_sq_norms``) are on their
+        way to the host, landed once ``d2h_event`` completes: speculate on it if the policy
+        allows, else it steps in ``conclude``."""
+        part.d2h_event = d2h_event
+        if not (speculate and self.speculating):
+            return
+        hyper, scale, round_ = self.hyper(part, part.step + 1), self.predicted_coef, self._round
+        part.speculated_with, part.speculated_scale = hyper, scale
+        self.worker.submit(
+            [part.index], lambda: self.host.speculate(part, hyper, scale, d2h_event, round_)
+        )
+
+    # --------------------------------------------------------------------- validation side
+
+    def conclude(self, result: Validation, parts: Iterable[HostPartition]) -> None:
+        """Count the verdict and turn every host partition's step into the validated one,
+        in the order given (the one the next forward needs them in)."""
+        parts = list(parts)
+        stats = self.stats
+        stats.steps += 1
+        stats.speculative_steps += any(p.speculated_with is not None for p in parts)
+        if result.verdict is Verdict.SKIP:
+            stats.rollbacks_nonfinite += 1
+            logger.warning("hf_superoffload: non-finite gradient norm; step skipped")
+        else:
+            if any(
+                p.speculated_with is not None and p.speculated_scale != result.clip_coef
+                for p in parts
+            ):
+                stats.rollbacks_clip += 1
+            self.predicted_coef = result.clip_coef
+        for part in parts:
+            self._settle(part, result.verdict, result.clip_coef)
+            part.reset_speculation()
+        self._round = SpeculationRound()
+
+    def _settle(self, part: HostPartition, verdict: Verdict, coef: float) -> None:
+        spec, submit, host = part.speculated_with, self.worker.submit, self.host
+        if spec is None:
+            if verdict is not Verdict.SKIP:
+                hyper, event = self.hyper(part, part.step + 1), part.d2h_event
+                submit([part.index], lambda: host.step(part, hyper, coef, event))
+                part.step += 1
+            return
+        scale = part.speculated_scale
+        if verdict is Verdict.SKIP:
+            submit([part.index], lambda: host.rollback(part, spec, scale))
+            return
+        current = self.hyper(part, spec["step"])
+        if current != spec:  # lr/betas changed between backward and step(): redo with the new
+            self.stats.rollbacks_hparams += 1
+            submit([part.index], lambda: host.rollback(part, spec, scale))
+            submit([part.index], lambda: host.step(part, current, coef, None))
+        elif scale != coef:
+            submit([part.index], lambda: host.replay(part, spec, scale, coef))
+        part.step += 1
+
+    # --------------------------------------------------------------------- waiting
+
+    def busy(self, parts: Iterable[HostPartition]) -> bool:
+        return self.worker.busy(p.index for p in parts)
+
+    def wait_for(self, parts: Iterable[HostPartition]) -> None:
+        """The next forward needs these partitions: wait (counted as exposed CPU time) for
+        their CPU work, then order the compute stream after their params' return."""
+        parts = list(parts)
+        if self.worker.busy(p.index for p in parts):
+            start = time.perf_counter()
+            self.worker.wait([p.index for p in parts])
+            self.stats.exposed_cpu_seconds += time.perf_counter() - start
+        for part in parts:
+            self.link.compute_waits_for(part.h2d_event)
+            part.h2d_event = None
+
+    def synchronize(self, parts: Iterable[HostPartition]) -> None:
+        """Wait for all CPU work in flight; afterwards the params hold the new values."""
+        start = time.perf_counter()
+        self.worker.wait()
+        for part in parts:
+            self.link.compute_waits_for(part.h2d_event)
+            part.h2d_event = None
+        self.stats.exposed_cpu_seconds += time.perf_counter() - start
+
+    def close(self) -> None:
+        self.worker.close()

@@ -12,6 +12,8 @@ import queue
 import threading
 from collections.abc import Callable, Iterable
 
+import torch
+
 _STOP = object()
 
 
@@ -78,6 +80,9 @@ class Worker:
             ) from self._error
 
     def _run(self) -> None:
+        # Tasks update optimizer tensors in place (some are autograd leaves, e.g. DeepSpeed's
+        # fp32 partitions); grad mode is per thread, so switch it off for this one.
+        torch.set_grad_enabled(False)
         while True:
             item = self._tasks.get()
             if item is _STOP:

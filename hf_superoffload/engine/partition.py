@@ -1,0 +1,49 @@
+"""A host partition: the unit the STV core speculates on, validates, commits, replays or skips.
+
+It is a flat run of parameters whose fp32 master weights and Adam moments live in host memory,
+with the host buffer its gradients land in and the flat device (or host) tensor of model-dtype
+params the updated values go back to. How the gradients arrive and who owns the buffers is the
+business of the engine that builds it: the standalone optimizer's buckets, or one ZeRO-3 sub
+group of this rank's parameter partition.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class HostPartition:
+    def __init__(
+        self,
+        index: int,
+        group_index: int,
+        master: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        host_grad: torch.Tensor | None,
+        param_low: torch.Tensor | None,
+        flat_param: torch.Tensor,
+        step: int = 0,
+    ):
+        self.index = index  # also the key of its tasks on the worker
+        self.group_index = group_index  # the param group giving its hyperparameters
+        self.master = master  # fp32 master weights (page-locked when a GPU is on the other side)
+        self.exp_avg = exp_avg
+        self.exp_avg_sq = exp_avg_sq
+        self.host_grad = host_grad  # fp32, or model dtype when grads cross uncast
+        self.param_low = param_low  # the kernel's rounded copy-out, when params cross uncast
+        self.flat_param = flat_param  # model-dtype params the update is sent to
+        self.step = step  # committed updates
+        self.h2d_event: torch.cuda.Event | None = None  # consumed by the next forward
+        self.last_h2d: torch.cuda.Event | None = None  # the worker's: param_low free again
+        self.speculation_applied = False  # written and read on the worker thread only
+        self.reset_speculation()
+
+    @property
+    def numel(self) -> int:
+        return self.master.numel()
+
+    def reset_speculation(self) -> None:
+        self.d2h_event: torch.cuda.Event | None = None  # the gradients are on the host
+        self.speculated_with: dict | None = None  # hyperparameters of the speculative step
+        self.speculated_scale = 1.0  # the gradient scale it used (the predicted clip coef)
