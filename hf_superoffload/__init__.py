@@ -9,6 +9,10 @@ from .integrations import (
     SuperOffloadTrainerMixin,
     SuperOffloadTrainingArguments,
 )
+from .zero3 import activate as _activate_deepspeed_superoffload
+
+# DeepSpeed's "super_offload": true builds our ZeRO-3 optimizer from here on (zero3/activation.py).
+_activate_deepspeed_superoffload()
 
 # TRL is imported on first use of these names only: it is slow to import.
 _TRL_NAMES = (

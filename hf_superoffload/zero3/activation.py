@@ -1,0 +1,84 @@
+"""Make DeepSpeed's ``"super_offload": true`` run hf_superoffload's ZeRO-3 optimizer.
+
+DeepSpeed's engine imports its SuperOffload class from
+``deepspeed.runtime.superoffload.superoffload_stage3`` when it builds a stage-3 optimizer with
+``super_offload`` set, at that moment and by name. Activation rebinds that name to
+``SuperOffloadZero3Optimizer``: DeepSpeed (and everything above it: accelerate, the Trainer,
+TRL) then builds ours with the arguments it would have given its own. ``import hf_superoffload``
+activates; ``HF_SUPEROFFLOAD_DEEPSPEED=0`` keeps DeepSpeed's own SuperOffload.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import logging
+import os
+import sys
+
+logger = logging.getLogger("hf_superoffload")
+
+TARGET_MODULE = "deepspeed.runtime.superoffload.superoffload_stage3"
+TARGET_NAME = "SuperOffloadOptimizer_Stage3"
+OPT_OUT_ENV = "HF_SUPEROFFLOAD_DEEPSPEED"
+
+
+def enabled() -> bool:
+    raw = os.environ.get(OPT_OUT_ENV, "1").strip().lower()
+    if raw not in ("0", "1", "false", "true", "no", "yes", "off", "on"):
+        raise ValueError(f"{OPT_OUT_ENV} must be 1 or 0 (true/false), got {raw!r}.")
+    return raw in ("1", "true", "yes", "on")
+
+
+def activate() -> None:
+    """Rebind DeepSpeed's SuperOffload class now if its module is loaded, else as soon as it
+    is imported. Idempotent; does not import DeepSpeed itself (that takes seconds)."""
+    if not enabled():
+        logger.info("hf_superoffload: %s=0, DeepSpeed's own SuperOffload stays", OPT_OUT_ENV)
+        return
+    module = sys.modules.get(TARGET_MODULE)
+    if module is not None:
+        _rebind(module)
+    elif not any(isinstance(f, _RebindOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RebindOnImport())
+
+
+def is_active() -> bool:
+    module = sys.modules.get(TARGET_MODULE)
+    return module is not None and getattr(module, TARGET_NAME).__module__.startswith(
+        "hf_superoffload."
+    )
+
+
+def _rebind(module) -> None:
+    from .optimizer import SuperOffloadZero3Optimizer
+
+    setattr(module, TARGET_NAME, SuperOffloadZero3Optimizer)
+
+
+class _RebindOnImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: for the one target module it wraps the real loader so that the
+    rebinding follows the module's own execution."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != TARGET_MODULE:
+            return None
+        for finder in sys.meta_path:  # the real finders, in their order
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _RebindingLoader(spec.loader)
+                return spec
+        return None
+
+
+class _RebindingLoader(importlib.abc.Loader):
+    def __init__(self, loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        _rebind(module)

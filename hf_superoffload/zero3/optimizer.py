@@ -1,0 +1,286 @@
+"""SuperOffload on DeepSpeed ZeRO-3: the stage-3 optimizer whose CPU-offloaded sub groups are
+stepped by the STV core (``engine/stv.py``) instead of DeepSpeed's CPU Adam.
+
+DeepSpeed keeps doing what it does: partitioning params, gradients and the fp32 masters over
+the data-parallel ranks, reduce-scattering gradients, all-gathering params, the global norm,
+checkpoints (``zero_to_fp32`` included) and its partial offload. This class changes three
+things:
+
+1. ``partition_grads``: at the accumulation boundary, as a sub group's reduced gradient
+   partitions land in its host buffer, the sub group launches on the STV core, which steps it
+   speculatively on the worker thread during the rest of backward.
+2. ``step``: DeepSpeed's global norm (all ranks) validates the step: commit, replay with the
+   clip coefficient, or skip on a non-finite norm; every rank takes the same verdict.
+   Sub groups DeepSpeed keeps on the GPU (``ratio``) step there, through DeepSpeed.
+3. The Adam moments of the host sub groups live in the base optimizer's state (keyed by the
+   fp32 partitions, as with DeepSpeed's CPU Adam), so DeepSpeed's checkpoints carry them.
+
+Each rank holds only its partition: fp32 master, both moments and the gradient buffer.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+
+import torch
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
+from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+from .. import ops
+from ..engine.bucket import host_transfer_buffers
+from ..engine.cast_policy import CastPlan, choose_cast_plan
+from ..engine.link import Link
+from ..engine.partition import HostPartition
+from ..engine.stv import Stv, Verdict, validate
+from .options import check_supported, resolve_options, sub_group_size
+
+logger = logging.getLogger("hf_superoffload")
+
+OPTIMIZER_STEP_TIMER = "optimizer_step"
+
+
+def deepspeed_clip_coef(total_norm: torch.Tensor, clip: float) -> float:
+    """The gradient multiplier of DeepSpeed's ``unscale_and_clip_grads`` at loss scale 1,
+    computed as it does (a clamped divisor, then its reciprocal), so both agree to the bit."""
+    divisor = torch.clamp((total_norm + 1e-6) / clip, min=1.0)
+    return float(1.0 / divisor)
+
+
+class SuperOffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
+    def __init__(self, module, init_optimizer, param_names, timers, ds_config, **kwargs):
+        check_supported(init_optimizer, ds_config, kwargs)
+        options = resolve_options(kwargs.get("cpuadam_cores_perc", 0.8))
+        kwargs["sub_group_size"] = sub_group_size(kwargs.get("sub_group_size", 0))
+        super().__init__(module, init_optimizer, param_names, timers, ds_config, **kwargs)
+        ops.set_num_threads(options.cpu_threads)
+
+        device = torch.device(get_accelerator().current_device_name())
+        self._link = Link(device)
+        dtype = self.fp16_partitioned_groups_flat[0].dtype
+        cast = choose_cast_plan(options.cast, device, dtype)
+        # DeepSpeed casts the gradients on the device (fp32 into its host buffers).
+        cast = CastPlan(True, cast.params_on_device, cast.reason)
+        self._stv = Stv(
+            self._link,
+            lambda: self.optimizer.param_groups,
+            len(self.fp32_partitioned_groups_flat),
+            speculate=options.speculate,
+            speculate_after_clip=options.speculate_after_clip,
+        )
+        self._host_parts = self._build_host_partitions(dtype, cast)
+        self._pending_params = self._params_expecting_gradients()
+        self._launched: set[int] = set()
+        self.last_step_skipped = False
+        self._finalizer = weakref.finalize(self, _shutdown, self._stv, self._link)
+        logger.info(
+            "hf_superoffload: SuperOffload on ZeRO-3 (replaces DeepSpeed's); %d of %d sub groups "
+            "on the host, %d CPU Adam threads, speculate=%s",
+            len(self._host_parts),
+            len(self.fp32_partitioned_groups_flat),
+            options.cpu_threads,
+            options.speculate,
+        )
+
+    # ------------------------------------------------------------------------- set-up
+
+    def _build_host_partitions(self, dtype: torch.dtype, cast: CastPlan) -> list[HostPartition]:
+        """One HostPartition per CPU sub group, over DeepSpeed's own master and gradient
+        buffers; its moments are registered as the base optimizer's state of that master."""
+        parts = []
+        for i, master in enumerate(self.fp32_partitioned_groups_flat):
+            if self.subgroup_to_device[i] != "cpu":
+                continue
+            exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
+            _, param_low = host_transfer_buffers(self._link, master.numel(), dtype, cast)
+            state = self.optimizer.state[master]
+            state.update(exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, step=self._step_value(0))
+            parts.append(
+                HostPartition(
+                    i,
+                    self.sub_group_to_group_id[i],
+                    master,
+                    exp_avg,
+                    exp_avg_sq,
+                    master.grad,
+                    param_low,
+                    self.fp16_partitioned_groups_flat[i],
+                )
+            )
+        return parts
+
+    def _step_value(self, step: int):
+        """A step count in the base optimizer's own format (DeepSpeed's CPU Adam: an int;
+        torch's optimizers: a float tensor)."""
+        if type(self.optimizer).__name__ == "DeepSpeedCPUAdam":
+            return step
+        return torch.tensor(float(step))
+
+    def _has_gradient_partition(self, param) -> bool:
+        """Whether this rank's partition of ``param`` holds real elements (not only padding)."""
+        return param.partition_numel() * self._get_param_partition_rank(param) < param.ds_numel
+
+    def _params_expecting_gradients(self) -> dict[int, set[int]]:
+        """Per host sub group, the ds_ids whose gradient partitions it waits for."""
+        return {
+            part.index: {
+                p.ds_id
+                for p in self.fp16_groups[part.index]
+                if p.requires_grad and self._has_gradient_partition(p)
+            }
+            for part in self._host_parts
+        }
+
+    # ------------------------------------------------------------------------- backward side
+
+    @torch.no_grad()
+    def partition_grads(self, params_to_release, grad_partitions):
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary and self.micro_step_id == 0:
+            # No accumulation: norm and cast on the device, one copy to the host buffer
+            # (DeepSpeed's path goes through its accumulation buffer and back first).
+            self._offload_boundary_partitions(params_to_release, grad_partitions)
+        else:
+            super().partition_grads(params_to_release, grad_partitions)
+        if boundary:
+            self._note_arrivals(params_to_release)
+
+    def _offload_boundary_partitions(self, params, grad_partitions) -> None:
+        for param, grad_partition in zip(params, grad_partitions, strict=True):
+            if self._has_gradient_partition(param):
+                self._offload_boundary_param_ids.add(param.ds_id)
+                param_id = self.get_param_id(param)
+                i, offset, _ = self.grad_position[param_id]
+                self.norm_for_param_grads[param_id] = self._constant_buffered_norm2(grad_partition)
+                master_grad = self.fp32_partitioned_groups_flat[i].grad
+                target = master_grad.narrow(0, offset, grad_partition.numel())
+                target.copy_(grad_partition.reshape(-1).to(target.dtype), non_blocking=True)
+            if param.grad is not None and not get_accelerator().is_synchronized_device():
+                param.grad.record_stream(get_accelerator().current_stream())
+            param.grad = None
+
+    def _note_arrivals(self, params) -> None:
+        """Launch the host sub groups whose last awaited gradient partition just landed."""
+        completed = set()
+        for param in params:
+            i = self.grad_position[self.get_param_id(param)][0]
+            waiting = self._pending_params.get(i)
+            if waiting is not None and param.ds_id in waiting:
+                waiting.discard(param.ds_id)
+                if not waiting:
+                    completed.add(i)
+        for part in self._host_parts:
+            if part.index in completed:
+                self._launch(part, speculate=True)
+
+    def _launch(self, part: HostPartition, speculate: bool) -> None:
+        norms = [
+            self.norm_for_param_grads[self.get_param_id(p)]
+            for p in self.fp16_groups[part.index]
+            if self.get_param_id(p) in self.norm_for_param_grads
+        ]
+        if norms:
+            square = torch.stack([n.float() for n in norms]).square().sum().reshape(1)
+            self._stv.host_sq_norms[part.index : part.index + 1].copy_(square, non_blocking=True)
+        else:
+            self._stv.host_sq_norms[part.index] = 0.0
+        # Recorded on the stream that queued the copies to the host (DeepSpeed's reduce
+        # stream under overlap_comm): the worker reads the gradients once it completes.
+        self._launched.add(part.index)
+        self._stv.launch(part, self._link.record(), speculate)
+
+    def _launch_the_rest(self) -> None:
+        """Sub groups with a param that got no gradient this step: that gradient counts as
+        zero (as DeepSpeed's offload counts it absent from the norm), and they step after
+        validation, like every sub group when the boundary was only known at step()."""
+        for part in self._host_parts:
+            if part.index in self._launched:
+                continue
+            missing = self._pending_params[part.index] - self._offload_boundary_param_ids
+            for param in self.fp16_groups[part.index]:
+                if param.ds_id in missing:
+                    _, offset, numel = self.grad_position[self.get_param_id(param)]
+                    part.host_grad.narrow(0, offset, numel).zero_()
+            self._launch(part, speculate=False)
+
+    # ------------------------------------------------------------------------- validation
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self._launch_the_rest()  # before _pre_step forgets which params got gradients
+        self._pre_step()
+        self._partition_all_parameters()
+        norm = combine_grad_norm_groups(self._get_norm_groups())  # all-reduced by DeepSpeed
+        invalid = is_invalid_grad_norm(norm)
+        unscaled = torch.tensor(float("nan")) if invalid else (norm / self.loss_scale).float()
+        result = validate(unscaled.cpu(), self.clip_grad or None, deepspeed_clip_coef)
+        self._stv.conclude(result, self._host_parts)  # forward order: sub group 0 first
+        self._launched.clear()
+        self._pending_params = self._params_expecting_gradients()
+        self.last_step_skipped = result.verdict is Verdict.SKIP
+        if self.last_step_skipped:
+            self._stv.synchronize(self._host_parts)  # rollbacks read the gradient buffers
+            self.overflow = True
+            self._loss_scale_update_and_overflow_cleanup()
+            return
+
+        self.overflow = False
+        self._global_grad_norm = norm / self.loss_scale
+        timer_names = {OPTIMIZER_STEP_TIMER}
+        self.timers(OPTIMIZER_STEP_TIMER).start()
+        for i in range(len(self.fp16_groups)):
+            if self.subgroup_to_device[i] != "cpu":  # DeepSpeed's partial offload: on the GPU
+                self._prepare_sub_group(i, timer_names)
+                self.unscale_and_clip_grads(i, norm)
+                self._optimizer_step(i)
+                self._reassign_or_swap_out_partitioned_parameters(i)
+                self._release_sub_group(i, timer_names)
+        self._finish_host_updates()
+        self.timers(OPTIMIZER_STEP_TIMER).stop()
+        self._post_step(timer_names)
+
+    def _finish_host_updates(self) -> None:
+        """Wait until every host sub group's new params are in its device partition, so that
+        DeepSpeed's all-gathers (on its own streams) read them."""
+        self._stv.synchronize(self._host_parts)
+        for part in self._host_parts:
+            self._link.host_waits_for(part.last_h2d)
+            self._unflatten_partitioned_parameters(part.index)
+            self.optimizer.state[part.master]["step"] = self._step_value(part.step)
+
+    # ------------------------------------------------------------------------- state
+
+    @property
+    def stats(self) -> dict[str, float]:
+        return {**self._stv.stats.as_dict(), "buckets": len(self.fp32_partitioned_groups_flat)}
+
+    def state_dict(self):
+        self._stv.synchronize(self._host_parts)
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict_list, load_optimizer_states=True, **kwargs):
+        self._stv.synchronize(self._host_parts)
+        super().load_state_dict(state_dict_list, load_optimizer_states, **kwargs)
+        if load_optimizer_states:
+            self._adopt_loaded_state()
+
+    def _adopt_loaded_state(self) -> None:
+        """torch's load_state_dict put new tensors into the base optimizer's state: make them
+        the moments the kernels update, in place where the old ones were."""
+        for part in self._host_parts:
+            state = self.optimizer.state[part.master]
+            part.exp_avg.copy_(state["exp_avg"])
+            part.exp_avg_sq.copy_(state["exp_avg_sq"])
+            state["exp_avg"], state["exp_avg_sq"] = part.exp_avg, part.exp_avg_sq
+            part.step = int(state["step"])
+            state["step"] = self._step_value(part.step)
+
+    def destroy(self):
+        self._finalizer()
+        super().destroy()
+
+
+def _shutdown(stv: Stv, link: Link) -> None:
+    stv.close()
+    link.close()  # after the worker: its last tasks may still use the host buffers

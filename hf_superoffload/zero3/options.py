@@ -1,0 +1,109 @@
+"""What the ZeRO-3 path takes from a DeepSpeed config and from SUPEROFFLOAD_* variables.
+
+DeepSpeed's keys of its SuperOffload example act here: ``pin_memory`` (DeepSpeed's master and
+gradient buffers page-locked or not), ``ratio`` (DeepSpeed's partial offload: the first
+``1 - ratio`` of the sub groups, the first layers and so the last to get gradients, keep their
+optimizer state on the GPU and step there after validation) and ``cpuadam_cores_perc`` (the
+share of this rank's cores the CPU Adam uses). ``sub_group_size`` is the partition the STV core
+speculates on; left at DeepSpeed's default (1e9 elements, a few sub groups per model, so a sub
+group completes late in backward) it becomes our bucket size. The speculation and cast options
+come from SUPEROFFLOAD_* variables as on the standalone path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from ..engine.optimizer import DEFAULT_BUCKET_SIZE
+from ..integrations.plugin import ENV_PREFIX, SuperOffloadPlugin
+
+DEEPSPEED_DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
+# Standalone options with a DeepSpeed counterpart on this path: naming them is a mistake.
+_REPLACED = {
+    "GPU_BUCKETS": "offload_optimizer.ratio",
+    "BUCKET_SIZE": "zero_optimization.sub_group_size",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Zero3Options:
+    cpu_threads: int
+    speculate: bool
+    speculate_after_clip: bool
+    cast: str
+
+
+def resolve_options(cpuadam_cores_perc: float) -> Zero3Options:
+    for name, key in _REPLACED.items():
+        if ENV_PREFIX + name in os.environ:
+            raise ValueError(
+                f"{ENV_PREFIX}{name} does not apply under DeepSpeed ZeRO-3; set {key} in the "
+                f"DeepSpeed config instead (and unset {ENV_PREFIX}{name})."
+            )
+    plugin = SuperOffloadPlugin()  # resolves SUPEROFFLOAD_* (and refuses bad values)
+    threads = plugin.cpu_threads
+    if threads is None:
+        threads = max(1, int(cpuadam_cores_perc * _cores_of_this_rank()))
+    return Zero3Options(threads, plugin.speculate, plugin.speculate_after_clip, plugin.cast)
+
+
+def _cores_of_this_rank() -> int:
+    cores = len(os.sched_getaffinity(0))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    # Ranks bound to their own cores (deepspeed --bind_cores_to_rank, accelerate's affinity)
+    # see only those; unbound ranks of one host share what they all see.
+    if local_ranks > 1 and cores == os.cpu_count():
+        cores = max(1, cores // local_ranks)
+    return cores
+
+
+def sub_group_size(requested: int) -> int:
+    return DEFAULT_BUCKET_SIZE if requested == DEEPSPEED_DEFAULT_SUB_GROUP_SIZE else requested
+
+
+def check_supported(init_optimizer, ds_config, kwargs: dict) -> None:
+    """Refuse what this path does not run, saying what to change."""
+    offload = kwargs.get("offload_optimizer_config")
+    device = getattr(getattr(offload, "device", None), "value", getattr(offload, "device", None))
+    if device != "cpu":
+        raise ValueError(
+            f'"super_offload": true needs "offload_optimizer": {{"device": "cpu"}} under ZeRO '
+            f"stage 3, got device {device!r}; NVMe offload is not supported with super_offload."
+        )
+    if (ds_config.get("fp16") or {}).get("enabled") is True:
+        raise ValueError(
+            'hf_superoffload under ZeRO-3 does not run fp16 with loss scaling; use "bf16": '
+            '{"enabled": true} (or fp32) in the DeepSpeed config.'
+        )
+    for flag in ("fp16_master_weights_and_gradients", "bf16_master_weights_and_gradients"):
+        if kwargs.get(flag):
+            raise ValueError(f"{flag} is not supported with super_offload: masters are fp32.")
+    if kwargs.get("bf16_optimizer_states"):
+        raise ValueError("bf16_optimizer_states is not supported with super_offload.")
+    zenflow = kwargs.get("zenflow_config")
+    if zenflow is not None:
+        raise ValueError("ZenFlow and super_offload cannot be combined; choose one.")
+    check_adamw(init_optimizer)
+
+
+def check_adamw(optimizer) -> None:
+    """The CPU kernel runs AdamW (decoupled weight decay), or Adam without weight decay."""
+    name = type(optimizer).__name__
+    decoupled = bool(getattr(optimizer, "adam_w_mode", isinstance(optimizer, torch.optim.AdamW)))
+    adam_like = name in ("DeepSpeedCPUAdam", "FusedAdam", "AdamW", "Adam")
+    if not adam_like:
+        raise ValueError(
+            f"super_offload steps AdamW on the CPU; the optimizer is {name}. Use "
+            f'"optimizer": {{"type": "AdamW"}} in the DeepSpeed config (or AdamW in the Trainer).'
+        )
+    for group in optimizer.param_groups:
+        if group.get("amsgrad"):
+            raise ValueError("amsgrad is not supported by super_offload; set amsgrad=False.")
+        if not decoupled and group.get("weight_decay", 0.0):
+            raise ValueError(
+                f"{name} with weight_decay and adam_w_mode off is L2-regularised Adam, which "
+                f"super_offload does not run; use AdamW (decoupled weight decay)."
+            )

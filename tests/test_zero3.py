@@ -1,0 +1,119 @@
+"""SuperOffload on DeepSpeed ZeRO-3 (``"super_offload": true``) follows DeepSpeed ZeRO-3 with
+plain CPU offload (the same config without the flag) tensor by tensor: every rank's fp32 master
+partitions and both moments, with clipping on some, most or no steps, an injected NaN step,
+gradient accumulation, two param groups, an LR schedule, one and two ranks, and save/resume.
+
+Runs on CPU with DeepSpeed's CPU accelerator and gloo; each case spawns its ranks, and every rank
+trains the reference and then ours in one process (DeepSpeed's start-up is the slow part).
+
+Tolerances are the standalone engine's against torch (engine_reference: 1e-4 relative): with
+torch's AdamW as the base optimizer (what the Trainer passes to DeepSpeed) the reference and our
+kernel do the same arithmetic up to fp32 rounding, fed back through forward and backward, and a
+replay adds a few ulp of the undone update (ops/adam.py states the bound). DeepSpeed's own CPU
+Adam forms ``1 - beta2`` in fp32 (9.99987e-4 for 0.999), so its ``exp_avg_sq`` sits 1.3e-5
+(relative) from ours after any step: inside the same bound.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+from engine_reference import EXP_AVG_SQ_TOL, EXP_AVG_TOL, PARAM_TOL
+from ranks import spawn_ranks
+from zero3_reference import (
+    Zero3Case,
+    assert_states_close,
+    init_rank,
+    make_engine,
+    optimizer_state,
+    train,
+)
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before anything imports DeepSpeed
+
+TOLERANCES = {"master": PARAM_TOL, "exp_avg": EXP_AVG_TOL, "exp_avg_sq": EXP_AVG_SQ_TOL}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _both_on_rank(rank, world, port, case, env, out_dir) -> None:
+    os.environ.update(env)
+    init_rank(rank, world, port)
+    torch.set_num_threads(1)
+    import hf_superoffload  # noqa: F401  (activates the ZeRO-3 path)
+
+    results = {}
+    for name, super_offload in (("reference", False), ("superoffload", True)):
+        engine, optimizer = make_engine(case, super_offload, world)
+        kind = type(optimizer).__name__
+        record = train(engine, case, rank, range(case.steps))
+        record.update(state=optimizer_state(optimizer), kind=kind)
+        if super_offload:
+            record["stats"] = optimizer.stats
+        results[name] = record
+        engine.destroy()
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def _run(case: Zero3Case, world: int, tmp_path, env: dict | None = None) -> list[dict]:
+    spawn_ranks(_both_on_rank, (world, _free_port(), case, env or {}, str(tmp_path)), world)
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def _assert_follows(results: list[dict]) -> None:
+    for rank, result in enumerate(results):
+        ref, ours = result["reference"], result["superoffload"]
+        assert ref["kind"] == "DeepSpeedZeroOptimizer_Stage3"
+        assert ours["kind"] == "SuperOffloadZero3Optimizer"
+        assert_states_close(ours["state"], ref["state"], TOLERANCES, f"rank {rank}")
+        torch.testing.assert_close(
+            torch.tensor(ours["losses"]), torch.tensor(ref["losses"]), rtol=1e-4, atol=1e-6,
+            equal_nan=True,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_follows_deepspeed_with_clipping_on_some_steps_nan_accumulation_groups_schedule(
+    world, tmp_path
+):
+    # Thresholds inside each world's range of norms (two ranks average two batches: smaller).
+    case = Zero3Case(max_grad_norm={1: 1.3, 2: 1.0}[world], accumulation=2, nan_step=3)
+    results = _run(case, world, tmp_path)
+    _assert_follows(results)
+    ref, ours = results[0]["reference"], results[0]["superoffload"]
+    clipped = [n > case.max_grad_norm for n in ref["norms"] if n == n and n != float("inf")]
+    assert any(clipped) and not all(clipped), f"want clipping on some steps, norms {ref['norms']}"
+    stats = ours["stats"]
+    assert stats["rollbacks_nonfinite"] == 1 and stats["steps"] == case.steps
+    assert stats["speculative_steps"] >= 1
+    # The NaN step was skipped on every rank: one step fewer than steps taken.
+    assert ours["state"]["step"][0] == case.steps - 1
+
+
+def test_follows_deepspeed_when_every_step_clips_and_speculation_replays(tmp_path):
+    case = Zero3Case(max_grad_norm=1e-2, two_groups=False)
+    results = _run(case, 1, tmp_path, env={"SUPEROFFLOAD_SPECULATE_AFTER_CLIP": "1"})
+    _assert_follows(results)
+    stats = results[0]["superoffload"]["stats"]
+    assert stats["speculative_steps"] == case.steps
+    assert stats["rollbacks_clip"] == case.steps  # every step replayed with its coefficient
+
+
+def test_follows_deepspeed_without_clipping(tmp_path):
+    case = Zero3Case(max_grad_norm=0.0, schedule=False)
+    results = _run(case, 1, tmp_path)
+    _assert_follows(results)
+    stats = results[0]["superoffload"]["stats"]
+    assert stats["speculative_steps"] == case.steps and stats["rollbacks_clip"] == 0
+
+
+def test_follows_deepspeed_cpu_adam_on_two_ranks(tmp_path):
+    case = Zero3Case(deepspeed_adam=True, max_grad_norm=2.0)
+    _assert_follows(_run(case, 2, tmp_path))

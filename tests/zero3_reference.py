@@ -1,0 +1,181 @@
+"""Runs a tiny Llama under DeepSpeed ZeRO-3 with CPU optimizer offload, with or without
+``"super_offload": true``, and collects what the comparison needs from each rank: its fp32
+master partitions, both Adam moments, step counts, losses and grad norms.
+
+With ``super_offload`` the engine builds hf_superoffload's ZeRO-3 optimizer (activated by
+``import hf_superoffload``); without it, DeepSpeed's plain CPU offload steps the same
+partitions with the same base optimizer. On CPU, DeepSpeed runs with ``DS_ACCELERATOR=cpu``
+and gloo (set before DeepSpeed is first imported).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+import os
+
+import torch
+
+VOCAB, SEQ = 64, 12
+
+
+@dataclasses.dataclass(frozen=True)
+class Zero3Case:
+    steps: int = 6
+    micro_batch: int = 2
+    accumulation: int = 1
+    max_grad_norm: float = 1.0
+    lr: float = 1e-2
+    weight_decay: float = 0.1
+    two_groups: bool = True  # decay / no-decay groups, as the Trainer builds them
+    schedule: bool = True  # a LambdaLR the engine steps
+    nan_step: int | None = None  # the loss of this step (on rank 0 only) is NaN
+    deepspeed_adam: bool = False  # DeepSpeed's "AdamW" (its CPU Adam) instead of torch's
+    bf16: bool = False
+    sub_group_size: int = 3000
+    persistence_threshold: int = 0
+
+    def replace(self, **changes) -> Zero3Case:
+        return dataclasses.replace(self, **changes)
+
+
+def init_rank(rank: int, world: int, port: int) -> None:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    import deepspeed
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=120))
+
+
+def build_model(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+def ds_config(case: Zero3Case, super_offload: bool, world: int) -> dict:
+    config = {
+        "train_micro_batch_size_per_gpu": case.micro_batch,
+        "gradient_accumulation_steps": case.accumulation,
+        "train_batch_size": case.micro_batch * case.accumulation * world,
+        "gradient_clipping": case.max_grad_norm,
+        "bf16": {"enabled": case.bf16},
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,  # torch's AdamW as the base, as the Trainer does
+        "zero_optimization": {
+            "stage": 3,
+            "sub_group_size": case.sub_group_size,
+            "reduce_bucket_size": 2000,
+            "stage3_param_persistence_threshold": case.persistence_threshold,
+            "offload_optimizer": {
+                "device": "cpu",
+                "pin_memory": False,
+                "super_offload": super_offload,
+            },
+        },
+        "steps_per_print": 10**9,
+    }
+    if case.deepspeed_adam:
+        config["optimizer"] = {
+            "type": "AdamW",
+            "params": {"lr": case.lr, "weight_decay": case.weight_decay, "betas": [0.9, 0.999]},
+        }
+    return config
+
+
+def _param_groups(model, case: Zero3Case) -> list[dict]:
+    named = list(model.named_parameters())
+    if not case.two_groups:
+        return [{"params": [p for _, p in named], "weight_decay": case.weight_decay}]
+    decay = [p for n, p in named if p.ndim >= 2]
+    no_decay = [p for n, p in named if p.ndim < 2]
+    return [
+        {"params": decay, "weight_decay": case.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def make_engine(case: Zero3Case, super_offload: bool, world: int, model_seed: int = 0):
+    import deepspeed
+
+    model = build_model(model_seed)
+    kwargs = {"model": model, "config": ds_config(case, super_offload, world)}
+    if case.deepspeed_adam:
+        kwargs["model_parameters"] = _param_groups(model, case)
+    else:
+        kwargs["optimizer"] = torch.optim.AdamW(_param_groups(model, case), lr=case.lr)
+    if case.schedule:
+        kwargs["lr_scheduler"] = lambda opt: torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: 1.0 / (1.0 + 0.5 * s)
+        )
+    engine, optimizer, _, _ = deepspeed.initialize(**kwargs)
+    return engine, optimizer
+
+
+def batch(case: Zero3Case, step: int, micro: int, rank: int, device) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    ids = torch.randint(0, VOCAB, (case.micro_batch, SEQ), generator=generator)
+    return ids.to(device)
+
+
+def train(engine, case: Zero3Case, rank: int, steps: range) -> dict:
+    losses, norms = [], []
+    for step in steps:
+        for micro in range(case.accumulation):
+            ids = batch(case, step, micro, rank, engine.device)
+            loss = engine(input_ids=ids, labels=ids).loss
+            if case.nan_step == step and rank == 0:
+                loss = loss * float("nan")
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss))
+        norm = engine.get_global_grad_norm()
+        norms.append(float(norm) if norm is not None else math.nan)
+    return {"losses": losses, "norms": norms}
+
+
+def optimizer_state(optimizer) -> dict:
+    """This rank's fp32 master partitions and Adam state, by sub group."""
+    state = optimizer.optimizer.state
+    out = {"master": [], "exp_avg": [], "exp_avg_sq": [], "step": []}
+    for master in optimizer.fp32_partitioned_groups_flat:
+        out["master"].append(master.detach().float().cpu().clone())
+        entry = state.get(master, {})
+        for key in ("exp_avg", "exp_avg_sq"):
+            value = entry.get(key)
+            out[key].append(None if value is None else value.float().cpu().clone())
+        out["step"].append(int(entry["step"]) if "step" in entry else 0)
+    return out
+
+
+def assert_states_close(got: dict, want: dict, tolerances: dict, what: str) -> None:
+    """``tolerances`` maps master / exp_avg / exp_avg_sq to assert_close's rtol and atol."""
+    assert got["step"] == want["step"], f"{what}: step counts {got['step']} != {want['step']}"
+    for key in ("master", "exp_avg", "exp_avg_sq"):
+        for i, (a, b) in enumerate(zip(got[key], want[key], strict=True)):
+            assert (a is None) == (b is None), f"{what}: {key}[{i}] present in only one run"
+            if a is not None:
+                torch.testing.assert_close(
+                    a, b, **tolerances[key], msg=lambda m, k=key, j=i: f"{what}: {k}[{j}]: {m}"
+                )
