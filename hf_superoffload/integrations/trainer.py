@@ -20,6 +20,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 
 from ..engine import SuperOffloadOptimizer
+from ..zero3.config import require_super_offload
 from .metrics import ThroughputMeter, peak_tflops, stv_metrics
 from .plugin import SuperOffloadPlugin
 
@@ -31,13 +32,30 @@ class SuperOffloadTrainerMixin:
         self._superoffload_plugin = superoffload_plugin
         self._throughput = ThroughputMeter()
         super().__init__(*args, **kwargs)
+        if self._on_deepspeed:  # DeepSpeed builds our ZeRO-3 optimizer when train() starts
+            require_super_offload(self.accelerator.state.deepspeed_plugin.deepspeed_config)
         self.add_callback(_SuperOffloadCallback(self))
 
     @property
+    def _on_deepspeed(self) -> bool:
+        return self.accelerator.distributed_type == DistributedType.DEEPSPEED
+
+    @property
     def superoffload_optimizer(self) -> SuperOffloadOptimizer | None:
+        """The standalone optimizer this Trainer built, if it built one (not under DeepSpeed)."""
         optimizer = getattr(self, "optimizer", None)
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps it
         return inner if isinstance(inner, SuperOffloadOptimizer) else None
+
+    @property
+    def _stv_optimizer(self):
+        """Whichever SuperOffload optimizer runs: the standalone one, or under DeepSpeed the
+        ZeRO-3 one inside the engine (both have ``stats``, ``synchronize`` and
+        ``last_step_skipped``)."""
+        if not self._on_deepspeed:
+            return self.superoffload_optimizer
+        engine_optimizer = getattr(getattr(self, "deepspeed", None), "optimizer", None)
+        return engine_optimizer if hasattr(engine_optimizer, "stats") else None
 
     def _resolved_plugin(self) -> SuperOffloadPlugin:
         if self._superoffload_plugin is not None:
@@ -49,6 +67,8 @@ class SuperOffloadTrainerMixin:
         if self.optimizer is not None:
             return self.optimizer
         _check_supported(self)
+        if self._on_deepspeed:  # the Trainer's AdamW becomes DeepSpeed's base optimizer
+            return super().create_optimizer(model)
         opt_model = self.model if model is None else model
         if self.args.bf16 and next(opt_model.parameters()).dtype == torch.float32:
             # The fp32 master lives on the CPU, so the GPU copy only needs bf16.
@@ -101,7 +121,7 @@ class SuperOffloadTrainerMixin:
     def log(self, logs, start_time=None):
         """Training logs gain tokens_per_second, tflops, mfu and the stv/ counters (reduced
         over ranks), so report_to="wandb" records them under train/."""
-        optimizer = self.superoffload_optimizer
+        optimizer = self._stv_optimizer
         if "loss" in logs and optimizer is not None:
             logs.update(self._throughput.metrics(self.accelerator, peak_tflops()))
             logs.update(stv_metrics(optimizer.stats, self.accelerator))
@@ -128,7 +148,7 @@ class SuperOffloadTrainerMixin:
         return super()._save_checkpoint(model, trial)
 
     def _superoffload_synchronize(self) -> None:
-        optimizer = self.superoffload_optimizer
+        optimizer = self._stv_optimizer
         if optimizer is not None:
             optimizer.synchronize()
 
@@ -152,6 +172,11 @@ class _SuperOffloadCallback(TrainerCallback):
             self.trainer.optimizer._is_overflow = optimizer.last_step_skipped
 
     def on_train_end(self, args, state, control, **kwargs):
+        if self.trainer._on_deepspeed:  # the DeepSpeed engine owns (and ends) its optimizer
+            engine_optimizer = self.trainer._stv_optimizer
+            if engine_optimizer is not None:
+                self.trainer.superoffload_stats = engine_optimizer.stats
+            return
         optimizer = self.trainer.superoffload_optimizer
         if optimizer is not None:
             optimizer.synchronize()
@@ -204,11 +229,13 @@ def _prepare_one_object_with(accelerator, method: str, target, **options) -> Non
 
 def _check_supported(trainer) -> None:
     distributed = trainer.accelerator.distributed_type
-    if distributed in (DistributedType.DEEPSPEED, DistributedType.FSDP):
+    if distributed == DistributedType.FSDP:
         raise ValueError(
-            f"SuperOffload runs its own optimizer offload and cannot combine with {distributed}; "
-            f"remove the DeepSpeed/FSDP config from accelerate (or use the plain Trainer with it)."
+            "SuperOffload runs its own optimizer offload and cannot combine with FSDP; use a "
+            "DeepSpeed ZeRO-3 config (accelerate_configs/ has them) or one of the plain configs."
         )
+    if distributed == DistributedType.DEEPSPEED:
+        return
     if distributed not in (DistributedType.NO, *_DATA_PARALLEL):
         raise ValueError(
             f"SuperOffload supports one process, or data parallelism with one process per GPU "
