@@ -117,3 +117,51 @@ def test_follows_deepspeed_without_clipping(tmp_path):
 def test_follows_deepspeed_cpu_adam_on_two_ranks(tmp_path):
     case = Zero3Case(deepspeed_adam=True, max_grad_norm=2.0)
     _assert_follows(_run(case, 2, tmp_path))
+
+
+def _resume_on_rank(rank, world, port, case, out_dir) -> None:
+    init_rank(rank, world, port)
+    torch.set_num_threads(1)
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    import hf_superoffload  # noqa: F401
+
+    half = case.steps // 2
+    checkpoint = os.path.join(out_dir, "checkpoint")
+    engine, optimizer = make_engine(case, True, world)
+    train(engine, case, rank, range(half))
+    engine.save_checkpoint(checkpoint, tag="half")
+    masters = {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
+    train(engine, case, rank, range(half, case.steps))
+    straight = optimizer_state(optimizer)
+    engine.destroy()
+
+    # Other initial weights: everything must come from the checkpoint.
+    engine, optimizer = make_engine(case, True, world, model_seed=1)
+    engine.load_checkpoint(checkpoint, tag="half")
+    assert type(optimizer).__name__ == "SuperOffloadZero3Optimizer"
+    train(engine, case, rank, range(half, case.steps))
+    resumed = optimizer_state(optimizer)
+    engine.destroy()
+    deepspeed.comm.barrier()
+    consolidated = get_fp32_state_dict_from_zero_checkpoint(checkpoint, tag="half")
+    torch.save(
+        {"straight": straight, "resumed": resumed, "masters": masters, "fp32": consolidated},
+        os.path.join(out_dir, f"rank{rank}.pt"),
+    )
+
+
+def test_save_then_resume_equals_an_uninterrupted_run_and_zero_to_fp32_reads_the_masters(
+    tmp_path,
+):
+    case = Zero3Case(max_grad_norm=1.0, nan_step=1)
+    world = 2
+    spawn_ranks(_resume_on_rank, (world, _free_port(), case, str(tmp_path)), world)
+    for rank in range(world):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert_states_close(result["resumed"], result["straight"], TOLERANCES, f"rank {rank}")
+        assert result["fp32"].keys() == result["masters"].keys()
+        for name, master in result["masters"].items():
+            assert torch.equal(result["fp32"][name], master), f"zero_to_fp32 differs at {name}"
