@@ -34,7 +34,7 @@ class Zero3Case:
     deepspeed_adam: bool = False  # DeepSpeed's "AdamW" (its CPU Adam) instead of torch's
     bf16: bool = False
     sub_group_size: int = 3000
-    persistence_threshold: int = 0
+    persistence_threshold: int = 100  # the norms (32 elements) persist, the matrices do not
 
     def replace(self, **changes) -> Zero3Case:
         return dataclasses.replace(self, **changes)
@@ -155,17 +155,21 @@ def train(engine, case: Zero3Case, rank: int, steps: range) -> dict:
     return {"losses": losses, "norms": norms}
 
 
-def optimizer_state(optimizer) -> dict:
-    """This rank's fp32 master partitions and Adam state, by sub group."""
-    state = optimizer.optimizer.state
-    out = {"master": [], "exp_avg": [], "exp_avg_sq": [], "step": []}
-    for master in optimizer.fp32_partitioned_groups_flat:
-        out["master"].append(master.detach().float().cpu().clone())
-        entry = state.get(master, {})
+def optimizer_state(engine) -> dict:
+    """This rank's partition of every param's fp32 master and Adam moments (through
+    DeepSpeed's accessors, so sub groups may be cut differently), and the step counts."""
+    from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
+
+    out = {"master": [], "exp_avg": [], "exp_avg_sq": []}
+    for param in engine.module.parameters():
+        out["master"].append(safe_get_local_fp32_param(param).float().cpu().clone())
         for key in ("exp_avg", "exp_avg_sq"):
-            value = entry.get(key)
-            out[key].append(None if value is None else value.float().cpu().clone())
-        out["step"].append(int(entry["step"]) if "step" in entry else 0)
+            value = safe_get_local_optimizer_state(param, key)
+            out[key].append(value.float().cpu().clone())
+    state = engine.optimizer.optimizer.state
+    out["step"] = sorted(
+        {int(state[m]["step"]) for m in engine.optimizer.fp32_partitioned_groups_flat}
+    )
     return out
 
 

@@ -202,9 +202,11 @@ class Stv:
     def busy(self, parts: Iterable[HostPartition]) -> bool:
         return self.worker.busy(p.index for p in parts)
 
-    def wait_for(self, parts: Iterable[HostPartition]) -> None:
+    def wait_for(self, parts: Iterable[HostPartition], consume: bool = True) -> None:
         """The next forward needs these partitions: wait (counted as exposed CPU time) for
-        their CPU work, then order the compute stream after their params' return."""
+        their CPU work, then order the current stream after their params' return. With
+        ``consume`` the event is dropped (one reader); else later readers on other streams
+        wait for it too."""
         parts = list(parts)
         if self.worker.busy(p.index for p in parts):
             start = time.perf_counter()
@@ -212,7 +214,8 @@ class Stv:
             self.stats.exposed_cpu_seconds += time.perf_counter() - start
         for part in parts:
             self.link.compute_waits_for(part.h2d_event)
-            part.h2d_event = None
+            if consume:
+                part.h2d_event = None
 
     def synchronize(self, parts: Iterable[HostPartition]) -> None:
         """Wait for all CPU work in flight; afterwards the params hold the new values."""

@@ -12,7 +12,11 @@ things:
 2. ``step``: DeepSpeed's global norm (all ranks) validates the step: commit, replay with the
    clip coefficient, or skip on a non-finite norm; every rank takes the same verdict.
    Sub groups DeepSpeed keeps on the GPU (``ratio``) step there, through DeepSpeed.
-3. The Adam moments of the host sub groups live in the base optimizer's state (keyed by the
+3. ``step`` returns before the CPU work it queued is done: each param's all-gather (the next
+   forward's, DeepSpeed's prefetches, any other) first waits for the sub groups it reads.
+   Persistent params (DeepSpeed keeps small ones gathered and re-gathers them at the end of
+   ``step``) get sub groups of their own, settled first, so that gather waits only for them.
+4. The Adam moments of the host sub groups live in the base optimizer's state (keyed by the
    fp32 partitions, as with DeepSpeed's CPU Adam), so DeepSpeed's checkpoints carry them.
 
 Each rank holds only its partition: fp32 master, both moments and the gradient buffer.
@@ -72,6 +76,17 @@ class SuperOffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         self._host_parts = self._build_host_partitions(dtype, cast)
         self._pending_params = self._params_expecting_gradients()
         self._launched: set[int] = set()
+        self._part_of_param = {
+            p.ds_id: part for part in self._host_parts for p in self.fp16_groups[part.index]
+        }
+        # Settle order: persistent params' sub groups first (step() gathers them), then
+        # forward order (sub group 0 holds the first layers).
+        persistent = [p for p in self._host_parts if self._holds_persistent(p.index)]
+        self._settle_order = persistent + [p for p in self._host_parts if p not in persistent]
+        self._persistent_parts = persistent
+        for group in self.fp16_groups:
+            for param in group:
+                self._gather_after_update(param)
         self.last_step_skipped = False
         self._finalizer = weakref.finalize(self, _shutdown, self._stv, self._link)
         logger.info(
@@ -110,6 +125,47 @@ class SuperOffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
             )
         return parts
 
+    def _create_fp16_sub_groups(self, params_group):
+        """Sub groups of at most ``sub_group_size`` elements of this rank's partition, with
+        the persistent params (gathered again at every step's end) in sub groups of their
+        own, so that gather waits only for them."""
+        persistent = [p for p in params_group if getattr(p, "ds_persist", False)]
+        others = [p for p in params_group if not getattr(p, "ds_persist", False)]
+        return self._chunks(others) + self._chunks(persistent)
+
+    def _chunks(self, params) -> list[list]:
+        chunks, current, size = [], [], 0
+        for param in params:
+            if current and size + param.partition_numel() > self.sub_group_size:
+                chunks.append(current)
+                current, size = [], 0
+            current.append(param)
+            size += param.partition_numel()
+        return [*chunks, current] if current else chunks
+
+    def _holds_persistent(self, sub_group: int) -> bool:
+        return any(getattr(p, "ds_persist", False) for p in self.fp16_groups[sub_group])
+
+    def _gather_after_update(self, param) -> None:
+        """NOTE: wraps DeepSpeed's per-param gather functions (attributes DeepSpeed sets on
+        each ZeRO-3 param): a gather reads the param's partition, which our worker may still
+        be updating after step() returned. Waits for those sub groups, then orders the
+        current stream (DeepSpeed's all-gather stream inside its coordinator) after their
+        copies to the device."""
+        for name in ("all_gather_coalesced", "all_gather"):
+            gather = getattr(param, name)
+
+            def gather_updated(params=None, *args, _gather=gather, **kwargs):
+                self._wait_for_params([param] if params is None else params)
+                return _gather(params, *args, **kwargs)
+
+            setattr(param, name, gather_updated)
+
+    def _wait_for_params(self, params) -> None:
+        parts = {id(part): part for p in params if (part := self._part_of_param.get(p.ds_id))}
+        if parts:
+            self._stv.wait_for(parts.values(), consume=False)
+
     def _step_value(self, step: int):
         """A step count in the base optimizer's own format (DeepSpeed's CPU Adam: an int;
         torch's optimizers: a float tensor)."""
@@ -137,6 +193,10 @@ class SuperOffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
     @torch.no_grad()
     def partition_grads(self, params_to_release, grad_partitions):
         boundary = self.is_gradient_accumulation_boundary()
+        if boundary:  # the last step's CPU work on these host buffers must be done
+            self._stv.worker.wait(
+                {self.grad_position[self.get_param_id(p)][0] for p in params_to_release}
+            )
         if boundary and self.micro_step_id == 0:
             # No accumulation: norm and cast on the device, one copy to the host buffer
             # (DeepSpeed's path goes through its accumulation buffer and back first).
@@ -198,6 +258,8 @@ class SuperOffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
             if part.index in self._launched:
                 continue
             missing = self._pending_params[part.index] - self._offload_boundary_param_ids
+            if missing:
+                self._stv.worker.wait([part.index])  # the last step's tasks read this buffer
             for param in self.fp16_groups[part.index]:
                 if param.ds_id in missing:
                     _, offset, numel = self.grad_position[self.get_param_id(param)]
@@ -215,10 +277,12 @@ class SuperOffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         invalid = is_invalid_grad_norm(norm)
         unscaled = torch.tensor(float("nan")) if invalid else (norm / self.loss_scale).float()
         result = validate(unscaled.cpu(), self.clip_grad or None, deepspeed_clip_coef)
-        self._stv.conclude(result, self._host_parts)  # forward order: sub group 0 first
+        self._stv.conclude(result, self._settle_order)
         self._launched.clear()
         self._pending_params = self._params_expecting_gradients()
         self.last_step_skipped = result.verdict is Verdict.SKIP
+        for part in self._host_parts:
+            self.optimizer.state[part.master]["step"] = self._step_value(part.step)
         if self.last_step_skipped:
             self._stv.synchronize(self._host_parts)  # rollbacks read the gradient buffers
             self.overflow = True
@@ -236,18 +300,21 @@ class SuperOffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
                 self._optimizer_step(i)
                 self._reassign_or_swap_out_partitioned_parameters(i)
                 self._release_sub_group(i, timer_names)
-        self._finish_host_updates()
+        for part in self._host_parts:  # points the params' partitions at the flat buffers
+            self._unflatten_partitioned_parameters(part.index)
         self.timers(OPTIMIZER_STEP_TIMER).stop()
-        self._post_step(timer_names)
+        self._post_step(timer_names)  # gathers the persistent params: waits for theirs only
 
-    def _finish_host_updates(self) -> None:
-        """Wait until every host sub group's new params are in its device partition, so that
-        DeepSpeed's all-gathers (on its own streams) read them."""
+    def synchronize(self) -> None:
+        """Wait for all CPU work in flight; afterwards the partitions hold the new values."""
         self._stv.synchronize(self._host_parts)
         for part in self._host_parts:
             self._link.host_waits_for(part.last_h2d)
-            self._unflatten_partitioned_parameters(part.index)
-            self.optimizer.state[part.master]["step"] = self._step_value(part.step)
+
+    def _get_fp32_opt_state_partition(self, param, release_swap_buffers, optim_state_key=None):
+        # DeepSpeed's accessors (safe_get_local_fp32_param, ...) read a sub group's state.
+        self._stv.worker.wait([self.grad_position[self.get_param_id(param)][0]])
+        return super()._get_fp32_opt_state_partition(param, release_swap_buffers, optim_state_key)
 
     # ------------------------------------------------------------------------- state
 
@@ -256,11 +323,11 @@ class SuperOffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         return {**self._stv.stats.as_dict(), "buckets": len(self.fp32_partitioned_groups_flat)}
 
     def state_dict(self):
-        self._stv.synchronize(self._host_parts)
+        self.synchronize()
         return super().state_dict()
 
     def load_state_dict(self, state_dict_list, load_optimizer_states=True, **kwargs):
-        self._stv.synchronize(self._host_parts)
+        self.synchronize()
         super().load_state_dict(state_dict_list, load_optimizer_states, **kwargs)
         if load_optimizer_states:
             self._adopt_loaded_state()
