@@ -82,8 +82,9 @@ def make_sft_config(args: argparse.Namespace) -> SFTConfig:
     """The training arguments. Values that differ from TRL's defaults are set on purpose."""
     use_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     superoffload = {}
-    if args.optimizer == "superoffload":
+    if args.optimizer == "superoffload" and os.environ.get("ACCELERATE_USE_DEEPSPEED") != "true":
         # A 0.1M-param model fits one default bucket; small ones exercise the bucket pipeline.
+        # (Under a DeepSpeed config the partition is its sub_group_size.)
         superoffload = {"superoffload_bucket_size": 1 << 14}
     return SuperOffloadSFTConfig(
         output_dir=args.output_dir,

@@ -32,7 +32,8 @@ from zero3_reference import (
     train,
 )
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before anything imports DeepSpeed
+if not torch.cuda.is_available():  # before anything imports DeepSpeed
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 TOLERANCES = {"master": PARAM_TOL, "exp_avg": EXP_AVG_TOL, "exp_avg_sq": EXP_AVG_SQ_TOL}
 

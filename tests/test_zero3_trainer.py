@@ -19,7 +19,8 @@ import torch
 from ranks import spawn_ranks
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 DATA_FILE = Path(__file__).resolve().parents[1] / "examples" / "data" / "arithmetic_sft.jsonl"
 STEPS = 6

@@ -41,7 +41,8 @@ class Zero3Case:
 
 
 def init_rank(rank: int, world: int, port: int) -> None:
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -74,7 +75,7 @@ def build_model(seed: int = 0):
     return LlamaForCausalLM(config)
 
 
-def ds_config(case: Zero3Case, super_offload: bool, world: int) -> dict:
+def ds_config(case: Zero3Case, super_offload: bool, world: int, ratio: float = 1.0) -> dict:
     config = {
         "train_micro_batch_size_per_gpu": case.micro_batch,
         "gradient_accumulation_steps": case.accumulation,
@@ -92,6 +93,7 @@ def ds_config(case: Zero3Case, super_offload: bool, world: int) -> dict:
                 "device": "cpu",
                 "pin_memory": False,
                 "super_offload": super_offload,
+                "ratio": ratio,
             },
         },
         "steps_per_print": 10**9,
@@ -116,11 +118,13 @@ def _param_groups(model, case: Zero3Case) -> list[dict]:
     ]
 
 
-def make_engine(case: Zero3Case, super_offload: bool, world: int, model_seed: int = 0):
+def make_engine(
+    case: Zero3Case, super_offload: bool, world: int, model_seed: int = 0, ratio: float = 1.0
+):
     import deepspeed
 
     model = build_model(model_seed)
-    kwargs = {"model": model, "config": ds_config(case, super_offload, world)}
+    kwargs = {"model": model, "config": ds_config(case, super_offload, world, ratio)}
     if case.deepspeed_adam:
         kwargs["model_parameters"] = _param_groups(model, case)
     else:

@@ -20,7 +20,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 
 from ..engine import SuperOffloadOptimizer
-from ..zero3.config import require_super_offload
+from ..zero3.config import export_zero3_options, require_super_offload
 from .metrics import ThroughputMeter, peak_tflops, stv_metrics
 from .plugin import SuperOffloadPlugin
 
@@ -34,6 +34,7 @@ class SuperOffloadTrainerMixin:
         super().__init__(*args, **kwargs)
         if self._on_deepspeed:  # DeepSpeed builds our ZeRO-3 optimizer when train() starts
             require_super_offload(self.accelerator.state.deepspeed_plugin.deepspeed_config)
+            export_zero3_options(self._explicit_options())
         self.add_callback(_SuperOffloadCallback(self))
 
     @property
@@ -56,6 +57,17 @@ class SuperOffloadTrainerMixin:
             return self.superoffload_optimizer
         engine_optimizer = getattr(getattr(self, "deepspeed", None), "optimizer", None)
         return engine_optimizer if hasattr(engine_optimizer, "stats") else None
+
+    def _explicit_options(self) -> dict:
+        """The SuperOffload options given as arguments (a plugin, or superoffload_* fields)."""
+        if self._superoffload_plugin is not None:
+            return self._superoffload_plugin.optimizer_kwargs()
+        prefix = "superoffload_"
+        return {
+            name[len(prefix) :]: value
+            for name, value in vars(self.args).items()
+            if name.startswith(prefix) and value is not None
+        }
 
     def _resolved_plugin(self) -> SuperOffloadPlugin:
         if self._superoffload_plugin is not None:

@@ -7,6 +7,15 @@ DeepSpeed builds the engine from it.
 from __future__ import annotations
 
 import logging
+import os
+
+from ..integrations.plugin import ENV_PREFIX
+
+# Options of the standalone engine that DeepSpeed's config replaces on this path.
+REPLACED_BY_DEEPSPEED = {
+    "gpu_buckets": "offload_optimizer.ratio",
+    "bucket_size": "zero_optimization.sub_group_size",
+}
 
 logger = logging.getLogger("hf_superoffload")
 
@@ -28,3 +37,22 @@ def require_super_offload(config: dict) -> None:
     if offload.get("super_offload") is not True:
         logger.info("hf_superoffload: setting offload_optimizer.super_offload = true")
         offload["super_offload"] = True
+
+
+def export_zero3_options(options: dict) -> None:
+    """Hand the trainer's SuperOffload options to the ZeRO-3 optimizer DeepSpeed will build
+    (it reads SUPEROFFLOAD_* when it is constructed); refuse those DeepSpeed's config replaces."""
+    replaced = {k: REPLACED_BY_DEEPSPEED[k] for k in options if k in REPLACED_BY_DEEPSPEED}
+    defaults = {"gpu_buckets": "auto", "bucket_size": 1 << 25}
+    replaced = {k: v for k, v in replaced.items() if options[k] != defaults[k]}
+    if replaced:
+        raise ValueError(
+            "under DeepSpeed ZeRO-3 these SuperOffload options come from the DeepSpeed config: "
+            + ", ".join(f"{k} -> {v}" for k, v in replaced.items())
+            + "; set them there and drop the superoffload_ arguments."
+        )
+    for name, value in options.items():
+        if name not in REPLACED_BY_DEEPSPEED and value is not None:
+            os.environ[ENV_PREFIX + name.upper()] = (
+                str(value).lower() if isinstance(value, bool) else str(value)
+            )

@@ -31,6 +31,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+from deepspeed.utils import log_dist
 
 from .. import ops
 from ..engine.bucket import host_transfer_buffers
@@ -38,6 +39,7 @@ from ..engine.cast_policy import CastPlan, choose_cast_plan
 from ..engine.link import Link
 from ..engine.partition import HostPartition
 from ..engine.stv import Stv, Verdict, validate
+from .activation import OPT_OUT_ENV
 from .options import check_supported, resolve_options, sub_group_size
 
 logger = logging.getLogger("hf_superoffload")
@@ -89,13 +91,13 @@ class SuperOffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
                 self._gather_after_update(param)
         self.last_step_skipped = False
         self._finalizer = weakref.finalize(self, _shutdown, self._stv, self._link)
-        logger.info(
-            "hf_superoffload: SuperOffload on ZeRO-3 (replaces DeepSpeed's); %d of %d sub groups "
-            "on the host, %d CPU Adam threads, speculate=%s",
-            len(self._host_parts),
-            len(self.fp32_partitioned_groups_flat),
-            options.cpu_threads,
-            options.speculate,
+        log_dist(
+            f"hf_superoffload: SuperOffload on ZeRO-3 runs in place of DeepSpeed's "
+            f"({len(self._host_parts)} of {len(self.fp32_partitioned_groups_flat)} sub groups "
+            f"on the host, {options.cpu_threads} CPU Adam threads, speculate={options.speculate};"
+            f" {OPT_OUT_ENV}=0 runs DeepSpeed's own)",
+            ranks=[0],
+            level=logging.WARNING,  # once per run, and the user must see which engine runs
         )
 
     # ------------------------------------------------------------------------- set-up
@@ -155,9 +157,10 @@ class SuperOffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         for name in ("all_gather_coalesced", "all_gather"):
             gather = getattr(param, name)
 
-            def gather_updated(params=None, *args, _gather=gather, **kwargs):
+            def gather_updated(*args, _gather=gather, **kwargs):
+                params = args[0] if args else kwargs.get("param_list", kwargs.get("params"))
                 self._wait_for_params([param] if params is None else params)
-                return _gather(params, *args, **kwargs)
+                return _gather(*args, **kwargs)
 
             setattr(param, name, gather_updated)
 
