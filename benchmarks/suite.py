@@ -1,5 +1,6 @@
 # Run (on the device machine: source scripts/device_env.sh first):
 #   python benchmarks/suite.py --hidden 3072 --layers 28 --seq 4096 --out-dir results
+#   (--systems picks a subset: see --help; all six do not fit one 600 s device call)
 """Runs several systems on one model point, each in its own process (so one's memory cannot
 help or hurt another), and compares them measured in the same run.
 
@@ -34,6 +35,7 @@ ALL = [
     "no_offload",
     "superoffload",
     "deepspeed_zero_offload",
+    "superoffload_zero3",
     "deepspeed_superoffload",
     "torchao_offload",
 ]
@@ -41,16 +43,19 @@ MODEL_FLAGS = ("hidden", "layers", "inter", "vocab", "seq", "batch", "steps", "c
 COLUMNS = [
     "date", "gpu", "torch", "transformers", "system", "status", "params_b", "hidden", "layers",
     "seq", "batch", "clip", "s_per_step", "tokens_per_s", "tflops", "mfu", "peak_gpu_gib",
-    "peak_host_rss_gib", "peak_host_used_gib", "wall_s", "error", "stats", "config",
+    "peak_host_rss_gib", "peak_host_used_gib", "wall_s", "optimizer", "error", "stats", "config",
 ]  # fmt: skip
 
 
-# What builds (or loads from its cache) each system's CPU Adam extension.
+# What builds (or loads from its cache) each system's CPU Adam extensions.
 _DEEPSPEED_CPU_ADAM = "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()"
+_OURS = "from hf_superoffload.ops._build import load_extension; load_extension()"
 PREBUILD = {
-    "superoffload": "from hf_superoffload.ops._build import load_extension; load_extension()",
-    "deepspeed_zero_offload": _DEEPSPEED_CPU_ADAM,
-    "deepspeed_superoffload": _DEEPSPEED_CPU_ADAM,
+    "superoffload": (_OURS,),
+    "deepspeed_zero_offload": (_DEEPSPEED_CPU_ADAM,),
+    # DeepSpeed builds DeepSpeedCPUAdam as the base optimizer; ours steps the host sub groups.
+    "superoffload_zero3": (_OURS, _DEEPSPEED_CPU_ADAM),
+    "deepspeed_superoffload": (_DEEPSPEED_CPU_ADAM,),
 }
 
 
@@ -58,7 +63,7 @@ def prebuild(systems: list[str], log: Path) -> dict[str, str]:
     """Builds the systems' CPU extensions together, before any system is timed: the builds
     are minutes of compiler time that would otherwise run one after the other, and nothing
     measured runs beside them. Returns {system: error} for the systems whose build failed."""
-    codes = sorted({PREBUILD[s] for s in systems if s in PREBUILD})
+    codes = sorted({code for s in systems for code in PREBUILD.get(s, ())})
     with open(log, "w") as out:
         procs = {
             code: subprocess.Popen([sys.executable, "-c", code], stdout=out, stderr=out)
@@ -68,7 +73,7 @@ def prebuild(systems: list[str], log: Path) -> dict[str, str]:
     return {
         system: f"building its CPU extension failed (see {log})"
         for system in systems
-        if PREBUILD.get(system) in failed
+        if failed.intersection(PREBUILD.get(system, ()))
     }
 
 
@@ -169,9 +174,23 @@ def run_system(
             "wall_s": wall,
             "peak_host_used_gib": host.peak_gib,
         }
-        return {**json.loads(rows[-1]), **measured}
+        row = {**json.loads(rows[-1]), **measured}
+        mismatch = optimizer_mismatch(row)
+        if mismatch:  # train_step.py refuses this itself; never count the wrong system's number
+            return {"system": name, "status": "failed", "error": mismatch, "wall_s": wall,
+                    "optimizer": row.get("optimizer")}  # fmt: skip
+        return row
     status, error = classify_failure(result.returncode, result.stderr)
     return {"system": name, "status": status, "error": error[:300], "wall_s": wall}
+
+
+def optimizer_mismatch(row: dict) -> str | None:
+    """Why a result row is not the system it names (the ZeRO optimizer class DeepSpeed built is
+    not the one the system expects), or None."""
+    expected = row.get("expected_optimizer")
+    if expected and row.get("optimizer") != expected:
+        return f"optimizer mismatch: expected {expected}, ran {row.get('optimizer')}"
+    return None
 
 
 def classify_failure(returncode: int, stderr: str) -> tuple[str, str]:
@@ -241,8 +260,13 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--systems", default=",".join(ALL))
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--systems", default=",".join(ALL),
+        help=f"comma list of {', '.join(ALL)} (default: all; see benchmarks/systems.py)",
+    )  # fmt: skip
     parser.add_argument("--hidden", type=int, default=3072)
     parser.add_argument("--layers", type=int, default=28)
     parser.add_argument("--inter", type=int, default=0)
@@ -293,7 +317,8 @@ def main() -> None:
         row = {**where, "clip": args.clip, **row, "config": json.dumps(run_config)}
         append_rows(csv_path, [row])  # row by row: a later hang loses nothing before it
         rows.append(row)
-        summary = {k: row.get(k) for k in ("system", "status", "s_per_step", "wall_s", "error")}
+        keys = ("system", "status", "s_per_step", "wall_s", "optimizer", "error")
+        summary = {k: row.get(k) for k in keys}
         print(json.dumps(summary))
     first_ok = next((r for r in rows if r["status"] == "ok"), None)
     title = f"{where['gpu']}, {first_ok['params_b'] if first_ok else '?'}B params, {point}"

@@ -5,19 +5,40 @@ AdamW (lr 1e-5, no weight decay), clip ``--clip``, bf16 compute, activation chec
   HF Trainer does without offload; fp32 master and both moments on the GPU).
 - superoffload: bf16 params on the GPU, fp32 master and moments on the CPU (this package).
 - deepspeed_zero_offload: DeepSpeed ZeRO-3 with offload_optimizer cpu (DeepSpeedCPUAdam).
-- deepspeed_superoffload: the same with offload_optimizer.super_offload: true.
+- superoffload_zero3: the same with offload_optimizer.super_offload: true, built as this
+  package's SuperOffloadZero3Optimizer (``import hf_superoffload`` rebinds DeepSpeed's class).
+- deepspeed_superoffload: the same config again, run with HF_SUPEROFFLOAD_DEEPSPEED=0, so
+  DeepSpeed builds its own SuperOffloadOptimizer_Stage3.
+
+The three DeepSpeed systems share one config (bf16, clip, AdamW, DeepSpeed's default
+sub_group_size); each checks after deepspeed.initialize which ZeRO optimizer class the engine
+built and refuses to run on another (``EXPECTED_OPTIMIZER``). ``environment`` is what
+train_step.py sets in os.environ before anything imports hf_superoffload or DeepSpeed.
 - torchao_offload: torchao's CPUOffloadOptimizer over bf16 params (bf16 optimizer state on the
   CPU and no fp32 master: cheaper, but not the same numerics).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+from typing import ClassVar
 
 import torch
 import transformers
 
 LR = 1e-5
+OPT_OUT_ENV = "HF_SUPEROFFLOAD_DEEPSPEED"  # hf_superoffload/zero3/activation.py
+DEEPSPEED_STAGE3 = "deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3"
+DEEPSPEED_SUPEROFFLOAD = (
+    "deepspeed.runtime.superoffload.superoffload_stage3.SuperOffloadOptimizer_Stage3"
+)
+OURS_ZERO3 = "hf_superoffload.zero3.optimizer.SuperOffloadZero3Optimizer"
+logger = logging.getLogger("benchmarks")
+
+
+def qualified_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _model(config: transformers.LlamaConfig, dtype: torch.dtype) -> torch.nn.Module:
@@ -77,8 +98,12 @@ class SuperOffload:
 
 class DeepSpeedZeroOffload:
     super_offload = False
+    environment: ClassVar[dict[str, str]] = {}
+    expected_optimizer = DEEPSPEED_STAGE3
 
     def __init__(self, config, args):
+        if self.expected_optimizer == OURS_ZERO3:
+            import hf_superoffload  # noqa: F401  (before deepspeed.initialize: the rebinding)
         import deepspeed
 
         for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29511"), ("RANK", "0"),
@@ -109,6 +134,18 @@ class DeepSpeedZeroOffload:
         self.engine, *_ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=ds_config
         )
+        self.optimizer_name = qualified_name(type(self.engine.optimizer))
+        logger.info(
+            "%s=%s: the engine's ZeRO optimizer is %s (base optimizer %s)",
+            OPT_OUT_ENV, os.environ.get(OPT_OUT_ENV), self.optimizer_name,
+            qualified_name(type(getattr(self.engine.optimizer, "optimizer", None))),
+        )  # fmt: skip
+        if self.optimizer_name != self.expected_optimizer:
+            raise RuntimeError(
+                f"optimizer mismatch: {type(self).__name__} expects {self.expected_optimizer}, "
+                f"DeepSpeed built {self.optimizer_name} ({OPT_OUT_ENV}="
+                f"{os.environ.get(OPT_OUT_ENV)!r})"
+            )
 
     def step(self, batch):
         loss = self.engine(input_ids=batch, labels=batch).loss
@@ -119,8 +156,19 @@ class DeepSpeedZeroOffload:
         return None
 
 
+class SuperOffloadZero3(DeepSpeedZeroOffload):
+    super_offload = True
+    environment: ClassVar[dict[str, str]] = {OPT_OUT_ENV: "1"}
+    expected_optimizer = OURS_ZERO3
+
+    def finish(self):
+        return self.engine.optimizer.stats
+
+
 class DeepSpeedSuperOffload(DeepSpeedZeroOffload):
     super_offload = True
+    environment: ClassVar[dict[str, str]] = {OPT_OUT_ENV: "0"}
+    expected_optimizer = DEEPSPEED_SUPEROFFLOAD
 
 
 class TorchaoOffload:
@@ -150,6 +198,7 @@ SYSTEMS = {
     "no_offload": NoOffload,
     "superoffload": SuperOffload,
     "deepspeed_zero_offload": DeepSpeedZeroOffload,
+    "superoffload_zero3": SuperOffloadZero3,
     "deepspeed_superoffload": DeepSpeedSuperOffload,
     "torchao_offload": TorchaoOffload,
 }

@@ -14,6 +14,7 @@ import argparse
 import datetime
 import json
 import logging
+import os
 import resource
 import statistics
 import sys
@@ -23,7 +24,8 @@ import torch
 import transformers
 from systems import SYSTEMS
 
-from hf_superoffload.integrations.metrics import matmul_params, model_flops_per_token, peak_tflops
+# hf_superoffload is imported in main(), after the system's environment is set: the import
+# reads HF_SUPEROFFLOAD_DEEPSPEED to decide whose SuperOffload DeepSpeed builds.
 
 
 def model_config(args) -> transformers.LlamaConfig:
@@ -42,6 +44,8 @@ def model_config(args) -> transformers.LlamaConfig:
 def count_params(config: transformers.LlamaConfig) -> tuple[int, int]:
     """(all params, matmul params), from a meta-device copy: ZeRO-3 partitions the real
     params, whose numel then reads 0."""
+    from hf_superoffload.integrations.metrics import matmul_params
+
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config)
     return sum(p.numel() for p in model.parameters()), matmul_params(model)
@@ -65,6 +69,12 @@ def main() -> None:
     parser.add_argument("--jsonl", default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    environment = getattr(SYSTEMS[args.system], "environment", {})
+    early = [m for m in ("hf_superoffload", "deepspeed") if m in sys.modules]
+    if environment and early:
+        sys.exit(f"{early} imported before {args.system}'s environment {environment} was set")
+    os.environ.update(environment)
+    from hf_superoffload.integrations.metrics import model_flops_per_token, peak_tflops
 
     torch.manual_seed(0)
     config = model_config(args)
@@ -107,6 +117,8 @@ def main() -> None:
         "peak_host_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
         "mfu": round(tflops / peak, 4) if (peak := peak_tflops()) else None,
         "clip": args.clip,
+        "optimizer": getattr(system, "optimizer_name", None),
+        "expected_optimizer": getattr(system, "expected_optimizer", None),
         "stats": stats,
     }
     line = json.dumps(row)

@@ -19,13 +19,9 @@ import torch
 
 from ..engine.optimizer import DEFAULT_BUCKET_SIZE
 from ..integrations.plugin import ENV_PREFIX, SuperOffloadPlugin
+from .config import REPLACED_BY_DEEPSPEED
 
 DEEPSPEED_DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
-# Standalone options with a DeepSpeed counterpart on this path: naming them is a mistake.
-_REPLACED = {
-    "GPU_BUCKETS": "offload_optimizer.ratio",
-    "BUCKET_SIZE": "zero_optimization.sub_group_size",
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,11 +33,12 @@ class Zero3Options:
 
 
 def resolve_options(cpuadam_cores_perc: float) -> Zero3Options:
-    for name, key in _REPLACED.items():
-        if ENV_PREFIX + name in os.environ:
+    for option, key in REPLACED_BY_DEEPSPEED.items():
+        name = ENV_PREFIX + option.upper()
+        if name in os.environ:
             raise ValueError(
-                f"{ENV_PREFIX}{name} does not apply under DeepSpeed ZeRO-3; set {key} in the "
-                f"DeepSpeed config instead (and unset {ENV_PREFIX}{name})."
+                f"{name} does not apply under DeepSpeed ZeRO-3; set {key} in the DeepSpeed "
+                f"config instead (and unset {name})."
             )
     plugin = SuperOffloadPlugin()  # resolves SUPEROFFLOAD_* (and refuses bad values)
     threads = plugin.cpu_threads
