@@ -58,6 +58,8 @@ def _both_on_rank(rank, world, port, case, env, out_dir) -> None:
         record.update(state=optimizer_state(engine), kind=kind)
         if super_offload:
             record["stats"] = optimizer.stats
+            record["host_bytes"] = optimizer.host_bytes()
+            record["params"] = sum(p.ds_tensor.numel() for p in engine.module.parameters())
         results[name] = record
         engine.destroy()
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -111,8 +113,14 @@ def test_follows_deepspeed_without_clipping(tmp_path):
     case = Zero3Case(max_grad_norm=0.0, schedule=False)
     results = _run(case, 1, tmp_path)
     _assert_follows(results)
-    stats = results[0]["superoffload"]["stats"]
+    ours = results[0]["superoffload"]
+    stats = ours["stats"]
     assert stats["speculative_steps"] == case.steps and stats["rollbacks_clip"] == 0
+    # Nothing accumulates: DeepSpeed's host accumulation buffer is gone; fp32 master, fp32
+    # gradients and two moments remain (no bf16 copy-out in an fp32 model): 16 B/param.
+    host = ours["host_bytes"]
+    assert host["accumulation"] == 0 and host["param_copy_out"] == 0
+    assert sum(host.values()) == 16 * ours["params"]
 
 
 def test_follows_deepspeed_cpu_adam_on_two_ranks(tmp_path):

@@ -76,6 +76,10 @@ class SuperOffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
             speculate_after_clip=options.speculate_after_clip,
         )
         self._host_parts = self._build_host_partitions(dtype, cast)
+        managed = ds_config.get("managed_gradient_accumulation", True) is not False
+        self._accumulates = self.gradient_accumulation_steps > 1 or not managed
+        if not self._accumulates:
+            self._drop_accumulation_buffer()
         self._pending_params = self._params_expecting_gradients()
         self._launched: set[int] = set()
         self._part_of_param = {
@@ -169,6 +173,30 @@ class SuperOffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         if parts:
             self._stv.wait_for(parts.values(), consume=False)
 
+    def _drop_accumulation_buffer(self) -> None:
+        """With nothing to accumulate every gradient partition takes our boundary path, and
+        DeepSpeed's host accumulation buffer (model dtype, one element per param of the
+        partition, pinned in a power-of-two block) is never read: free it."""
+        buffer = self.grad_partitions_flat_buffer
+        self.grad_partitions_flat_buffer = torch.empty(0, dtype=buffer.dtype)
+        # NOTE: DeepSpeed's name-mangled views into that buffer, one per param.
+        self._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition.clear()
+
+    def host_bytes(self) -> dict[str, int]:
+        """Host memory this rank's optimizer holds, by what it holds."""
+
+        def nbytes(tensors) -> int:
+            return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+        parts = self._host_parts
+        return {
+            "master": nbytes(p.master for p in parts),
+            "gradients": nbytes(p.host_grad for p in parts),
+            "moments": nbytes([p.exp_avg for p in parts] + [p.exp_avg_sq for p in parts]),
+            "param_copy_out": nbytes(p.param_low for p in parts),
+            "accumulation": nbytes([self.grad_partitions_flat_buffer]),
+        }
+
     def _step_value(self, step: int):
         """A step count in the base optimizer's own format (DeepSpeed's CPU Adam: an int;
         torch's optimizers: a float tensor)."""
@@ -199,6 +227,12 @@ class SuperOffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         if boundary:  # the last step's CPU work on these host buffers must be done
             self._stv.worker.wait(
                 {self.grad_position[self.get_param_id(p)][0] for p in params_to_release}
+            )
+        if not self._accumulates and not (boundary and self.micro_step_id == 0):
+            raise RuntimeError(
+                "a second backward before step() with gradient_accumulation_steps=1: set "
+                "gradient_accumulation_steps in the DeepSpeed config (or the Trainer) to the "
+                "number of backward passes per step."
             )
         if boundary and self.micro_step_id == 0:
             # No accumulation: norm and cast on the device, one copy to the host buffer
