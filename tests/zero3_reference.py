@@ -160,20 +160,28 @@ def train(engine, case: Zero3Case, rank: int, steps: range) -> dict:
 
 
 def optimizer_state(engine) -> dict:
-    """This rank's partition of every param's fp32 master and Adam moments (through
-    DeepSpeed's accessors, so sub groups may be cut differently), and the step counts."""
-    from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
+    """This rank's partition of every param's fp32 master and Adam moments (per param, so sub
+    groups may be cut differently), and the step counts. Read from the sub groups directly:
+    DeepSpeed's accessors miss the state of sub groups its partial offload keeps on the GPU
+    (that lives in its backup optimizer)."""
+    zero = engine.optimizer
+    if hasattr(zero, "synchronize"):
+        zero.synchronize()
+
+    def state_of(master) -> dict:
+        if master in zero.optimizer.state:
+            return zero.optimizer.state[master]
+        return zero.backup_optimizer.state[master]
 
     out = {"master": [], "exp_avg": [], "exp_avg_sq": []}
     for param in engine.module.parameters():
-        out["master"].append(safe_get_local_fp32_param(param).float().cpu().clone())
+        i, offset, numel = zero.grad_position[zero.get_param_id(param)]
+        master = zero.fp32_partitioned_groups_flat[i]
+        out["master"].append(master.detach().narrow(0, offset, numel).float().cpu().clone())
         for key in ("exp_avg", "exp_avg_sq"):
-            value = safe_get_local_optimizer_state(param, key)
+            value = state_of(master)[key].narrow(0, offset, numel)
             out[key].append(value.float().cpu().clone())
-    state = engine.optimizer.optimizer.state
-    out["step"] = sorted(
-        {int(state[m]["step"]) for m in engine.optimizer.fp32_partitioned_groups_flat}
-    )
+    out["step"] = sorted({int(state_of(m)["step"]) for m in zero.fp32_partitioned_groups_flat})
     return out
 
 
