@@ -202,16 +202,22 @@ class Stv:
     def busy(self, parts: Iterable[HostPartition]) -> bool:
         return self.worker.busy(p.index for p in parts)
 
+    def wait_for_tasks(self, keys: Iterable[int]) -> None:
+        """Wait for the worker's tasks on these partitions (by index), counted as exposed CPU
+        time when there were any (e.g. backward needs a host buffer a task still reads)."""
+        keys = list(keys)
+        if self.worker.busy(keys):
+            start = time.perf_counter()
+            self.worker.wait(keys)
+            self.stats.exposed_cpu_seconds += time.perf_counter() - start
+
     def wait_for(self, parts: Iterable[HostPartition], consume: bool = True) -> None:
         """The next forward needs these partitions: wait (counted as exposed CPU time) for
         their CPU work, then order the current stream after their params' return. With
         ``consume`` the event is dropped (one reader); else later readers on other streams
         wait for it too."""
         parts = list(parts)
-        if self.worker.busy(p.index for p in parts):
-            start = time.perf_counter()
-            self.worker.wait([p.index for p in parts])
-            self.stats.exposed_cpu_seconds += time.perf_counter() - start
+        self.wait_for_tasks(p.index for p in parts)
         for part in parts:
             self.link.compute_waits_for(part.h2d_event)
             if consume:

@@ -225,7 +225,7 @@ class SuperOffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
     def partition_grads(self, params_to_release, grad_partitions):
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:  # the last step's CPU work on these host buffers must be done
-            self._stv.worker.wait(
+            self._stv.wait_for_tasks(
                 {self.grad_position[self.get_param_id(p)][0] for p in params_to_release}
             )
         if not self._accumulates and not (boundary and self.micro_step_id == 0):
@@ -296,7 +296,7 @@ class SuperOffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
                 continue
             missing = self._pending_params[part.index] - self._offload_boundary_param_ids
             if missing:
-                self._stv.worker.wait([part.index])  # the last step's tasks read this buffer
+                self._stv.wait_for_tasks([part.index])  # the last step's tasks read this buffer
             for param in self.fp16_groups[part.index]:
                 if param.ds_id in missing:
                     _, offset, numel = self.grad_position[self.get_param_id(param)]
