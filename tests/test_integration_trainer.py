@@ -386,6 +386,10 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path, max_grad_nor
         "save_strategy": "steps",
         "save_steps": 3,
         "max_grad_norm": max_grad_norm,
+        # A fixed tail: "auto" moves buckets by measured timings, so on a loaded machine two
+        # identical runs can place them differently, and tail and host buckets round
+        # differently (a known defect, issue 11 item 6).
+        "superoffload_gpu_buckets": "2",
     }
     full = _trainer(tmp_path / "full", True, **ckpt_args)
     full.train()
@@ -469,10 +473,13 @@ def _stub(distributed_type, fp16=False):
     )
 
 
-@pytest.mark.parametrize("distributed_type", [DistributedType.DEEPSPEED, DistributedType.FSDP])
-def test_refuses_deepspeed_and_fsdp(distributed_type):
-    with pytest.raises(ValueError, match="DeepSpeed/FSDP"):
-        _check_supported(_stub(distributed_type))
+def test_refuses_fsdp():
+    with pytest.raises(ValueError, match="cannot combine with FSDP; use a DeepSpeed ZeRO-3"):
+        _check_supported(_stub(DistributedType.FSDP))
+
+
+def test_accepts_deepspeed():  # tests/test_zero3_trainer.py trains through it
+    _check_supported(_stub(DistributedType.DEEPSPEED))
 
 
 def test_refuses_fp16():

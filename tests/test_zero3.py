@@ -123,6 +123,11 @@ def test_follows_deepspeed_without_clipping(tmp_path):
     assert sum(host.values()) == 16 * ours["params"]
 
 
+def test_follows_deepspeed_with_params_offloaded_too(tmp_path):
+    case = Zero3Case(offload_param=True, max_grad_norm=1.3, steps=4)
+    _assert_follows(_run(case, 1, tmp_path))
+
+
 def test_follows_deepspeed_cpu_adam_on_two_ranks(tmp_path):
     case = Zero3Case(deepspeed_adam=True, max_grad_norm=2.0)
     _assert_follows(_run(case, 2, tmp_path))

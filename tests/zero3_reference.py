@@ -27,6 +27,10 @@ class Zero3Case:
     accumulation: int = 1
     max_grad_norm: float = 1.0
     lr: float = 1e-2
+    # 1e-6, not 1e-8: in a tiny random model some gradients are ~1e-9, where sqrt(v) meets a
+    # 1e-8 eps and m / (sqrt(v) + eps) turns one ulp of v into a visible change of the param
+    # (tests/test_integration_trl.py says the same); this keeps the comparison about the engine.
+    eps: float = 1e-6
     weight_decay: float = 0.1
     two_groups: bool = True  # decay / no-decay groups, as the Trainer builds them
     schedule: bool = True  # a LambdaLR the engine steps
@@ -35,6 +39,7 @@ class Zero3Case:
     bf16: bool = False
     sub_group_size: int = 3000
     persistence_threshold: int = 100  # the norms (32 elements) persist, the matrices do not
+    offload_param: bool = False  # the 16-bit params' partitions in host memory too
 
     def replace(self, **changes) -> Zero3Case:
         return dataclasses.replace(self, **changes)
@@ -98,10 +103,17 @@ def ds_config(case: Zero3Case, super_offload: bool, world: int, ratio: float = 1
         },
         "steps_per_print": 10**9,
     }
+    if case.offload_param:
+        config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": False}
     if case.deepspeed_adam:
         config["optimizer"] = {
             "type": "AdamW",
-            "params": {"lr": case.lr, "weight_decay": case.weight_decay, "betas": [0.9, 0.999]},
+            "params": {
+                "lr": case.lr,
+                "eps": case.eps,
+                "weight_decay": case.weight_decay,
+                "betas": [0.9, 0.999],
+            },
         }
     return config
 
@@ -128,7 +140,9 @@ def make_engine(
     if case.deepspeed_adam:
         kwargs["model_parameters"] = _param_groups(model, case)
     else:
-        kwargs["optimizer"] = torch.optim.AdamW(_param_groups(model, case), lr=case.lr)
+        kwargs["optimizer"] = torch.optim.AdamW(
+            _param_groups(model, case), lr=case.lr, eps=case.eps
+        )
     if case.schedule:
         kwargs["lr_scheduler"] = lambda opt: torch.optim.lr_scheduler.LambdaLR(
             opt, lambda s: 1.0 / (1.0 + 0.5 * s)
