@@ -17,15 +17,15 @@ Adam forms ``1 - beta2`` in fp32 (9.99987e-4 for 0.999), so its ``exp_avg_sq`` s
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
-from engine_reference import EXP_AVG_SQ_TOL, EXP_AVG_TOL, PARAM_TOL
 from ranks import spawn_ranks
 from zero3_reference import (
+    TOLERANCES,
     Zero3Case,
     assert_states_close,
+    free_port,
     init_rank,
     make_engine,
     optimizer_state,
@@ -34,14 +34,6 @@ from zero3_reference import (
 
 if not torch.cuda.is_available():  # before anything imports DeepSpeed
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-TOLERANCES = {"master": PARAM_TOL, "exp_avg": EXP_AVG_TOL, "exp_avg_sq": EXP_AVG_SQ_TOL}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _both_on_rank(rank, world, port, case, env, out_dir) -> None:
@@ -66,7 +58,7 @@ def _both_on_rank(rank, world, port, case, env, out_dir) -> None:
 
 
 def _run(case: Zero3Case, world: int, tmp_path, env: dict | None = None) -> list[dict]:
-    spawn_ranks(_both_on_rank, (world, _free_port(), case, env or {}, str(tmp_path)), world)
+    spawn_ranks(_both_on_rank, (world, free_port(), case, env or {}, str(tmp_path)), world)
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
@@ -172,7 +164,7 @@ def test_save_then_resume_equals_an_uninterrupted_run_and_zero_to_fp32_reads_the
 ):
     case = Zero3Case(max_grad_norm=1.0, nan_step=1)
     world = 2
-    spawn_ranks(_resume_on_rank, (world, _free_port(), case, str(tmp_path)), world)
+    spawn_ranks(_resume_on_rank, (world, free_port(), case, str(tmp_path)), world)
     for rank in range(world):
         result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         assert_states_close(result["resumed"], result["straight"], TOLERANCES, f"rank {rank}")

@@ -10,15 +10,15 @@ them there (its partial offload, with its CPU Adam): that path must agree too.
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
-from engine_reference import EXP_AVG_SQ_TOL, EXP_AVG_TOL, PARAM_TOL
 from ranks import spawn_ranks
 from zero3_reference import (
+    TOLERANCES,
     Zero3Case,
     assert_states_close,
+    free_port,
     init_rank,
     make_engine,
     optimizer_state,
@@ -26,14 +26,6 @@ from zero3_reference import (
 )
 
 pytestmark = pytest.mark.gpu
-
-TOLERANCES = {"master": PARAM_TOL, "exp_avg": EXP_AVG_TOL, "exp_avg_sq": EXP_AVG_SQ_TOL}
-
-
-def _port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _both(rank, port, case, ratio, out_dir) -> None:
@@ -60,7 +52,7 @@ def _both(rank, port, case, ratio, out_dir) -> None:
 @pytest.mark.parametrize("ratio", [1.0, 0.5])
 def test_one_gpu_bf16_follows_deepspeed_cpu_offload(ratio, tmp_path):
     case = Zero3Case(bf16=True, max_grad_norm=1.0, deepspeed_adam=ratio < 1.0, steps=6)
-    spawn_ranks(_both, (_port(), case, ratio, str(tmp_path)), world=1)
+    spawn_ranks(_both, (free_port(), case, ratio, str(tmp_path)), world=1)
     result = torch.load(tmp_path / "rank0.pt", weights_only=False)
     ref, ours = result["reference"], result["superoffload"]
     assert ours["kind"] == "SuperOffloadZero3Optimizer"

@@ -11,12 +11,12 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 from ranks import spawn_ranks
+from zero3_reference import free_port
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 if not torch.cuda.is_available():
@@ -112,10 +112,7 @@ def _three_runs(rank, port, out_dir) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("zero3_trainer")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    spawn_ranks(_three_runs, (port, str(out)), world=1)
+    spawn_ranks(_three_runs, (free_port(), str(out)), world=1)
     return torch.load(out / "results.pt", weights_only=False)
 
 

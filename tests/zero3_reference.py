@@ -14,10 +14,20 @@ import dataclasses
 import datetime
 import math
 import os
+import socket
 
 import torch
+from engine_reference import EXP_AVG_SQ_TOL, EXP_AVG_TOL, PARAM_TOL
 
 VOCAB, SEQ = 64, 12
+# The standalone engine's tolerances against torch (engine_reference states why).
+TOLERANCES = {"master": PARAM_TOL, "exp_avg": EXP_AVG_TOL, "exp_avg_sq": EXP_AVG_SQ_TOL}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 @dataclasses.dataclass(frozen=True)
