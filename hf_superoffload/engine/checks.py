@@ -45,15 +45,21 @@ def common_device_and_dtype(params: list[torch.nn.Parameter]) -> tuple[torch.dev
     return device, dtype
 
 
+def cores_of_this_rank(bound: bool) -> int:
+    """The cores this process may use, shared out between the ranks of one host unless each
+    rank is ``bound`` to cores of its own."""
+    cores = len(os.sched_getaffinity(0))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if local_ranks > 1 and not bound:
+        cores = max(1, cores // local_ranks)
+    return cores
+
+
 def default_cpu_threads(device: torch.device) -> int:
     if device.type != "cuda":
         return torch.get_num_threads()
-    cores = len(os.sched_getaffinity(0))
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    bound = os.environ.get("ACCELERATE_CPU_AFFINITY") == "1"  # each on its GPU's NUMA node
-    if local_ranks > 1 and not bound:
-        # Data-parallel ranks of one host that all see the same cores: share them out
-        # (set cpu_threads to override, e.g. after binding ranks yourself with numactl).
-        cores = max(1, cores // local_ranks)
+    # Ranks accelerate bound each to its GPU's NUMA node keep their cores; others share them
+    # (set cpu_threads to override, e.g. after binding ranks yourself with numactl).
+    cores = cores_of_this_rank(bound=os.environ.get("ACCELERATE_CPU_AFFINITY") == "1")
     # Leave one core to the training thread that feeds the GPU.
     return max(1, cores - 1)

@@ -23,7 +23,6 @@ class HostPartition:
         host_grad: torch.Tensor | None,
         param_low: torch.Tensor | None,
         flat_param: torch.Tensor,
-        step: int = 0,
     ):
         self.index = index  # also the key of its tasks on the worker
         self.group_index = group_index  # the param group giving its hyperparameters
@@ -33,7 +32,7 @@ class HostPartition:
         self.host_grad = host_grad  # fp32, or model dtype when grads cross uncast
         self.param_low = param_low  # the kernel's rounded copy-out, when params cross uncast
         self.flat_param = flat_param  # model-dtype params the update is sent to
-        self.step = step  # committed updates
+        self.step = 0  # committed updates
         self.h2d_event: torch.cuda.Event | None = None  # consumed by the next forward
         self.last_h2d: torch.cuda.Event | None = None  # the worker's: param_low free again
         self.speculation_applied = False  # written and read on the worker thread only

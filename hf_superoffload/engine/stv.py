@@ -111,10 +111,9 @@ class Stv:
         *,
         speculate: bool = True,
         speculate_after_clip: bool = False,
-        stats: StvStats | None = None,
     ):
         self.link = link
-        self.stats = stats if stats is not None else StvStats()
+        self.stats = StvStats()
         self.param_groups = param_groups  # read at every step: schedulers change lr
         self.speculate = speculate
         # After a clipped step the next one likely clips too, and a replay costs a full extra
@@ -199,9 +198,6 @@ class Stv:
 
     # --------------------------------------------------------------------- waiting
 
-    def busy(self, parts: Iterable[HostPartition]) -> bool:
-        return self.worker.busy(p.index for p in parts)
-
     def wait_for_tasks(self, keys: Iterable[int]) -> None:
         """Wait for the worker's tasks on these partitions (by index), counted as exposed CPU
         time when there were any (e.g. backward needs a host buffer a task still reads)."""
@@ -218,19 +214,21 @@ class Stv:
         wait for it too."""
         parts = list(parts)
         self.wait_for_tasks(p.index for p in parts)
-        for part in parts:
-            self.link.compute_waits_for(part.h2d_event)
-            if consume:
-                part.h2d_event = None
+        self._order_after_returns(parts, consume)
 
     def synchronize(self, parts: Iterable[HostPartition]) -> None:
         """Wait for all CPU work in flight; afterwards the params hold the new values."""
         start = time.perf_counter()
         self.worker.wait()
+        self._order_after_returns(parts, consume=True)
+        self.stats.exposed_cpu_seconds += time.perf_counter() - start
+
+    def _order_after_returns(self, parts: Iterable[HostPartition], consume: bool) -> None:
+        """Order the current stream after these partitions' params came back."""
         for part in parts:
             self.link.compute_waits_for(part.h2d_event)
-            part.h2d_event = None
-        self.stats.exposed_cpu_seconds += time.perf_counter() - start
+            if consume:
+                part.h2d_event = None
 
     def close(self) -> None:
         self.worker.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 
+from ..engine.optimizer import DEFAULT_BUCKET_SIZE
 from ..integrations.plugin import ENV_PREFIX
 
 # Options of the standalone engine that DeepSpeed's config replaces on this path.
@@ -43,7 +44,7 @@ def export_zero3_options(options: dict) -> None:
     """Hand the trainer's SuperOffload options to the ZeRO-3 optimizer DeepSpeed will build
     (it reads SUPEROFFLOAD_* when it is constructed); refuse those DeepSpeed's config replaces."""
     replaced = {k: REPLACED_BY_DEEPSPEED[k] for k in options if k in REPLACED_BY_DEEPSPEED}
-    defaults = {"gpu_buckets": "auto", "bucket_size": 1 << 25}
+    defaults = {"gpu_buckets": "auto", "bucket_size": DEFAULT_BUCKET_SIZE}
     replaced = {k: v for k, v in replaced.items() if options[k] != defaults[k]}
     if replaced:
         raise ValueError(

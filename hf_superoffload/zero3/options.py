@@ -17,6 +17,7 @@ import os
 
 import torch
 
+from ..engine.checks import cores_of_this_rank
 from ..engine.optimizer import DEFAULT_BUCKET_SIZE
 from ..integrations.plugin import ENV_PREFIX, SuperOffloadPlugin
 from .config import REPLACED_BY_DEEPSPEED
@@ -43,18 +44,11 @@ def resolve_options(cpuadam_cores_perc: float) -> Zero3Options:
     plugin = SuperOffloadPlugin()  # resolves SUPEROFFLOAD_* (and refuses bad values)
     threads = plugin.cpu_threads
     if threads is None:
-        threads = max(1, int(cpuadam_cores_perc * _cores_of_this_rank()))
+        # Ranks bound to their own cores (deepspeed --bind_cores_to_rank, accelerate's
+        # affinity) see fewer than the host has; unbound ranks of one host share them.
+        bound = len(os.sched_getaffinity(0)) < (os.cpu_count() or 1)
+        threads = max(1, int(cpuadam_cores_perc * cores_of_this_rank(bound)))
     return Zero3Options(threads, plugin.speculate, plugin.speculate_after_clip, plugin.cast)
-
-
-def _cores_of_this_rank() -> int:
-    cores = len(os.sched_getaffinity(0))
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    # Ranks bound to their own cores (deepspeed --bind_cores_to_rank, accelerate's affinity)
-    # see only those; unbound ranks of one host share what they all see.
-    if local_ranks > 1 and cores == os.cpu_count():
-        cores = max(1, cores // local_ranks)
-    return cores
 
 
 def sub_group_size(requested: int) -> int:
