@@ -43,7 +43,8 @@ MODEL_FLAGS = ("hidden", "layers", "inter", "vocab", "seq", "batch", "steps", "c
 COLUMNS = [
     "date", "gpu", "torch", "transformers", "system", "status", "params_b", "hidden", "layers",
     "seq", "batch", "clip", "s_per_step", "tokens_per_s", "tflops", "mfu", "peak_gpu_gib",
-    "peak_host_rss_gib", "peak_host_used_gib", "wall_s", "optimizer", "error", "stats", "config",
+    "peak_host_rss_gib", "peak_host_used_gib", "wall_s", "optimizer", "error", "stats", "phases",
+    "host_rss_gib", "host_bytes", "config",
 ]  # fmt: skip
 
 
@@ -147,6 +148,8 @@ def run_system(
     cmd = [sys.executable, str(HERE / "train_step.py"), "--system", system]
     for flag in MODEL_FLAGS:
         cmd += [f"--{flag}", str(getattr(args, flag))]
+    if args.model_config:
+        cmd += ["--model-config", str(args.model_config)]
     if system == "superoffload":
         cmd += ["--gpu-buckets", gpu_buckets, "--warmup", str(args.superoffload_warmup)]
     else:
@@ -221,7 +224,8 @@ def append_rows(csv_path: Path, rows: list[dict]) -> None:
         if new:
             writer.writeheader()
         for row in rows:
-            writer.writerow({**row, "stats": json.dumps(row.get("stats"))})
+            nested = ("stats", "phases", "host_rss_gib", "host_bytes")
+            writer.writerow({**row, **{key: json.dumps(row.get(key)) for key in nested}})
 
 
 def ratio_table(rows: list[dict]) -> str:
@@ -267,6 +271,10 @@ def main() -> None:
         "--systems", default=",".join(ALL),
         help=f"comma list of {', '.join(ALL)} (default: all; see benchmarks/systems.py)",
     )  # fmt: skip
+    parser.add_argument(
+        "--model-config", type=Path, default=None,
+        help="a config.json: that architecture with random weights (train_step.py's flag)",
+    )  # fmt: skip
     parser.add_argument("--hidden", type=int, default=3072)
     parser.add_argument("--layers", type=int, default=28)
     parser.add_argument("--inter", type=int, default=0)
@@ -294,11 +302,13 @@ def main() -> None:
     args = parser.parse_args()
 
     config = {flag: getattr(args, flag) for flag in (*MODEL_FLAGS, "warmup", "superoffload_warmup")}
+    config["model_config"] = str(args.model_config) if args.model_config else None
     systems = args.systems.split(",")
     unknown = sorted(set(systems) - set(ALL))
     if unknown:
         sys.exit(f"unknown --systems {unknown}; choose from {ALL}")
-    point = f"h{args.hidden}-l{args.layers}-s{args.seq}-b{args.batch}-clip{args.clip:g}"
+    shape = args.model_config.stem if args.model_config else f"h{args.hidden}-l{args.layers}"
+    point = f"{shape}-s{args.seq}-b{args.batch}-clip{args.clip:g}"
     logs = args.out_dir / "logs" / point
     logs.mkdir(parents=True, exist_ok=True)
     csv_path = args.out_dir / "suite.csv"

@@ -41,35 +41,53 @@ def qualified_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _model(config: transformers.LlamaConfig, dtype: torch.dtype) -> torch.nn.Module:
+def _model(config: transformers.PretrainedConfig, dtype: torch.dtype) -> torch.nn.Module:
     with torch.device("cuda"):
-        model = transformers.LlamaForCausalLM(config).to(dtype)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     return model
 
 
-class NoOffload:
+class TrainingSystem:
+    """One training step in three phases (benchmarks/phases.py times each)."""
+
+    def forward(self, batch) -> torch.Tensor:
+        raise NotImplementedError
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def optimizer_step(self) -> None:
+        raise NotImplementedError
+
+    def step(self, batch) -> None:
+        self.backward(self.forward(batch))
+        self.optimizer_step()
+
+    def finish(self):
+        return None
+
+
+class NoOffload(TrainingSystem):
     def __init__(self, config, args):
         self.model = _model(config, torch.float32)
         self.params = list(self.model.parameters())
         self.optimizer = torch.optim.AdamW(self.params, lr=LR, weight_decay=0.0, fused=True)
         self.clip = args.clip
 
-    def step(self, batch):
+    def forward(self, batch):
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = self.model(input_ids=batch, labels=batch).loss
-        loss.backward()
+            return self.model(input_ids=batch, labels=batch).loss
+
+    def optimizer_step(self):
         if self.clip:
             torch.nn.utils.clip_grad_norm_(self.params, self.clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def finish(self):
-        return None
 
-
-class SuperOffload:
+class SuperOffload(TrainingSystem):
     def __init__(self, config, args):
         from hf_superoffload import SuperOffloadOptimizer
 
@@ -80,8 +98,10 @@ class SuperOffload:
             model=self.model, gpu_buckets=buckets, bucket_size=args.bucket_size, cast=args.cast,
         )  # fmt: skip
 
-    def step(self, batch):
-        self.model(input_ids=batch, labels=batch).loss.backward()
+    def forward(self, batch):
+        return self.model(input_ids=batch, labels=batch).loss
+
+    def optimizer_step(self):
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -96,7 +116,7 @@ class SuperOffload:
         return stats
 
 
-class DeepSpeedZeroOffload:
+class DeepSpeedZeroOffload(TrainingSystem):
     super_offload = False
     environment: ClassVar[dict[str, str]] = {}
     expected_optimizer = DEEPSPEED_STAGE3
@@ -147,13 +167,14 @@ class DeepSpeedZeroOffload:
                 f"{os.environ.get(OPT_OUT_ENV)!r})"
             )
 
-    def step(self, batch):
-        loss = self.engine(input_ids=batch, labels=batch).loss
-        self.engine.backward(loss)
-        self.engine.step()
+    def forward(self, batch):
+        return self.engine(input_ids=batch, labels=batch).loss
 
-    def finish(self):
-        return None
+    def backward(self, loss):
+        self.engine.backward(loss)
+
+    def optimizer_step(self):
+        self.engine.step()
 
 
 class SuperOffloadZero3(DeepSpeedZeroOffload):
@@ -164,6 +185,9 @@ class SuperOffloadZero3(DeepSpeedZeroOffload):
     def finish(self):
         return self.engine.optimizer.stats
 
+    def host_bytes(self):
+        return self.engine.optimizer.host_bytes()
+
 
 class DeepSpeedSuperOffload(DeepSpeedZeroOffload):
     super_offload = True
@@ -171,7 +195,7 @@ class DeepSpeedSuperOffload(DeepSpeedZeroOffload):
     expected_optimizer = DEEPSPEED_SUPEROFFLOAD
 
 
-class TorchaoOffload:
+class TorchaoOffload(TrainingSystem):
     def __init__(self, config, args):
         from torchao.optim import CPUOffloadOptimizer
 
@@ -183,15 +207,14 @@ class TorchaoOffload:
         )  # fmt: skip
         self.clip = args.clip
 
-    def step(self, batch):
-        self.model(input_ids=batch, labels=batch).loss.backward()
+    def forward(self, batch):
+        return self.model(input_ids=batch, labels=batch).loss
+
+    def optimizer_step(self):
         if self.clip:
             torch.nn.utils.clip_grad_norm_(self.params, self.clip)
         self.optimizer.step()
         self.optimizer.zero_grad()
-
-    def finish(self):
-        return None
 
 
 SYSTEMS = {

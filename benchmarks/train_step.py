@@ -5,13 +5,16 @@
 (the systems are in benchmarks/systems.py; benchmarks/suite.py runs several and compares).
 
 Prints one JSON line with the median s/step after warm-up, tokens/s, model TFLOPS, MFU, peak
-GPU memory, peak host RSS and, for superoffload, the engine's stats; appends it to --jsonl.
+GPU memory, peak host RSS, the median seconds of each phase (forward, backward, optimizer step)
+as the host saw its calls and as the GPU's compute stream spent them, and, for the
+SuperOffload systems, the engine's stats; appends it to --jsonl.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import logging
 import os
@@ -28,7 +31,13 @@ from systems import SYSTEMS
 # reads HF_SUPEROFFLOAD_DEEPSPEED to decide whose SuperOffload DeepSpeed builds.
 
 
-def model_config(args) -> transformers.LlamaConfig:
+def model_config(args) -> transformers.PretrainedConfig:
+    """The architecture of ``--model-config`` (a config.json), else a Llama-style model of
+    the size flags."""
+    if args.model_config:
+        with open(args.model_config) as handle:
+            values = {k: v for k, v in json.load(handle).items() if not k.startswith("_")}
+        return transformers.AutoConfig.for_model(values.pop("model_type"), **values)
     return transformers.LlamaConfig(
         hidden_size=args.hidden,
         intermediate_size=args.inter or int(args.hidden * 8 / 3 / 256 + 0.999) * 256,
@@ -41,19 +50,57 @@ def model_config(args) -> transformers.LlamaConfig:
     )
 
 
-def count_params(config: transformers.LlamaConfig) -> tuple[int, int]:
+def count_params(config: transformers.PretrainedConfig) -> tuple[int, int]:
     """(all params, matmul params), from a meta-device copy: ZeRO-3 partitions the real
     params, whose numel then reads 0."""
     from hf_superoffload.integrations.metrics import matmul_params
 
     with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config)
+        model = transformers.AutoModelForCausalLM.from_config(config)
     return sum(p.numel() for p in model.parameters()), matmul_params(model)
+
+
+PHASES = ("forward", "backward", "optimizer_step")
+
+
+def host_rss_gib() -> dict[str, float]:
+    """This process's resident host memory now and at its peak so far (Linux)."""
+    fields = {}
+    with open("/proc/self/status") as status:
+        for line in status:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                fields[key] = round(int(value.split()[0]) / 2**20, 2)  # kB -> GiB
+    return {"now": fields["VmRSS"], "peak": fields["VmHWM"]}
+
+
+def timed_phases(system, batch) -> dict:
+    """Run one step phase by phase. Host seconds of each call, and CUDA events on the
+    compute stream between the phases (read after the step's synchronize: ``gpu`` fills in
+    lazily), so that timing adds no synchronization of its own."""
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(len(PHASES) + 1)]
+    marks = [time.perf_counter()]
+    events[0].record()
+    loss = system.forward(batch)
+    marks.append(time.perf_counter())
+    events[1].record()
+    system.backward(loss)
+    marks.append(time.perf_counter())
+    events[2].record()
+    system.optimizer_step()
+    marks.append(time.perf_counter())
+    events[3].record()
+    return {"host": [b - a for a, b in itertools.pairwise(marks)], "events": events}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--system", choices=sorted(SYSTEMS), required=True)
+    parser.add_argument(
+        "--model-config", default=None,
+        help="a config.json (e.g. examples/model_configs/llama-3.1-8b.json): that architecture "
+        "with random weights, in place of --hidden/--layers/--inter/--vocab",
+    )  # fmt: skip
     parser.add_argument("--hidden", type=int, default=3072)
     parser.add_argument("--layers", type=int, default=28)
     parser.add_argument("--inter", type=int, default=0, help="0: 8/3 x hidden, rounded to 256")
@@ -79,9 +126,10 @@ def main() -> None:
     torch.manual_seed(0)
     config = model_config(args)
     system = SYSTEMS[args.system](config, args)
+    rss_after_init = host_rss_gib()
     n_params, n_matmul = count_params(config)
     batch = torch.randint(0, config.vocab_size, (args.batch, args.seq), device="cuda")
-    times = []
+    times, phases = [], []
     for step in range(args.warmup + args.steps):
         if step == args.warmup and args.system == "superoffload" and system.still_tuning():
             sys.exit(
@@ -90,11 +138,17 @@ def main() -> None:
                 "--superoffload-warmup)."
             )
         start = time.perf_counter()
-        system.step(batch)
+        phases.append(timed_phases(system, batch))
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     stats = system.finish()
     torch.cuda.synchronize()
+    for p in phases:
+        p["gpu"] = [a.elapsed_time(b) / 1e3 for a, b in itertools.pairwise(p["events"])]
+
+    def timed():
+        return phases[args.warmup :]
+
     seconds = statistics.median(times[args.warmup :])
     tokens = args.batch * args.seq
     tflops = model_flops_per_token(config, n_matmul, args.seq) * tokens / seconds / 1e12
@@ -105,8 +159,8 @@ def main() -> None:
         "transformers": transformers.__version__,
         "system": args.system,
         "params_b": round(n_params / 1e9, 3),
-        "hidden": args.hidden,
-        "layers": args.layers,
+        "hidden": config.hidden_size,
+        "layers": config.num_hidden_layers,
         "seq": args.seq,
         "batch": args.batch,
         "s_per_step": round(seconds, 4),
@@ -115,11 +169,18 @@ def main() -> None:
         "tflops": round(tflops, 1),
         "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
         "peak_host_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+        "host_rss_gib": {"after_init": rss_after_init, "end": host_rss_gib()},
         "mfu": round(tflops / peak, 4) if (peak := peak_tflops()) else None,
         "clip": args.clip,
         "optimizer": getattr(system, "optimizer_name", None),
         "expected_optimizer": getattr(system, "expected_optimizer", None),
+        "phases": {
+            f"{where}_{name}_s": round(statistics.median(p[where][i] for p in timed()), 4)
+            for where in ("host", "gpu")
+            for i, name in enumerate(PHASES)
+        },
         "stats": stats,
+        "host_bytes": getattr(system, "host_bytes", lambda: None)(),
     }
     line = json.dumps(row)
     print(line)

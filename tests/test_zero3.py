@@ -115,6 +115,20 @@ def test_follows_deepspeed_without_clipping(tmp_path):
     assert sum(host.values()) == 16 * ours["params"]
 
 
+def test_follows_deepspeed_in_bf16_at_14_bytes_per_param(tmp_path):
+    case = Zero3Case(bf16=True, max_grad_norm=1.3, steps=4)
+    results = _run(case, 1, tmp_path)
+    _assert_follows(results)
+    ours = results[0]["superoffload"]
+    # Per param of the partition: fp32 master (4), bf16 gradients as DeepSpeed hands them over
+    # (2: its fp32 gradient buffer is dropped), two fp32 moments (8); the rounded params go
+    # back through three shared buffers of the largest sub group, not one per sub group.
+    host, params = ours["host_bytes"], ours["params"]
+    assert host["master"] == 4 * params and host["gradients"] == 2 * params
+    assert host["moments"] == 8 * params and host["accumulation"] == 0
+    assert 0 < host["param_copy_out"] <= 3 * 2 * case.sub_group_size
+
+
 def test_follows_deepspeed_with_params_offloaded_too(tmp_path):
     case = Zero3Case(offload_param=True, max_grad_norm=1.3, steps=4)
     _assert_follows(_run(case, 1, tmp_path))

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .. import ops
+from .copy_out import CopyOutRing
 from .link import Link
 from .partition import HostPartition
 
@@ -25,10 +26,19 @@ class SpeculationRound:
 
 
 class HostSteps:
-    def __init__(self, link: Link, stats: StvStats, host_sq_norms: torch.Tensor):
+    def __init__(
+        self,
+        link: Link,
+        stats: StvStats,
+        host_sq_norms: torch.Tensor,
+        copy_out: CopyOutRing | None = None,
+    ):
         self.link = link
         self.stats = stats
         self.host_sq_norms = host_sq_norms  # each partition's squared grad norm, on the host
+        # Where partitions without a copy-out buffer of their own write their rounded params;
+        # without either, the fp32 master itself goes back.
+        self.copy_out = copy_out
         self.elements_stepped = 0  # kernel throughput, for the tail tuner
 
     def speculate(self, part: HostPartition, hyper: dict, scale: float, d2h_event, round_) -> None:
@@ -45,55 +55,87 @@ class HostSteps:
 
     def step(self, part: HostPartition, hyper: dict, scale: float, d2h_event) -> None:
         self.link.host_waits_for(d2h_event)  # the gradients are on the host
-        self.link.host_waits_for(part.last_h2d)  # param_low is free again
-        start = time.perf_counter()
-        ops.adam_step(
-            part.master, part.host_grad, part.exp_avg, part.exp_avg_sq, **hyper,
-            grad_scale=scale, out_lowp=part.param_low,
-        )  # fmt: skip
-        self.stats.cpu_step_seconds += time.perf_counter() - start
+        self.link.host_waits_for(part.last_h2d)  # the master and param_low are free again
+        for offset, numel in self._pieces(part):
+            low = self._copy_out_buffer(part, numel)
+            start = time.perf_counter()
+            ops.adam_step(
+                *self._state(part, offset, numel), **hyper, grad_scale=scale, out_lowp=low,
+            )  # fmt: skip
+            self.stats.cpu_step_seconds += time.perf_counter() - start
+            self.send_params(part, low, offset)
         self.elements_stepped += part.numel
-        self.send_params(part)
 
     def replay(self, part: HostPartition, hyper: dict, old: float, new: float) -> None:
         self.link.host_waits_for(part.last_h2d)
-        start = time.perf_counter()
-        ops.adam_replay(
-            part.master, part.host_grad, part.exp_avg, part.exp_avg_sq, **hyper,
-            old_grad_scale=old, new_grad_scale=new, out_lowp=part.param_low,
-        )  # fmt: skip
-        self.stats.replay_seconds += time.perf_counter() - start
-        self.send_params(part)
+        for offset, numel in self._pieces(part):
+            low = self._copy_out_buffer(part, numel)
+            start = time.perf_counter()
+            ops.adam_replay(
+                *self._state(part, offset, numel), **hyper, old_grad_scale=old,
+                new_grad_scale=new, out_lowp=low,
+            )  # fmt: skip
+            self.stats.replay_seconds += time.perf_counter() - start
+            self.send_params(part, low, offset)
 
     def rollback(self, part: HostPartition, hyper: dict, scale: float) -> None:
         if not part.speculation_applied:
             return  # the speculative step saw poisoned gradients and did nothing
         self.link.host_waits_for(part.last_h2d)
-        start = time.perf_counter()
-        ops.adam_rollback(
-            part.master, part.host_grad, part.exp_avg, part.exp_avg_sq, **hyper,
-            grad_scale=scale,
-        )  # fmt: skip
-        if part.param_low is not None:
-            part.param_low.copy_(part.master)
-        self.stats.replay_seconds += time.perf_counter() - start
-        self.send_params(part)
+        for offset, numel in self._pieces(part):
+            low = self._copy_out_buffer(part, numel)
+            start = time.perf_counter()
+            master, *rest = self._state(part, offset, numel)
+            ops.adam_rollback(master, *rest, **hyper, grad_scale=scale)
+            if low is not None:
+                low.copy_(master)
+            self.stats.replay_seconds += time.perf_counter() - start
+            self.send_params(part, low, offset)
 
-    def send_params(self, part: HostPartition) -> None:
-        """Return the partition's updated params to the model."""
-        source = part.param_low if part.param_low is not None else part.master
-        to_device = self.link.is_cuda and part.flat_param.is_cuda  # not for params kept on host
+    def _pieces(self, part: HostPartition) -> list[tuple[int, int]]:
+        """(offset, numel) runs a pass goes through: the whole partition, or pieces of the
+        copy-out ring's buffer size when its rounded params go back through the ring (each
+        piece goes back while the kernel does the next; the update is element-wise, so the
+        pieces change nothing in the arithmetic)."""
+        if part.param_low is not None or self.copy_out is None:
+            return [(0, part.numel)]
+        size = self.copy_out.piece_numel
+        return [(start, min(size, part.numel - start)) for start in range(0, part.numel, size)]
+
+    @staticmethod
+    def _state(part: HostPartition, offset: int, numel: int) -> list[torch.Tensor]:
+        """Master, gradients and both moments of one piece of the partition."""
+        tensors = (part.master, part.host_grad, part.exp_avg, part.exp_avg_sq)
+        return [t.narrow(0, offset, numel) for t in tensors]
+
+    def _copy_out_buffer(self, part: HostPartition, numel: int) -> torch.Tensor | None:
+        """Where a pass writes a piece's rounded params (None: the master goes back as it is)."""
+        if part.param_low is not None:
+            return part.param_low
+        if self.copy_out is not None:
+            return self.copy_out.take(numel)
+        return None
+
+    def send_params(self, part: HostPartition, low: torch.Tensor | None, offset: int = 0) -> None:
+        """Return updated params (``low``, else the whole master) to the model, from
+        ``offset`` in the partition's flat params."""
+        source = low if low is not None else part.master
+        target = part.flat_param.narrow(0, offset, source.numel())
+        to_device = self.link.is_cuda and target.is_cuda  # not for params kept on host
         with self.link.h2d():
-            if to_device and source.dtype != part.flat_param.dtype:
+            if to_device and source.dtype != target.dtype:
                 # NOTE: a dtype-converting host->device copy_ casts on the CPU into a pageable
                 # temporary; move the pinned fp32 master as it is and cast on the device.
                 staged = torch.empty(source.numel(), dtype=source.dtype, device=self.link.device)
                 staged.copy_(source, non_blocking=True)
-                part.flat_param.copy_(staged)
+                target.copy_(staged)
             else:
-                part.flat_param.copy_(source, non_blocking=to_device)
+                target.copy_(source, non_blocking=to_device)
             # One event, two readers: the next forward consumes h2d_event; the worker keeps
-            # last_h2d to know when param_low may be overwritten.
+            # last_h2d to know when the master and param_low may be overwritten. A later
+            # piece's event covers the earlier ones (one stream, in order).
             part.h2d_event = part.last_h2d = self.link.record()
+        if low is not None and low is not part.param_low:
+            self.copy_out.handed_to_link(part.last_h2d)
         if to_device:
             self.stats.bytes_h2d += source.numel() * source.element_size()

@@ -16,13 +16,14 @@ from .host_memory import PinnedBuffers
 
 
 class Link:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, pinned: bool = True):
         self.device = device
         self.is_cuda = device.type == "cuda"
         if self.is_cuda:
             self.d2h_stream = torch.cuda.Stream(device)
             self.h2d_stream = torch.cuda.Stream(device)
-        self._pinned = PinnedBuffers() if self.is_cuda else None
+        # pinned=False (a user's choice): pageable buffers, so every copy blocks its caller.
+        self._pinned = PinnedBuffers() if self.is_cuda and pinned else None
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A host buffer for transfers: page-locked when a GPU is on the other side."""

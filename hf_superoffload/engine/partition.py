@@ -30,11 +30,14 @@ class HostPartition:
         self.exp_avg = exp_avg
         self.exp_avg_sq = exp_avg_sq
         self.host_grad = host_grad  # fp32, or model dtype when grads cross uncast
-        self.param_low = param_low  # the kernel's rounded copy-out, when params cross uncast
+        # The kernel's rounded copy-out when params cross uncast, unless the engine gives the
+        # STV core a shared CopyOutRing instead.
+        self.param_low = param_low
         self.flat_param = flat_param  # model-dtype params the update is sent to
         self.step = 0  # committed updates
         self.h2d_event: torch.cuda.Event | None = None  # consumed by the next forward
-        self.last_h2d: torch.cuda.Event | None = None  # the worker's: param_low free again
+        # The worker's: the master (and param_low) may be overwritten once it completes.
+        self.last_h2d: torch.cuda.Event | None = None
         self.speculation_applied = False  # written and read on the worker thread only
         self.reset_speculation()
 

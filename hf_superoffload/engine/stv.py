@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from .copy_out import CopyOutRing
 from .host_steps import HostSteps, SpeculationRound
 from .link import Link
 from .partition import HostPartition
@@ -111,6 +112,7 @@ class Stv:
         *,
         speculate: bool = True,
         speculate_after_clip: bool = False,
+        copy_out: CopyOutRing | None = None,
     ):
         self.link = link
         self.stats = StvStats()
@@ -125,7 +127,7 @@ class Stv:
         self.predicted_coef = 1.0
         # The worker reads each partition's squared norm before speculating on it.
         self.host_sq_norms = link.host_empty(n_partitions, torch.float32)
-        self.host = HostSteps(link, self.stats, self.host_sq_norms)
+        self.host = HostSteps(link, self.stats, self.host_sq_norms, copy_out)
         self.worker = Worker()
         self._round = SpeculationRound()
 

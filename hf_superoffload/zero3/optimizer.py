@@ -19,7 +19,10 @@ things:
 4. The Adam moments of the host sub groups live in the base optimizer's state (keyed by the
    fp32 partitions, as with DeepSpeed's CPU Adam), so DeepSpeed's checkpoints carry them.
 
-Each rank holds only its partition: fp32 master, both moments and the gradient buffer.
+Each rank holds only its partition: fp32 master, both moments and a gradient buffer in
+DeepSpeed's gradient accumulation dtype (bf16 unless configured otherwise; DeepSpeed's own fp32
+gradient buffer is dropped), plus a few shared buffers the kernel writes the rounded params into
+(``engine/copy_out.py``): 14 B/param in bf16.
 """
 
 from __future__ import annotations
@@ -34,13 +37,19 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.utils import log_dist
 
 from .. import ops
-from ..engine.bucket import host_transfer_buffers
-from ..engine.cast_policy import CastPlan, choose_cast_plan
+from ..engine.cast_policy import choose_cast_plan
+from ..engine.copy_out import CopyOutRing
 from ..engine.link import Link
 from ..engine.partition import HostPartition
 from ..engine.stv import Stv, Verdict, validate
 from .activation import OPT_OUT_ENV
-from .options import check_supported, resolve_options, sub_group_size
+from .options import (
+    DEEPSPEED_DEFAULT_REDUCE_BUCKET_SIZE,
+    check_supported,
+    reduce_bucket_size,
+    resolve_options,
+    sub_group_size,
+)
 
 logger = logging.getLogger("hf_superoffload")
 
@@ -59,27 +68,43 @@ class SuperOffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         check_supported(init_optimizer, ds_config, kwargs)
         options = resolve_options(kwargs.get("cpuadam_cores_perc", 0.8))
         kwargs["sub_group_size"] = sub_group_size(kwargs.get("sub_group_size", 0))
+        kwargs["reduce_bucket_size"] = reduce_bucket_size(
+            kwargs.get("reduce_bucket_size", DEEPSPEED_DEFAULT_REDUCE_BUCKET_SIZE),
+            kwargs["sub_group_size"],
+        )
+        managed = ds_config.get("managed_gradient_accumulation", True) is not False
+        # Read by the set-up hooks below, which DeepSpeed's constructor calls.
+        self._accumulates = kwargs.get("gradient_accumulation_steps", 1) > 1 or not managed
         super().__init__(module, init_optimizer, param_names, timers, ds_config, **kwargs)
         ops.set_num_threads(options.cpu_threads)
 
         device = torch.device(get_accelerator().current_device_name())
-        self._link = Link(device)
+        self._link = Link(device, pinned=self._pin_transfers)
         dtype = self.fp16_partitioned_groups_flat[0].dtype
-        cast = choose_cast_plan(options.cast, device, dtype)
-        # DeepSpeed casts the gradients on the device (fp32 into its host buffers).
-        cast = CastPlan(True, cast.params_on_device, cast.reason)
+        # Gradients: DeepSpeed hands each partition over in its accumulation dtype, and the
+        # kernel reads that dtype (bf16: 2 B/param over the link, not DeepSpeed's fp32 4).
+        # Params: the measured plan says whether the master or the kernel's rounded copy goes.
+        params_on_device = choose_cast_plan(options.cast, device, dtype).params_on_device
+        host_numels = [
+            m.numel() for i, m in enumerate(self.fp32_partitioned_groups_flat)
+            if self.subgroup_to_device[i] == "cpu"
+        ]  # fmt: skip
+        copy_out = None
+        if dtype != torch.float32 and not params_on_device and host_numels:
+            copy_out = CopyOutRing(self._link, max(host_numels), dtype)
+        self._copy_out = copy_out
         self._stv = Stv(
             self._link,
             lambda: self.optimizer.param_groups,
             len(self.fp32_partitioned_groups_flat),
             speculate=options.speculate,
             speculate_after_clip=options.speculate_after_clip,
+            copy_out=copy_out,
         )
-        self._host_parts = self._build_host_partitions(dtype, cast)
-        managed = ds_config.get("managed_gradient_accumulation", True) is not False
-        self._accumulates = self.gradient_accumulation_steps > 1 or not managed
-        if not self._accumulates:
+        if not self._accumulates:  # before ours are allocated: the host's peak is at start-up
             self._drop_accumulation_buffer()
+        self._host_parts = self._build_host_partitions(params_on_device)
+        self._host_part_at = {part.index: part for part in self._host_parts}
         self._pending_params = self._params_expecting_gradients()
         self._launched: set[int] = set()
         self._part_of_param = {
@@ -106,29 +131,42 @@ class SuperOffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
 
     # ------------------------------------------------------------------------- set-up
 
-    def _build_host_partitions(self, dtype: torch.dtype, cast: CastPlan) -> list[HostPartition]:
-        """One HostPartition per CPU sub group, over DeepSpeed's own master and gradient
-        buffers; its moments are registered as the base optimizer's state of that master."""
+    def _configure_offloading(self, offload_optimizer_config, offload_param_config):
+        super()._configure_offloading(offload_optimizer_config, offload_param_config)
+        # ``pin_memory`` page-locks our transfer buffers (exact size); DeepSpeed's own host
+        # buffers are freed or bypassed here, except its accumulation buffer when it is used.
+        self._pin_transfers = self.offload_optimizer_pin_memory
+        self.offload_optimizer_pin_memory = self._pin_transfers and self._accumulates
+
+    def initialize_optimizer_states(self):
+        # DeepSpeed's fp32 gradient buffers, pageable so that dropping them (our gradient
+        # buffers replace them) gives their memory back, not to torch's pinned-block cache.
+        pin, self.offload_optimizer_pin_memory = self.offload_optimizer_pin_memory, False
+        super().initialize_optimizer_states()
+        self.offload_optimizer_pin_memory = pin
+
+    def _build_host_partitions(self, params_on_device: bool) -> list[HostPartition]:
+        """One HostPartition per CPU sub group, over DeepSpeed's fp32 master, with our own
+        gradient buffer (DeepSpeed's accumulation dtype, page-locked, exact size) in place of
+        DeepSpeed's fp32 one; its moments are registered as the base optimizer's state of
+        that master."""
         parts = []
         for i, master in enumerate(self.fp32_partitioned_groups_flat):
             if self.subgroup_to_device[i] != "cpu":
                 continue
+            master.grad = None  # DeepSpeed's fp32 gradient buffer goes
+            if params_on_device and self._link.is_cuda:
+                # The H2D copy reads the master: page-locked, or every copy would block.
+                pinned = self._link.host_empty(master.numel(), master.dtype)
+                master.data = pinned.copy_(master)
             exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
-            _, param_low = host_transfer_buffers(self._link, master.numel(), dtype, cast)
             state = self.optimizer.state[master]
             state.update(exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, step=self._step_value(0))
-            parts.append(
-                HostPartition(
-                    i,
-                    self.sub_group_to_group_id[i],
-                    master,
-                    exp_avg,
-                    exp_avg_sq,
-                    master.grad,
-                    param_low,
-                    self.fp16_partitioned_groups_flat[i],
-                )
-            )
+            host_grad = self._link.host_empty(master.numel(), self.gradient_accumulation_dtype)
+            flat_param = self.fp16_partitioned_groups_flat[i]
+            group = self.sub_group_to_group_id[i]
+            part = HostPartition(i, group, master, exp_avg, exp_avg_sq, host_grad, None, flat_param)
+            parts.append(part)
         return parts
 
     def _create_fp16_sub_groups(self, params_group):
@@ -193,7 +231,7 @@ class SuperOffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
             "master": nbytes(p.master for p in parts),
             "gradients": nbytes(p.host_grad for p in parts),
             "moments": nbytes([p.exp_avg for p in parts] + [p.exp_avg_sq for p in parts]),
-            "param_copy_out": nbytes(p.param_low for p in parts),
+            "param_copy_out": nbytes(self._copy_out.buffers if self._copy_out else []),
             "accumulation": nbytes([self.grad_partitions_flat_buffer]),
         }
 
@@ -247,15 +285,26 @@ class SuperOffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         for param, grad_partition in zip(params, grad_partitions, strict=True):
             if self._has_gradient_partition(param):
                 self._offload_boundary_param_ids.add(param.ds_id)
-                param_id = self.get_param_id(param)
-                i, offset, _ = self.grad_position[param_id]
-                self.norm_for_param_grads[param_id] = self._constant_buffered_norm2(grad_partition)
-                master_grad = self.fp32_partitioned_groups_flat[i].grad
-                target = master_grad.narrow(0, offset, grad_partition.numel())
-                target.copy_(grad_partition.reshape(-1).to(target.dtype), non_blocking=True)
+                self._offload_grad_partition_at_boundary(param, grad_partition, {}, {})
             if param.grad is not None and not get_accelerator().is_synchronized_device():
                 param.grad.record_stream(get_accelerator().current_stream())
             param.grad = None
+
+    def _offload_grad_partition_at_boundary(self, param, grad_buffer, *swap_lists) -> None:
+        """A param's final gradient partition of this step (on the device): its norm, then
+        into the host sub group's gradient buffer as it is. DeepSpeed's GPU sub groups keep
+        DeepSpeed's path."""
+        i, offset, _ = self.grad_position[self.get_param_id(param)]
+        part = self._host_part_at.get(i)
+        if part is None:
+            super()._offload_grad_partition_at_boundary(param, grad_buffer, *swap_lists)
+            return
+        self.norm_for_param_grads[self.get_param_id(param)] = self._constant_buffered_norm2(
+            grad_buffer
+        )
+        target = part.host_grad.narrow(0, offset, grad_buffer.numel())
+        target.copy_(grad_buffer.reshape(-1), non_blocking=True)
+        self._stv.stats.bytes_d2h += target.numel() * target.element_size()
 
     def _note_arrivals(self, params) -> None:
         """Launch the host sub groups whose last awaited gradient partition just landed."""
@@ -347,6 +396,32 @@ class SuperOffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         self._stv.synchronize(self._host_parts)
         for part in self._host_parts:
             self._link.host_waits_for(part.last_h2d)
+
+    # DeepSpeed's gradient accessors (safe_get_full_grad, ...) read fp32 gradient buffers; the
+    # host sub groups' gradients are in ours, in DeepSpeed's accumulation dtype.
+
+    def _get_fp32_grad_state_partition(self, param, release_swap_buffers):
+        i, offset, numel = self.grad_position[self.get_param_id(param)]
+        part = self._host_part_at.get(i)
+        if part is None:
+            return super()._get_fp32_grad_state_partition(param, release_swap_buffers)
+        if not get_accelerator().resolves_data_dependency():
+            self.reduce_and_partition_stream.synchronize()  # the copies into it have landed
+        return part.host_grad.narrow(0, offset, numel), i
+
+    def get_fp32_grad_partitions(self):
+        grad_dict: dict[int, dict[int, torch.Tensor]] = {}
+        for group in self.fp16_groups:
+            for index, param in enumerate(group):
+                grad, i = self._get_fp32_grad_state_partition(param, True)
+                grad_dict.setdefault(i, {})[index] = grad.float()
+        return grad_dict
+
+    def update_fp32_grad_for_param_vectorized(self, update_func, param_list):
+        for param in param_list:
+            if param.requires_grad:
+                full = self.get_fp32_grad_for_param(param)
+                self.set_fp32_grad_for_param(update_func(full, param), param)
 
     def _get_fp32_opt_state_partition(self, param, release_swap_buffers, optim_state_key=None):
         # DeepSpeed's accessors (safe_get_local_fp32_param, ...) read a sub group's state.
