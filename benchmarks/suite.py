@@ -39,7 +39,7 @@ ALL = [
     "deepspeed_superoffload",
     "torchao_offload",
 ]
-MODEL_FLAGS = ("hidden", "layers", "inter", "vocab", "seq", "batch", "steps", "clip")
+MODEL_FLAGS = ("hidden", "layers", "inter", "vocab", "seq", "batch", "steps", "clip", "ratio")
 COLUMNS = [
     "date", "gpu", "torch", "transformers", "system", "status", "params_b", "hidden", "layers",
     "seq", "batch", "clip", "s_per_step", "tokens_per_s", "tflops", "mfu", "peak_gpu_gib",
@@ -289,6 +289,10 @@ def main() -> None:
         "train_step.py refuses to time while it still does",
     )  # fmt: skip
     parser.add_argument("--clip", type=float, default=1.0)
+    parser.add_argument(
+        "--ratio", type=float, default=1.0,
+        help="the DeepSpeed systems' offload_optimizer.ratio (1.0: all optimizer state on the host)",
+    )  # fmt: skip
     parser.add_argument(
         "--gpu-buckets", default="auto",
         help="superoffload's n': 'auto' or a count; a comma list runs one superoffload row each "

@@ -131,7 +131,7 @@ class DeepSpeedZeroOffload(TrainingSystem):
             os.environ.setdefault(key, value)
         deepspeed.init_distributed()
         model = _model(config, torch.bfloat16)
-        offload = {"device": "cpu", "pin_memory": True}
+        offload = {"device": "cpu", "pin_memory": True, "ratio": args.ratio}
         if self.super_offload:
             offload["super_offload"] = True
         ds_config = {

@@ -113,6 +113,10 @@ def main() -> None:
     parser.add_argument("--gpu-buckets", default="auto")
     parser.add_argument("--bucket-size", type=int, default=1 << 25)
     parser.add_argument("--cast", default="auto")
+    parser.add_argument(
+        "--ratio", type=float, default=1.0,
+        help="DeepSpeed systems: offload_optimizer.ratio (share of sub groups on the host)",
+    )  # fmt: skip
     parser.add_argument("--jsonl", default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
@@ -172,6 +176,7 @@ def main() -> None:
         "host_rss_gib": {"after_init": rss_after_init, "end": host_rss_gib()},
         "mfu": round(tflops / peak, 4) if (peak := peak_tflops()) else None,
         "clip": args.clip,
+        "ratio": args.ratio,
         "optimizer": getattr(system, "optimizer_name", None),
         "expected_optimizer": getattr(system, "expected_optimizer", None),
         "phases": {

@@ -25,6 +25,7 @@ from zero3_reference import (
     TOLERANCES,
     Zero3Case,
     assert_states_close,
+    build_model,
     free_port,
     init_rank,
     make_engine,
@@ -34,6 +35,8 @@ from zero3_reference import (
 
 if not torch.cuda.is_available():  # before anything imports DeepSpeed
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+from hf_superoffload.zero3.memory_plan import Zero3Run, zero3_memory_plan
 
 
 def _both_on_rank(rank, world, port, case, env, out_dir) -> None:
@@ -127,6 +130,12 @@ def test_follows_deepspeed_in_bf16_at_14_bytes_per_param(tmp_path):
     assert host["master"] == 4 * params and host["gradients"] == 2 * params
     assert host["moments"] == 8 * params and host["accumulation"] == 0
     assert 0 < host["param_copy_out"] <= 3 * 2 * case.sub_group_size
+    # The memory plan counts the same bytes from the model's config alone.
+    run = Zero3Run(seq=8, batch=case.micro_batch, sub_group_size=case.sub_group_size)
+    plan = zero3_memory_plan(build_model().config, run)
+    for key in ("master", "gradients", "moments", "accumulation"):
+        assert plan.host[key] == host[key], key
+    assert plan.host["param_copy_out"] >= host["param_copy_out"]
 
 
 def test_follows_deepspeed_with_params_offloaded_too(tmp_path):

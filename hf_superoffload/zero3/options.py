@@ -1,7 +1,7 @@
 """What the ZeRO-3 path takes from a DeepSpeed config and from SUPEROFFLOAD_* variables.
 
-DeepSpeed's keys of its SuperOffload example act here: ``pin_memory`` (DeepSpeed's master and
-gradient buffers page-locked or not), ``ratio`` (DeepSpeed's partial offload: the first
+DeepSpeed's keys of its SuperOffload example act here: ``pin_memory`` (our gradient and param
+transfer buffers page-locked or not; DeepSpeed's own host buffers stay pageable), ``ratio`` (DeepSpeed's partial offload: the first
 ``1 - ratio`` of the sub groups, the first layers and so the last to get gradients, keep their
 optimizer state on the GPU and step there after validation) and ``cpuadam_cores_perc`` (the
 share of this rank's cores the CPU Adam uses). ``sub_group_size`` is the partition the STV core

@@ -1,0 +1,188 @@
+"""How much GPU and host memory a run on the ZeRO-3 path needs, per rank, from the model's
+config alone (built on the meta device: nothing is allocated).
+
+Host, per rank (``SuperOffloadZero3Optimizer.host_bytes`` names the same parts): the rank's
+partition of the fp32 master (4 B/param) and both moments (8), its gradients in DeepSpeed's
+accumulation dtype (2 in bf16), DeepSpeed's host accumulation buffer when micro-batches
+accumulate (2), the 16-bit params when ``offload_param`` puts them there (2), the copy-out ring,
+and the process itself (CUDA context, libraries: measured, ``HOST_PROCESS_BYTES``).
+
+GPU, per rank, as torch's allocator counts it (``max_memory_allocated``; the CUDA context comes
+on top): the 16-bit param partition, the params ZeRO-3 gathers around the layer being computed
+(with more than one rank), the optimizer state of the sub groups ``ratio`` keeps on the GPU
+(fp32 master, moments and gradients: 16 B/param), the reduce bucket, and the activations of a
+checkpointed decoder: each layer's input, one layer recomputed in backward, and the logits with
+the loss's fp32 copies (12 B per logit: bf16 logits, the fp32 upcast, its fp32 gradient and the
+bf16 gradient).
+
+Checked against measured peaks (docs/benchmarks.md, "Memory plan"); the figures it prints are
+estimates within about 10% for dense decoders, not guarantees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+HOST_PROCESS_BYTES = int(2.3 * 2**30)  # RSS beyond the optimizer's buffers (H100, torch 2.11)
+CUDA_CONTEXT_BYTES = int(0.6 * 2**30)  # device memory torch's allocator does not count
+# The allocator's reserve over what it hands out (fragmentation, blocks cached for reuse).
+# Measured: Llama-3.1-8B at ratio 0.75 was planned at 74.3 GiB on an H100's 79.2 and ran out
+# of memory with 5.8 GiB reserved beyond 68.2 allocated.
+GPU_HEADROOM = 0.10
+HOST_HEADROOM = 0.05  # the kernel, the page cache and the rest of the system
+LOGIT_BYTES = 12  # per logit in the loss: bf16 logits, fp32 upcast, fp32 and bf16 gradients
+COPY_OUT_SLOTS, COPY_OUT_PIECE = 3, 1 << 24  # engine/copy_out.py
+
+
+@dataclasses.dataclass(frozen=True)
+class Zero3Run:
+    seq: int
+    batch: int  # per GPU
+    ranks: int = 1  # data-parallel GPUs in all
+    ranks_per_host: int | None = None  # None: all on one host
+    ratio: float = 1.0  # share of sub groups whose optimizer state is on the host
+    offload_param: bool = False
+    gradient_accumulation: int = 1
+    sub_group_size: int = 1 << 25
+    reduce_bucket_size: int = 1 << 25
+    dtype_bytes: int = 2  # bf16 params, gradients and activations
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    params: int
+    largest_param: int
+    layers: int
+    hidden: int
+    vocab: int
+    layer_params: int  # the largest decoder layer's
+    active_intermediate: int  # MLP width a token goes through (top-k experts' in MoE)
+
+    @classmethod
+    def of(cls, config) -> ModelShape:
+        import transformers
+
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        sizes = [p.numel() for p in model.parameters()]
+        layers = _decoder_layers(model)
+        experts = getattr(config, "num_experts_per_tok", 0) or 0
+        moe_width = getattr(config, "moe_intermediate_size", 0) or 0
+        width = experts * moe_width if experts and moe_width else config.intermediate_size
+        return cls(
+            params=sum(sizes),
+            largest_param=max(sizes),
+            layers=config.num_hidden_layers,
+            hidden=config.hidden_size,
+            vocab=config.vocab_size,
+            layer_params=max(sum(p.numel() for p in layer.parameters()) for layer in layers),
+            active_intermediate=width,
+        )
+
+
+def _decoder_layers(model) -> list[torch.nn.Module]:
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) and module[0] is not None:
+            return list(module)
+    raise ValueError(f"{type(model).__name__} has no list of decoder layers to plan for")
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    shape: ModelShape
+    run: Zero3Run
+    gpu: dict[str, int]  # per rank, bytes by what holds them
+    host: dict[str, int]  # per rank
+
+    @property
+    def gpu_bytes(self) -> int:
+        return sum(self.gpu.values())
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(self.host.values())
+
+    @property
+    def host_bytes_per_host(self) -> int:
+        return self.host_bytes * (self.run.ranks_per_host or self.run.ranks)
+
+    def shortfalls(self, gpu_memory: int, host_memory: int) -> list[str]:
+        """Why the run does not fit a GPU of ``gpu_memory`` bytes and a host of
+        ``host_memory`` (empty when it fits), each with what to change."""
+        reasons = []
+        gpu_need = self.gpu_bytes * (1 + GPU_HEADROOM) + CUDA_CONTEXT_BYTES
+        if gpu_need > gpu_memory:
+            biggest = max(self.gpu, key=self.gpu.get)
+            reasons.append(
+                f"GPU: needs {gpu_need / 2**30:.1f} GiB per rank with the allocator's headroom, "
+                f"has {gpu_memory / 2**30:.1f} "
+                f"(largest part: {biggest}, {self.gpu[biggest] / 2**30:.1f} GiB); lower the "
+                "batch or sequence length, add GPUs, or set offload_param / a ratio of 1.0"
+            )
+        host_need = self.host_bytes_per_host * (1 + HOST_HEADROOM)
+        if host_need > host_memory:
+            reasons.append(
+                f"host: needs {host_need / 2**30:.1f} GiB (with the system's share) for "
+                f"{self.run.ranks_per_host or self.run.ranks} rank(s), has "
+                f"{host_memory / 2**30:.1f}; use more hosts (fewer ranks per host), fewer "
+                "accumulation buffers (gradient_accumulation_steps 1), or a smaller model"
+            )
+        return reasons
+
+    def table(self) -> str:
+        def rows(parts: dict[str, int]) -> list[str]:
+            return [f"  {name:<22} {nbytes / 2**30:8.2f} GiB" for name, nbytes in parts.items()]
+
+        per_host = self.run.ranks_per_host or self.run.ranks
+        return "\n".join(
+            [
+                f"{self.shape.params / 1e9:.2f}B params, {self.run.ranks} rank(s), seq "
+                f"{self.run.seq} x batch {self.run.batch} per GPU",
+                f"GPU per rank (allocated; +{CUDA_CONTEXT_BYTES / 2**30:.1f} GiB CUDA context):",
+                *rows(self.gpu),
+                f"  {'total':<22} {self.gpu_bytes / 2**30:8.2f} GiB",
+                "host per rank:",
+                *rows(self.host),
+                f"  {'total':<22} {self.host_bytes / 2**30:8.2f} GiB "
+                f"({self.host_bytes_per_host / 2**30:.1f} GiB for {per_host} rank(s) per host)",
+            ]
+        )
+
+
+def zero3_memory_plan(config, run: Zero3Run) -> MemoryPlan:
+    """Per-rank GPU and host bytes of training ``config``'s model on the ZeRO-3 path."""
+    if not 0.0 <= run.ratio <= 1.0:
+        raise ValueError(f"ratio must be within [0, 1], got {run.ratio}")
+    shape = ModelShape.of(config)
+    low = run.dtype_bytes
+    partition = math.ceil(shape.params / run.ranks)  # padding is at most one element a param
+    on_host = int(partition * run.ratio)
+    on_gpu = partition - on_host
+    tokens = run.seq * run.batch
+
+    piece = min(max(run.sub_group_size, math.ceil(shape.largest_param / run.ranks)), COPY_OUT_PIECE)
+    host = {
+        "master": 4 * on_host,
+        "moments": 8 * on_host,
+        "gradients": low * on_host,
+        "param_copy_out": COPY_OUT_SLOTS * piece * low if on_host else 0,
+        "accumulation": low * partition if run.gradient_accumulation > 1 else 0,
+        "offloaded_params": low * partition if run.offload_param else 0,
+        "process": HOST_PROCESS_BYTES,
+    }
+    gathered = 0
+    if run.ranks > 1:  # the layer in use and the next one, prefetched; the embedding in full
+        gathered = low * max(2 * shape.layer_params, shape.vocab * shape.hidden)
+    gpu = {
+        "param_partition": 0 if run.offload_param else low * partition,
+        "gathered_params": gathered,
+        "optimizer_on_gpu": 16 * on_gpu,
+        "reduce_bucket": low * run.reduce_bucket_size,
+        "layer_inputs": low * shape.layers * tokens * shape.hidden,
+        "layer_recompute": 3 * low * tokens * shape.active_intermediate,
+        "logits_and_loss": LOGIT_BYTES * tokens * shape.vocab,
+    }
+    return MemoryPlan(shape, run, gpu, host)
