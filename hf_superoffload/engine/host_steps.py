@@ -55,41 +55,42 @@ class HostSteps:
 
     def step(self, part: HostPartition, hyper: dict, scale: float, d2h_event) -> None:
         self.link.host_waits_for(d2h_event)  # the gradients are on the host
-        self.link.host_waits_for(part.last_h2d)  # the master and param_low are free again
-        for offset, numel in self._pieces(part):
-            low = self._copy_out_buffer(part, numel)
-            start = time.perf_counter()
-            ops.adam_step(
-                *self._state(part, offset, numel), **hyper, grad_scale=scale, out_lowp=low,
-            )  # fmt: skip
-            self.stats.cpu_step_seconds += time.perf_counter() - start
-            self.send_params(part, low, offset)
+
+        def kernel(state, low):
+            ops.adam_step(*state, **hyper, grad_scale=scale, out_lowp=low)
+
+        self._pass(part, kernel, "cpu_step_seconds")
         self.elements_stepped += part.numel
 
     def replay(self, part: HostPartition, hyper: dict, old: float, new: float) -> None:
-        self.link.host_waits_for(part.last_h2d)
-        for offset, numel in self._pieces(part):
-            low = self._copy_out_buffer(part, numel)
-            start = time.perf_counter()
-            ops.adam_replay(
-                *self._state(part, offset, numel), **hyper, old_grad_scale=old,
-                new_grad_scale=new, out_lowp=low,
-            )  # fmt: skip
-            self.stats.replay_seconds += time.perf_counter() - start
-            self.send_params(part, low, offset)
+        def kernel(state, low):
+            ops.adam_replay(*state, **hyper, old_grad_scale=old, new_grad_scale=new, out_lowp=low)
+
+        self._pass(part, kernel, "replay_seconds")
 
     def rollback(self, part: HostPartition, hyper: dict, scale: float) -> None:
         if not part.speculation_applied:
             return  # the speculative step saw poisoned gradients and did nothing
-        self.link.host_waits_for(part.last_h2d)
+
+        def kernel(state, low):
+            ops.adam_rollback(*state, **hyper, grad_scale=scale)
+            if low is not None:
+                low.copy_(state[0])  # the restored master, rounded
+
+        self._pass(part, kernel, "replay_seconds")
+
+    def _pass(self, part: HostPartition, kernel, seconds: str) -> None:
+        """One CPU pass over a partition, piece by piece (``_pieces``): ``kernel(state, low)``
+        updates a piece's master, gradients and moments and writes its rounded params into
+        ``low``; each piece goes back to the model while the kernel does the next. Its time
+        counts into ``stats.<seconds>``."""
+        self.link.host_waits_for(part.last_h2d)  # the master and param_low are free again
         for offset, numel in self._pieces(part):
             low = self._copy_out_buffer(part, numel)
             start = time.perf_counter()
-            master, *rest = self._state(part, offset, numel)
-            ops.adam_rollback(master, *rest, **hyper, grad_scale=scale)
-            if low is not None:
-                low.copy_(master)
-            self.stats.replay_seconds += time.perf_counter() - start
+            kernel(self._state(part, offset, numel), low)
+            elapsed = time.perf_counter() - start
+            setattr(self.stats, seconds, getattr(self.stats, seconds) + elapsed)
             self.send_params(part, low, offset)
 
     def _pieces(self, part: HostPartition) -> list[tuple[int, int]]:

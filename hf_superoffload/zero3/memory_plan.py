@@ -26,6 +26,8 @@ import math
 
 import torch
 
+from ..engine.copy_out import COPY_OUT_PIECE, COPY_OUT_SLOTS
+
 HOST_PROCESS_BYTES = int(2.3 * 2**30)  # RSS beyond the optimizer's buffers (H100, torch 2.11)
 CUDA_CONTEXT_BYTES = int(0.6 * 2**30)  # device memory torch's allocator does not count
 # The allocator's reserve over what it hands out (fragmentation, blocks cached for reuse).
@@ -34,7 +36,6 @@ CUDA_CONTEXT_BYTES = int(0.6 * 2**30)  # device memory torch's allocator does no
 GPU_HEADROOM = 0.10
 HOST_HEADROOM = 0.05  # the kernel, the page cache and the rest of the system
 LOGIT_BYTES = 12  # per logit in the loss: bf16 logits, fp32 upcast, fp32 and bf16 gradients
-COPY_OUT_SLOTS, COPY_OUT_PIECE = 3, 1 << 24  # engine/copy_out.py
 
 
 @dataclasses.dataclass(frozen=True)

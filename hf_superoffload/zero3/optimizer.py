@@ -294,14 +294,13 @@ class SuperOffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         """A param's final gradient partition of this step (on the device): its norm, then
         into the host sub group's gradient buffer as it is. DeepSpeed's GPU sub groups keep
         DeepSpeed's path."""
-        i, offset, _ = self.grad_position[self.get_param_id(param)]
+        param_id = self.get_param_id(param)
+        i, offset, _ = self.grad_position[param_id]
         part = self._host_part_at.get(i)
         if part is None:
             super()._offload_grad_partition_at_boundary(param, grad_buffer, *swap_lists)
             return
-        self.norm_for_param_grads[self.get_param_id(param)] = self._constant_buffered_norm2(
-            grad_buffer
-        )
+        self.norm_for_param_grads[param_id] = self._constant_buffered_norm2(grad_buffer)
         target = part.host_grad.narrow(0, offset, grad_buffer.numel())
         target.copy_(grad_buffer.reshape(-1), non_blocking=True)
         self._stv.stats.bytes_d2h += target.numel() * target.element_size()
