@@ -92,6 +92,13 @@ class Bucket(HostPartition):
         self.launched = False  # grads staged, norm computed, sent to the host
         self.staging: torch.Tensor | None = None
 
+    def param_step(self, param_index: int) -> int:
+        """Committed updates of one param."""
+        return self.step
+
+    def set_param_step(self, param_index: int, step: int) -> None:
+        self.step = step
+
     def views(self, tensor: torch.Tensor, param_index: int) -> torch.Tensor:
         offset = self.plan.offsets[param_index]
         param = self.plan.params[param_index]

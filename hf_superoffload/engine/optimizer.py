@@ -29,6 +29,7 @@ from collections.abc import Iterable
 import torch
 
 from .. import ops
+from . import state_io
 from .bucket import Bucket
 from .buckets import plan_buckets
 from .cast_policy import CastPlan, choose_cast_plan
@@ -213,57 +214,13 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         return self._param_state(param)
 
     def _param_state(self, param: torch.nn.Parameter) -> dict:
-        bucket, i = self._slot[id(param)]
-        return {
-            "master": bucket.views(bucket.master, i).detach().cpu().clone(),
-            "exp_avg": bucket.views(bucket.exp_avg, i).cpu().clone(),
-            "exp_avg_sq": bucket.views(bucket.exp_avg_sq, i).cpu().clone(),
-            "step": bucket.step,
-        }
+        return state_io.param_state(self, param)
 
     def state_dict(self) -> dict:
-        self.synchronize()
-        state, groups, index = {}, [], 0
-        for group in self.param_groups:
-            ids = []
-            for param in group["params"]:
-                if id(param) in self._slot:
-                    state[index] = self._param_state(param)  # synchronized above
-                ids.append(index)
-                index += 1
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
-        return {"state": state, "param_groups": groups}
+        return state_io.state_dict(self)
 
-    @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
-        self.synchronize()
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(
-                f"state_dict has {len(saved_groups)} param groups, this optimizer has "
-                f"{len(self.param_groups)}; build the optimizer with the same groups."
-            )
-        params = [p for g in self.param_groups for p in g["params"]]
-        for group, saved in zip(self.param_groups, saved_groups, strict=True):
-            if len(group["params"]) != len(saved["params"]):
-                raise ValueError("state_dict's param groups differ in size from this optimizer's.")
-            group.update({k: v for k, v in saved.items() if k != "params"})
-        for index, entry in state_dict["state"].items():
-            param = params[int(index)]
-            bucket, i = self._slot[id(param)]
-            if tuple(entry["master"].shape) != tuple(param.shape):
-                raise ValueError(
-                    f"state_dict entry {index} has shape {tuple(entry['master'].shape)}, "
-                    f"param has {tuple(param.shape)}; load into the same model."
-                )
-            bucket.views(bucket.master, i).copy_(entry["master"])
-            bucket.views(bucket.exp_avg, i).copy_(entry["exp_avg"])
-            bucket.views(bucket.exp_avg_sq, i).copy_(entry["exp_avg_sq"])
-            bucket.step = int(entry["step"])
-        for bucket in self._buckets:
-            bucket.flat_param.copy_(bucket.master)
-            if bucket.on_device:
-                self._tail.set_step(bucket)
+        state_io.load_state_dict(self, state_dict)
 
     def close(self) -> None:
         """Stop the worker and remove the hooks; idempotent."""
