@@ -63,6 +63,11 @@ class Bucket(HostPartition):
             plan.index, plan.group_index, master, exp_avg, exp_avg_sq, host_grad, param_low,
             flat_param,
         )  # fmt: skip
+        self.param_steps = [0] * len(plan.params)  # committed updates of each param
+        # The step's fp32 gradient sum, on the host, while gradients accumulate over several
+        # arrivals (made on first need, kept: accumulation usually goes on).
+        self.grad_sum: torch.Tensor | None = None
+        self._link = link
         if on_device:
             self._hold_state_on_device(master, exp_avg, exp_avg_sq)
         self.reset_for_next_step()
@@ -70,7 +75,8 @@ class Bucket(HostPartition):
     def move_to_device(self, link: Link) -> None:
         """Make this a tail bucket: master, moments and fp32 gradients on the device (16 B per
         element there), stepped by torch's AdamW; the host buffers are released."""
-        host_buffers = (self.master, self.host_grad, self.param_low)
+        host_buffers = (self.master, self.host_grad, self.param_low, self.grad_sum)
+        self.grad_sum = None
         self._hold_state_on_device(
             self.master.to(link.device),
             self.exp_avg.to(link.device),
@@ -87,17 +93,65 @@ class Bucket(HostPartition):
 
     def reset_for_next_step(self) -> None:
         self.reset_speculation()
-        self.arrived = 0  # params whose final gradient of this step has been staged
+        self.present = [False] * len(self.plan.params)  # got a gradient this step
+        self.last_seen = [False] * len(self.plan.params)  # its step's last arrival came
+        self.summing = False  # this step's gradients add up in grad_sum on the host
+        self.contributed = False  # grad_sum holds this step's first contribution already
+        self.new_round()
+
+    def new_round(self) -> None:
+        """Gradients staged from here on go to the device staging buffer afresh: at a step's
+        start, and after a launch when more gradients arrive (accumulation)."""
+        self.arrived = 0  # params staged in this round
         self.staged = [False] * len(self.plan.params)
-        self.launched = False  # grads staged, norm computed, sent to the host
+        self.launched = False  # this round's gradients left for the host (or, tail: normed)
         self.staging: torch.Tensor | None = None
+
+    @property
+    def complete(self) -> bool:
+        """Every param's last gradient of the step is staged: the bucket may launch."""
+        return self.arrived == len(self.plan.params) and all(self.last_seen)
+
+    def start_summing(self) -> torch.Tensor:
+        """From now on this step's gradients add up on the host, in fp32."""
+        if self.grad_sum is None:
+            self.grad_sum = self._link.host_empty(self.plan.numel, torch.float32)
+        self.summing = True
+        return self.grad_sum
+
+    def grad_for_kernel(self) -> torch.Tensor:
+        return self.grad_sum if self.summing else self.host_grad
+
+    def update_runs(self) -> list[tuple[int, int, int]]:
+        """Params without a gradient this step are not updated at all (as torch's AdamW
+        skips them: no decay, no moment decay, no step count); the others each at their own
+        next step count, in runs of neighbours that share one."""
+        steps = self.param_steps
+        if all(self.present) and min(steps) == max(steps):
+            return [(0, self.plan.numel, steps[0] + 1)]
+        runs: list[tuple[int, int, int]] = []
+        for i, (param, offset) in enumerate(zip(self.plan.params, self.plan.offsets, strict=True)):
+            if not self.present[i] or param.numel() == 0:
+                continue
+            step = steps[i] + 1
+            if runs and runs[-1][0] + runs[-1][1] == offset and runs[-1][2] == step:
+                runs[-1] = (runs[-1][0], runs[-1][1] + param.numel(), step)
+            else:
+                runs.append((offset, param.numel(), step))
+        return runs
+
+    def commit_update(self) -> None:
+        for i, present in enumerate(self.present):
+            self.param_steps[i] += present
+        self.step = max(self.param_steps)
 
     def param_step(self, param_index: int) -> int:
         """Committed updates of one param."""
-        return self.step
+        return self.param_steps[param_index]
 
     def set_param_step(self, param_index: int, step: int) -> None:
-        self.step = step
+        self.param_steps[param_index] = step
+        self.step = max(self.param_steps)
 
     def views(self, tensor: torch.Tensor, param_index: int) -> torch.Tensor:
         offset = self.plan.offsets[param_index]

@@ -16,6 +16,9 @@ def check_group(group: dict) -> None:
             f"unknown param-group keys {sorted(unknown)}; SuperOffloadOptimizer groups take "
             f"{list(HYPER_KEYS)}."
         )
+    for key in ("lr", "eps", "weight_decay"):
+        if float(group[key]) < 0:
+            raise ValueError(f"{key} must be >= 0, got {float(group[key])}.")
     beta1, beta2 = group["betas"]
     if not (0 < beta1 < 1 and 0 < beta2 < 1):
         raise ValueError(

@@ -1,6 +1,9 @@
 """The tail buckets' optimizer: torch's AdamW over their fp32 masters on the device.
 
-Its state *is* the buckets' moment tensors, so state_dict, load and migration need no copies.
+It steps each param's view of its bucket's master, so a param that got no gradient is skipped
+as torch's AdamW skips it (its ``grad`` is None for that step) and each keeps its own step
+count. Its state *is* the buckets' moment tensors, so state_dict, load and migration need no
+copies.
 NOTE: torch's default (foreach) AdamW, not fused=True: the fused CUDA kernel forms 1 - beta2
 in fp32 (9.99987e-4 for 0.999), 1.3e-5 off the double-precision value that torch's default
 AdamW and the CPU kernel use, and tail and host buckets must do the same arithmetic.
@@ -16,22 +19,27 @@ from .bucket import Bucket
 class DeviceTail:
     def __init__(self):
         self.adamw: torch.optim.AdamW | None = None
+        self._views: dict[int, list[torch.Tensor]] = {}  # bucket index -> its params' masters
 
     def register(self, bucket: Bucket) -> None:
-        group = {"params": [bucket.master]}
+        views = [bucket.views(bucket.master, i) for i in range(len(bucket.plan.params))]
+        group = {"params": views}
         if self.adamw is None:
             self.adamw = torch.optim.AdamW([group], foreach=True)
         else:
             self.adamw.add_param_group(group)
         bucket.device_group = self.adamw.param_groups[-1]
-        self.adamw.state[bucket.master] = {
-            "step": self._step_tensor(bucket.step),
-            "exp_avg": bucket.exp_avg,
-            "exp_avg_sq": bucket.exp_avg_sq,
-        }
+        self._views[bucket.index] = views
+        for i, view in enumerate(views):
+            self.adamw.state[view] = {
+                "step": self._step_tensor(bucket.param_step(i)),
+                "exp_avg": bucket.views(bucket.exp_avg, i),
+                "exp_avg_sq": bucket.views(bucket.exp_avg_sq, i),
+            }
 
     def set_step(self, bucket: Bucket) -> None:
-        self.adamw.state[bucket.master]["step"] = self._step_tensor(bucket.step)
+        for i, view in enumerate(self._views[bucket.index]):
+            self.adamw.state[view]["step"] = self._step_tensor(bucket.param_step(i))
 
     def step(self, buckets: list[Bucket], hypers: list[dict], coef: float) -> None:
         """One validated step of every tail bucket, with the clip coefficient applied."""
@@ -46,9 +54,11 @@ class DeviceTail:
             )
             if coef != 1.0:
                 bucket.grad.mul_(coef)
+            for i, view in enumerate(self._views[bucket.index]):
+                view.grad = bucket.views(bucket.grad, i) if bucket.present[i] else None
         self.adamw.step()
         for bucket in buckets:
-            bucket.step += 1
+            bucket.commit_update()
             bucket.flat_param.copy_(bucket.master)
 
     @staticmethod

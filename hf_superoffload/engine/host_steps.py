@@ -41,7 +41,13 @@ class HostSteps:
         self.copy_out = copy_out
         self.elements_stepped = 0  # kernel throughput, for the tail tuner
 
-    def speculate(self, part: HostPartition, hyper: dict, scale: float, d2h_event, round_) -> None:
+    # Every pass takes the ``runs`` it updates and the ``grad`` tensor it reads as arguments,
+    # fixed when the task was submitted: the training thread moves on to the next step's
+    # bookkeeping while the worker still runs this one's tasks.
+
+    def speculate(
+        self, part: HostPartition, hyper: dict, scale: float, d2h_event, round_, runs, grad
+    ) -> None:
         """Step a partition before validation, unless this step's gradients already showed a
         non-finite value: then it (and every later partition) stays untouched, so the skip
         that validation will decide needs no rollback and leaves the state bit-exact."""
@@ -51,76 +57,104 @@ class HostSteps:
             part.speculation_applied = False
             return
         part.speculation_applied = True
-        self.step(part, hyper, scale, None)
+        self.step(part, hyper, scale, None, runs, grad)
 
-    def step(self, part: HostPartition, hyper: dict, scale: float, d2h_event) -> None:
+    def step(self, part: HostPartition, hyper: dict, scale: float, d2h_event, runs, grad) -> None:
         self.link.host_waits_for(d2h_event)  # the gradients are on the host
 
-        def kernel(state, low):
-            ops.adam_step(*state, **hyper, grad_scale=scale, out_lowp=low)
+        def kernel(state, low, step):
+            ops.adam_step(*state, **{**hyper, "step": step}, grad_scale=scale, out_lowp=low)
 
-        self._pass(part, kernel, "cpu_step_seconds")
-        self.elements_stepped += part.numel
+        self._pass(part, kernel, "cpu_step_seconds", runs, grad)
+        self.elements_stepped += sum(numel for _, numel, _ in runs)
 
-    def replay(self, part: HostPartition, hyper: dict, old: float, new: float) -> None:
-        def kernel(state, low):
-            ops.adam_replay(*state, **hyper, old_grad_scale=old, new_grad_scale=new, out_lowp=low)
+    def replay(self, part: HostPartition, hyper: dict, old: float, new: float, runs, grad) -> None:
+        def kernel(state, low, step):
+            ops.adam_replay(
+                *state, **{**hyper, "step": step}, old_grad_scale=old, new_grad_scale=new,
+                out_lowp=low,
+            )  # fmt: skip
 
-        self._pass(part, kernel, "replay_seconds")
+        self._pass(part, kernel, "replay_seconds", runs, grad)
 
-    def rollback(self, part: HostPartition, hyper: dict, scale: float) -> None:
+    def rollback(self, part: HostPartition, hyper: dict, scale: float, runs, grad) -> None:
         if not part.speculation_applied:
             return  # the speculative step saw poisoned gradients and did nothing
 
-        def kernel(state, low):
-            ops.adam_rollback(*state, **hyper, grad_scale=scale)
+        def kernel(state, low, step):
+            ops.adam_rollback(*state, **{**hyper, "step": step}, grad_scale=scale)
             if low is not None:
                 low.copy_(state[0])  # the restored master, rounded
 
-        self._pass(part, kernel, "replay_seconds")
+        self._pass(part, kernel, "replay_seconds", runs, grad)
+        part.speculation_applied = False
 
-    def _pass(self, part: HostPartition, kernel, seconds: str) -> None:
-        """One CPU pass over a partition, piece by piece (``_pieces``): ``kernel(state, low)``
-        updates a piece's master, gradients and moments and writes its rounded params into
-        ``low``; each piece goes back to the model while the kernel does the next. Its time
-        counts into ``stats.<seconds>``."""
+    def accumulate(
+        self, part: HostPartition, total: torch.Tensor, d2h_event, first: bool, last: bool
+    ) -> None:
+        """Add the gradients that just landed (``host_grad``) to the step's fp32 sum
+        ``total`` (the first contribution is copied); after the ``last`` one, the sum's squared
+        norm goes to ``host_sq_norms`` for validation."""
+        self.link.host_waits_for(d2h_event)
+        start = time.perf_counter()
+        if first:
+            total.copy_(part.host_grad)
+        else:
+            total.add_(part.host_grad)
+        if last:
+            norm = torch.linalg.vector_norm(total, dtype=torch.float32)
+            self.host_sq_norms[part.index] = norm * norm
+        self.stats.accumulate_seconds += time.perf_counter() - start
+
+    def _pass(self, part: HostPartition, kernel, seconds: str, runs, grad) -> None:
+        """One CPU pass over ``runs`` of a partition, piece by piece (``_pieces``):
+        ``kernel(state, low, step)`` updates a piece's master, gradients and moments as update
+        number ``step`` and writes its rounded params into ``low``; each piece goes back to
+        the model while the kernel does the next. Its time counts into ``stats.<seconds>``."""
         self.link.host_waits_for(part.last_h2d)  # the master and param_low are free again
-        for offset, numel in self._pieces(part):
-            low = self._copy_out_buffer(part, numel)
+        for offset, numel, step in self._pieces(part, runs):
+            low = self._copy_out_buffer(part, offset, numel)
             start = time.perf_counter()
-            kernel(self._state(part, offset, numel), low)
+            kernel(self._state(part, grad, offset, numel), low, step)
             elapsed = time.perf_counter() - start
             setattr(self.stats, seconds, getattr(self.stats, seconds) + elapsed)
-            self.send_params(part, low, offset)
+            self.send_params(part, low, offset, numel)
 
-    def _pieces(self, part: HostPartition) -> list[tuple[int, int]]:
-        """(offset, numel) runs a pass goes through: the whole partition, or pieces of the
-        copy-out ring's buffer size when its rounded params go back through the ring (each
-        piece goes back while the kernel does the next; the update is element-wise, so the
-        pieces change nothing in the arithmetic)."""
+    def _pieces(self, part: HostPartition, runs) -> list[tuple[int, int, int]]:
+        """(offset, numel, step) pieces of the runs a pass goes through: the runs themselves,
+        or pieces of at most the copy-out ring's buffer size when its rounded params go back
+        through the ring (each piece goes back while the kernel does the next; the update is
+        element-wise, so the pieces change nothing in the arithmetic)."""
         if part.param_low is not None or self.copy_out is None:
-            return [(0, part.numel)]
+            return list(runs)
         size = self.copy_out.piece_numel
-        return [(start, min(size, part.numel - start)) for start in range(0, part.numel, size)]
+        return [
+            (start, min(size, offset + numel - start), step)
+            for offset, numel, step in runs
+            for start in range(offset, offset + numel, size)
+        ]
 
     @staticmethod
-    def _state(part: HostPartition, offset: int, numel: int) -> list[torch.Tensor]:
+    def _state(part: HostPartition, grad, offset: int, numel: int) -> list[torch.Tensor]:
         """Master, gradients and both moments of one piece of the partition."""
-        tensors = (part.master, part.host_grad, part.exp_avg, part.exp_avg_sq)
+        tensors = (part.master, grad, part.exp_avg, part.exp_avg_sq)
         return [t.narrow(0, offset, numel) for t in tensors]
 
-    def _copy_out_buffer(self, part: HostPartition, numel: int) -> torch.Tensor | None:
+    def _copy_out_buffer(self, part: HostPartition, offset: int, numel: int):
         """Where a pass writes a piece's rounded params (None: the master goes back as it is)."""
         if part.param_low is not None:
-            return part.param_low
+            return part.param_low.narrow(0, offset, numel)
         if self.copy_out is not None:
             return self.copy_out.take(numel)
         return None
 
-    def send_params(self, part: HostPartition, low: torch.Tensor | None, offset: int = 0) -> None:
-        """Return updated params (``low``, else the whole master) to the model, from
-        ``offset`` in the partition's flat params."""
-        source = low if low is not None else part.master
+    def send_params(
+        self, part: HostPartition, low: torch.Tensor | None, offset: int = 0, numel: int = -1
+    ) -> None:
+        """Return ``numel`` updated params (default: all) from ``offset`` in the partition's
+        flat params to the model: ``low`` holds them rounded, else the master goes back."""
+        numel = part.numel - offset if numel < 0 else numel
+        source = low if low is not None else part.master.narrow(0, offset, numel)
         target = part.flat_param.narrow(0, offset, source.numel())
         to_device = self.link.is_cuda and target.is_cuda  # not for params kept on host
         with self.link.h2d():
@@ -136,7 +170,7 @@ class HostSteps:
             # last_h2d to know when the master and param_low may be overwritten. A later
             # piece's event covers the earlier ones (one stream, in order).
             part.h2d_event = part.last_h2d = self.link.record()
-        if low is not None and low is not part.param_low:
+        if low is not None and part.param_low is None:
             self.copy_out.handed_to_link(part.last_h2d)
         if to_device:
             self.stats.bytes_h2d += source.numel() * source.element_size()

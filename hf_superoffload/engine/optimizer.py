@@ -29,18 +29,19 @@ from collections.abc import Iterable
 import torch
 
 from .. import ops
-from . import state_io
+from . import clip_routing, ownership, state_io
 from .bucket import Bucket
 from .buckets import plan_buckets
 from .cast_policy import CastPlan, choose_cast_plan
 from .checks import check_group, common_device_and_dtype, default_cpu_threads
 from .device_tail import DeviceTail
+from .grad_arrival import GradArrival
 from .link import Link
 from .placement import (
     DEVICE_BYTES_PER_ELEMENT,
-    TailTuner,
     choose_device_buckets,
     device_headroom_bytes,
+    make_tail_tuner,
 )
 from .replicas import Replicas
 from .stv import Stv, Verdict, validate
@@ -50,7 +51,7 @@ logger = logging.getLogger("hf_superoffload")
 DEFAULT_BUCKET_SIZE = 1 << 25  # 33.5M elements: ~7 ms of CPU Adam on 16 cores
 
 
-class SuperOffloadOptimizer(torch.optim.Optimizer):
+class SuperOffloadOptimizer(GradArrival, torch.optim.Optimizer):
     def __init__(
         self,
         params: Iterable,
@@ -91,10 +92,12 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         if not trainable:
             raise ValueError("SuperOffloadOptimizer got no parameters that require grad.")
+        ownership.claim(trainable, self)
         device, dtype = common_device_and_dtype(trainable)
         if cpu_threads is None:
             cpu_threads = default_cpu_threads(device)
         ops.set_num_threads(cpu_threads)
+        ops.prepare()  # build or load the CPU Adam now, visibly, not inside step 1
         # Data parallelism (process_group, or the initialised default group): each rank
         # averages every bucket's gradients with the others, so the model must not also be
         # wrapped in DistributedDataParallel.
@@ -120,12 +123,16 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         self._slot = {
             id(p): (bucket, i) for bucket in self._buckets for i, p in enumerate(bucket.plan.params)
         }
-        self._micro = dict.fromkeys(self._slot, 0)
+        self._micro = dict.fromkeys(self._slot, 0)  # gradient arrivals this step, per param
+        self._firings: dict[int, int] = {}  # learned arrivals per step (see GradArrival)
+        self._told_about_firings = False
+        self._reopened = self._flushed = False
         self._next_launch = 0
         self._sq_norms = torch.zeros(len(self._buckets), device=device)
+        this = weakref.ref(self)  # hooks and the STV core must not keep the optimizer alive
         self._stv = Stv(
             self._link,
-            lambda: self.param_groups,
+            lambda: this().param_groups,
             len(self._buckets),
             speculate=speculate,
             speculate_after_clip=speculate_after_clip,
@@ -135,12 +142,15 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         for bucket in self._buckets:
             if bucket.on_device:
                 self._tail.register(bucket)
-        self._tuner = TailTuner() if gpu_buckets == "auto" else None
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in trainable]
+        self._tuner = make_tail_tuner(gpu_buckets, device)
+        self._hooks = [p.register_post_accumulate_grad_hook(_grad_hook(this)) for p in trainable]
         if model is not None:
             self._hooks += self._install_forward_waits(model)
         self._waits_in_forward = model is not None
-        self._finalizer = weakref.finalize(self, _shutdown, self._stv, self._hooks, self._link)
+        self._finalizer = weakref.finalize(
+            self, _shutdown, self._stv, self._hooks, self._link, list(self._slot)
+        )
+        clip_routing.install()  # torch's clip_grad_norm_ over our params clips through us
 
     # ----------------------------------------------------------------------------- public API
 
@@ -173,7 +183,26 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             self.max_grad_norm = max_norm or None
         self._flush_unlaunched()
         self._device_waits_for_d2h()
-        return self._sq_norms.sum().sqrt()
+        return self._sq_norm_total().sqrt()
+
+    def trainable_params(self) -> list[torch.nn.Parameter]:
+        """The params this optimizer steps (those that required grad when it was built)."""
+        return [p for bucket in self._buckets for p in bucket.plan.params]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Discard the gradients of this step so far, as AdamW's zero_grad does: buckets that
+        already speculated on them are rolled back, and the next backward starts afresh."""
+        super().zero_grad(set_to_none)  # params whose gradients we do not take (frozen ones)
+        if not any(self._micro.values()):
+            return  # nothing arrived since the last step (the usual call)
+        self._stv.abandon(b for b in self._buckets if not b.on_device)
+        for bucket in self._buckets:
+            bucket.reset_for_next_step()
+        with self._link.d2h():
+            self._sq_norms.zero_()
+        self._micro = dict.fromkeys(self._micro, 0)
+        self._reopened = self._flushed = False
+        self._next_launch = 0
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -181,11 +210,10 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._check_accumulation()
         self._check_params_attached()
         self._flush_unlaunched()
         self._device_waits_for_d2h()
-        result = validate(self._sq_norms.sum().sqrt(), self.max_grad_norm)
+        result = validate(self._sq_norm_total().sqrt(), self.max_grad_norm)
         self.global_grad_norm = result.total_norm
         self.last_step_skipped = result.verdict is Verdict.SKIP
         # Forward order (first layers first): the next forward needs those first.
@@ -193,9 +221,11 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         if result.verdict is not Verdict.SKIP:
             tail = [b for b in self._buckets if b.on_device]
             self._tail.step(tail, [self._stv.hyper(b, b.step + 1) for b in tail], result.clip_coef)
+        self._learn_firings()
         for bucket in self._buckets:
             bucket.reset_for_next_step()
         self._micro = dict.fromkeys(self._micro, 0)
+        self._reopened = self._flushed = False
         self._next_launch = 0  # replicas launch buckets in order (see _launch_complete)
         self._sq_norms.zero_()
         if not self._waits_in_forward:
@@ -217,10 +247,36 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         return state_io.param_state(self, param)
 
     def state_dict(self) -> dict:
-        return state_io.state_dict(self)
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state = state_io.state_dict(self)
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            changed = post_hook(self, state)
+            state = state if changed is None else changed
+        return state
 
     def load_state_dict(self, state_dict: dict) -> None:
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            changed = pre_hook(self, state_dict)
+            state_dict = state_dict if changed is None else changed
         state_io.load_state_dict(self, state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_buckets", None) is not None:
+            raise NotImplementedError(
+                "SuperOffloadOptimizer lays out its host buffers, hooks and buckets when it is "
+                "built and cannot add a param group afterwards; build it with every group "
+                "(requires_grad=False params may join a group and stay frozen)."
+            )
+        super().add_param_group(param_group)
+
+    def __deepcopy__(self, memo):
+        raise TypeError(_NOT_COPYABLE)
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(_NOT_COPYABLE)
 
     def close(self) -> None:
         """Stop the worker and remove the hooks; idempotent."""
@@ -231,104 +287,6 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
 
     def __exit__(self, *exc):
         self.close()
-
-    # ------------------------------------------------------------------------ backward side
-
-    def _on_grad(self, param: torch.nn.Parameter) -> None:
-        key = id(param)
-        self._micro[key] += 1
-        boundary = self._boundary_override
-        if boundary is None:
-            boundary = self._micro[key] >= self.gradient_accumulation_steps
-        if not boundary:
-            return
-        bucket, i = self._slot[key]
-        with torch.no_grad():
-            self._stage(bucket, i, param.grad)
-        param.grad = None  # the bucket owns it now; frees device memory early
-        if bucket.arrived == len(bucket.plan.params):
-            self._launch_complete(bucket)
-
-    def _launch_complete(self, bucket: Bucket) -> None:
-        """Launch a bucket whose gradients are all in. With replicas every rank must launch
-        (and so average) the buckets in one order: bucket order, the order their gradients
-        normally complete in. A bucket that completes early (an earlier bucket has a param
-        this rank's batch did not use) waits for the earlier ones, or for step()'s flush."""
-        if not self._replicas.distributed:
-            self._launch(bucket)
-            return
-        while self._next_launch < len(self._buckets):
-            ready = self._buckets[self._next_launch]
-            if ready.arrived < len(ready.plan.params):
-                return
-            self._launch(ready)
-            self._next_launch += 1
-
-    def _stage(self, bucket: Bucket, i: int, grad: torch.Tensor | None) -> None:
-        if bucket.arrived == 0:
-            bucket.staging = self._staging_buffer(bucket)
-        target = bucket.views(bucket.staging, i)
-        self._link.d2h_waits_for_compute()
-        with self._link.d2h():
-            if grad is None:
-                target.zero_()
-            else:
-                target.copy_(grad)
-                self._link.keep_alive_on_d2h(grad)
-        bucket.staged[i] = True
-        bucket.arrived += 1
-
-    def _staging_buffer(self, bucket: Bucket) -> torch.Tensor:
-        if bucket.on_device:
-            return bucket.grad
-        if self._link.is_cuda:
-            dtype = torch.float32 if self._cast.grads_on_device else bucket.flat_param.dtype
-            with self._link.d2h():
-                return torch.empty(bucket.plan.numel, dtype=dtype, device=self._link.device)
-        # On CPU the host buffer is the staging buffer; the worker may still read it from
-        # the last step's replay, so wait for that first (normally long done).
-        self._stv.worker.wait([bucket.index])
-        return bucket.host_grad
-
-    def _launch(self, bucket: Bucket, speculate: bool = True) -> None:
-        """The bucket's gradients are complete: norm, send to host, speculate."""
-        staging = bucket.staging
-        with self._link.d2h():
-            self._replicas.average_(staging)
-            norm = torch.linalg.vector_norm(staging, dtype=torch.float32)
-            i = bucket.index
-            self._sq_norms[i] = norm * norm
-            host_sq_norm = self._stv.host_sq_norms[i : i + 1]
-            host_sq_norm.copy_(self._sq_norms[i : i + 1], non_blocking=True)
-            if self._link.is_cuda and not bucket.on_device:
-                self._stv.worker.wait([bucket.index])  # the host buffer is free again
-                bucket.host_grad.copy_(staging, non_blocking=True)
-                self._link.keep_alive_on_d2h(staging)
-                self.stats_counters.bytes_d2h += staging.numel() * staging.element_size()
-            bucket.d2h_event = self._link.record()
-        if not bucket.on_device:
-            bucket.staging = None  # the next step allocates afresh; a tail keeps its fp32 grads
-        bucket.launched = True
-        if not bucket.on_device:
-            self._stv.launch(bucket, bucket.d2h_event, speculate)
-
-    def _flush_unlaunched(self) -> None:
-        """Launch buckets whose params did not all get a final gradient this step (unused
-        params, or step() before the last accumulation pass): what accumulated so far is
-        used, and a missing gradient counts as zero. These buckets step after validation (with
-        replicas they may speculate first, as they may have on the other ranks)."""
-        for bucket in self._buckets:
-            if bucket.launched:
-                continue
-            with torch.no_grad():
-                for i, param in enumerate(bucket.plan.params):
-                    if not bucket.staged[i]:
-                        self._stage(bucket, i, param.grad)
-                        param.grad = None
-            # With replicas a bucket flushed here on one rank may have launched in backward on
-            # another: speculate as a backward launch would, so all ranks do the same steps.
-            self._launch(bucket, speculate=self._replicas.distributed)
-        self._next_launch = len(self._buckets)
 
     # ------------------------------------------------------------------------ device tail
 
@@ -407,10 +365,24 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         return handles
 
     def _forward_wait(self, buckets: list[Bucket]):
+        this = weakref.ref(self)  # the model's hooks must not keep the optimizer alive
+
         def hook(module, args):
-            self._stv.wait_for(buckets)
+            optimizer = this()
+            if optimizer is not None:
+                optimizer._before_forward(buckets)
 
         return hook
+
+    def _before_forward(self, buckets: list[Bucket]) -> None:
+        """A module is about to run: wait for its params' updates. A forward between
+        backward and step() (an accumulation pass nobody announced, a shared weight recomputed
+        under reentrant checkpointing) must not see speculative values: its buckets' are rolled
+        back first, and their gradients summed with what comes next."""
+        for bucket in buckets:
+            if bucket.launched and bucket.speculated_with is not None:
+                self._reopen(bucket)
+        self._stv.wait_for(buckets)
 
     def _check_params_attached(self) -> None:
         moved = [b for b in self._buckets if b.plan.params[0].data_ptr() != b.first_param_ptr]
@@ -422,21 +394,29 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
                 f"reach the model. Move or wrap the model first, then build the optimizer."
             )
 
-    def _check_accumulation(self) -> None:
-        if self._boundary_override is not None:
-            return
-        over = [k for k, count in self._micro.items() if count > self.gradient_accumulation_steps]
-        if over:
-            raise RuntimeError(
-                f"{len(over)} params got more backward passes ({max(self._micro.values())}) than "
-                f"gradient_accumulation_steps={self.gradient_accumulation_steps} before step(); "
-                f"set gradient_accumulation_steps to the number of backward calls per step()."
-            )
+
+_NOT_COPYABLE = (
+    "SuperOffloadOptimizer cannot be copied or pickled: it owns a worker thread, page-locked "
+    "host buffers and hooks on the model's params. Save state_dict() and load it into a new "
+    "optimizer built over the (copied) model."
+)
 
 
-def _shutdown(stv: Stv, hooks: list, link: Link) -> None:
+def _grad_hook(this: weakref.ref):
+    """A post-accumulate-grad hook that holds its optimizer weakly."""
+
+    def hook(param: torch.nn.Parameter) -> None:
+        optimizer = this()
+        if optimizer is not None:
+            optimizer._on_grad(param)
+
+    return hook
+
+
+def _shutdown(stv: Stv, hooks: list, link: Link, param_ids: list[int]) -> None:
     for handle in hooks:
         handle.remove()
     hooks.clear()
+    ownership.release(param_ids)
     stv.close()
     link.close()  # after the worker: its last tasks may still use the host buffers

@@ -45,7 +45,25 @@ class HostPartition:
     def numel(self) -> int:
         return self.master.numel()
 
+    def update_runs(self) -> list[tuple[int, int, int]]:
+        """The (offset, numel, update number) runs the coming step updates, taken when its
+        tasks are submitted: the whole partition, at one step count, unless an engine knows
+        better (the standalone buckets skip params that got no gradient)."""
+        return [(0, self.numel, self.step + 1)]
+
+    def commit_update(self) -> None:
+        """The coming step is decided (committed, clipped or stepped after validation)."""
+        self.step += 1
+
+    def grad_for_kernel(self) -> torch.Tensor:
+        """The gradients the kernel reads, taken when a task is submitted."""
+        return self.host_grad
+
     def reset_speculation(self) -> None:
         self.d2h_event: torch.cuda.Event | None = None  # the gradients are on the host
         self.speculated_with: dict | None = None  # hyperparameters of the speculative step
         self.speculated_scale = 1.0  # the gradient scale it used (the predicted clip coef)
+        # What the speculative step updated and from which gradients: a rollback or replay
+        # must go over exactly that.
+        self.speculated_runs: list[tuple[int, int, int]] = []
+        self.speculated_grad: torch.Tensor | None = None

@@ -4,6 +4,24 @@ The tail buckets are the last to receive gradients (the first layers) and the fi
 forward needs; stepping them on the device means the forward never waits for the CPU to
 finish the final buckets. Each costs 16 B per element of device memory (fp32 master, two
 moments, fp32 gradient).
+
+Reproducibility. A tail bucket is stepped by torch's AdamW, a host bucket by the compiled CPU
+kernel, which fuses what torch rounds separately: the two agree to about an ulp per step, not
+to the bit. So which buckets are on the device is part of the arithmetic, and:
+
+- An integer ``gpu_buckets`` fixes the placement: two runs of one configuration (and a run
+  resumed from a checkpoint, with the same ``gpu_buckets``) do the same operations on the same
+  values and are bit-identical, on the CPU and, as far as the model's own kernels are
+  deterministic (``torch.use_deterministic_algorithms``), on a GPU.
+- ``gpu_buckets="auto"`` on a GPU starts from a memory-bounded tail and then moves buckets
+  onto the device by *measured* timings (``TailTuner``): how many move, and after which step,
+  varies from run to run, and so does the rounding; a resumed run starts the tuning over. Such
+  runs agree to fp32 rounding (the tolerances of tests/engine_reference.py), not bit for bit.
+  For bit-identical GPU runs or resumes, pass an integer, e.g. the ``stats["device_buckets"]``
+  an "auto" run settled on.
+- With no GPU there is no device to keep a tail on: "auto" means no device buckets and no
+  tuning, so CPU runs are bit-identical (an integer still puts buckets on the "device", the
+  CPU, through torch's AdamW: the tests use that to run the tail's code path without a GPU).
 """
 
 from __future__ import annotations
@@ -27,7 +45,8 @@ _AUTO_PARAM_SHARE = 0.10
 def choose_device_buckets(
     requested: int | str, plans: list[BucketPlan], device: torch.device
 ) -> int:
-    """Number of tail buckets to step on the device (ints above the bucket count mean all)."""
+    """Number of tail buckets to step on the device (ints above the bucket count mean all;
+    "auto" on the CPU: none, see the module docstring)."""
     if isinstance(requested, bool) or not (requested == "auto" or isinstance(requested, int)):
         raise ValueError(f"gpu_buckets must be a non-negative int or 'auto', got {requested!r}.")
     if requested != "auto":
@@ -40,6 +59,9 @@ def choose_device_buckets(
         )
         return chosen
 
+    if device.type != "cuda":
+        logger.info("hf_superoffload: gpu_buckets='auto' -> no device buckets (no GPU)")
+        return 0
     total = sum(p.numel for p in plans)
     budget = _free_device_bytes(device) * _AUTO_MEMORY_SHARE
     chosen, numel = 0, 0
@@ -87,10 +109,18 @@ def device_headroom_bytes(device: torch.device) -> float:
     just as unavailable. (Counting allocated only, a 5.1B model on an H100 filled the card to
     75 of 79 GiB and one run in two then failed to find 2 GiB for the loss.)"""
     if device.type != "cuda":
-        return float("inf")  # CPU mode: the "device" is host memory
+        return 0.0  # no GPU: "auto" moves nothing (an explicit gpu_buckets is not bounded here)
     total = torch.cuda.get_device_properties(device).total_memory
     margin = max(2 * 2**30, 0.05 * total)
     return total - torch.cuda.max_memory_reserved(device) - margin
+
+
+def make_tail_tuner(requested: int | str, device: torch.device) -> TailTuner | None:
+    """The measuring tuner for ``gpu_buckets="auto"`` on a GPU; None otherwise (a fixed
+    count, or no GPU: nothing to move to)."""
+    if requested != "auto" or device.type != "cuda":
+        return None
+    return TailTuner()
 
 
 class TailTuner:

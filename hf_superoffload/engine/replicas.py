@@ -62,6 +62,14 @@ class Replicas:
         dist.all_reduce(holder, op=reduce_op, group=self.group)
         return holder.item()
 
+    def any_(self, flags: list[bool]) -> list[bool]:
+        """Each flag set on any rank."""
+        if not self.distributed:
+            return flags
+        holder = torch.tensor(flags, dtype=torch.uint8, device=self._scalar_device)
+        dist.all_reduce(holder, op=dist.ReduceOp.MAX, group=self.group)
+        return [bool(v) for v in holder.tolist()]
+
     def from_rank0(self, values: list[float]) -> list[float]:
         """Rank 0's ``values`` on every rank (a decision measured locally, taken once)."""
         if not self.distributed:

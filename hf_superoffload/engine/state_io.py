@@ -2,21 +2,80 @@
 
 The layout is torch's (``{"state": {index: ...}, "param_groups": [...]}``, params numbered
 across the groups in order); each entry holds the param's fp32 ``master`` besides AdamW's
-``exp_avg``, ``exp_avg_sq`` and ``step``.
+``exp_avg``, ``exp_avg_sq`` and ``step`` (an int: each param's own count of updates).
+
+One more top-level key, ``"superoffload"``, holds what is not per-param state:
+``{"format": 1, "predicted_coef": float}``. ``predicted_coef`` is the clip coefficient of the
+last validated step, which the next step speculates with (``Stv.predicted_coef``); a resumed
+run that started from 1.0 instead would speculate (or not) differently from the uninterrupted
+one and, where it then replays, round differently. torch's ``Optimizer.load_state_dict``, the
+HF Trainer and accelerate read only ``state`` and ``param_groups`` (and ``torch.load(...,
+weights_only=True)`` accepts a dict of numbers), so the extra key travels with the file and
+costs them nothing. A state dict without it (older checkpoints) loads with 1.0.
+
+No second copy of the state (``state_dict``): like torch's own ``Optimizer.state_dict``, the
+entries *are* the live state, not copies: views into each host bucket's flat master and
+moments. Save them right away (``torch.save(opt.state_dict(), f)``, as the HF Trainer and
+accelerate do); the next step's backward (speculation) and ``step()`` overwrite them in
+place. ``torch.save`` writes a view's whole underlying storage once, which here is the
+bucket's own flat buffer, so the file holds each bucket once: 12 B/param, and saving needs no
+extra host memory. Only buckets kept on the device (the tail) are copied to the host, once per
+bucket. ``master_state()`` (``param_state``) still returns copies.
+
+Loading (``load_state_dict``) copies entry by entry into the buckets, so a file opened with
+``torch.load(f, mmap=True)`` is read page by page and never held in memory twice. Everything
+is checked before anything is written: group count and sizes, that each entry belongs to a
+trainable param, shapes, hyperparameters; a refused state dict leaves the optimizer as it was.
+
+torch's ``AdamW`` state dicts (and a plain HF Trainer checkpoint's ``optimizer.pt``) load too:
+an entry without ``master`` takes its master from the param's current value (in fp32; load the
+model weights first), its moments and step from AdamW's; each group's lr, betas, eps and
+weight_decay (and any scheduler keys such as ``initial_lr``) are taken, and AdamW's own
+switches (``amsgrad``, ``maximize``, ``foreach``, ``fused``, ...) are checked and dropped:
+those this optimizer cannot honour (``amsgrad=True``, ``maximize=True``, Adam's coupled L2
+``decoupled_weight_decay=False`` with a weight decay) are refused with a ValueError.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
 
+from .checks import HYPER_KEYS, check_group
+
 if TYPE_CHECKING:
+    from .bucket import Bucket
     from .optimizer import SuperOffloadOptimizer
+
+EXTRA_KEY = "superoffload"
+FORMAT_VERSION = 1
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
+
+# Keys torch's Adam/AdamW put into every param group that are no hyperparameters of ours: what
+# each must be for us to continue the run faithfully (None: any value; an implementation
+# detail). ``decoupled_weight_decay`` is checked with the group's weight decay.
+_TORCH_ADAM_SWITCHES = {
+    "amsgrad": False,
+    "maximize": False,
+    "foreach": None,
+    "fused": None,
+    "capturable": None,
+    "differentiable": None,
+    "decoupled_weight_decay": None,
+    "param_names": None,  # torch >= 2.6 optimizers built from named_parameters()
+}
 
 
 def param_state(opt: SuperOffloadOptimizer, param: torch.nn.Parameter) -> dict:
     """Copies of ``param``'s master, moments and step (the caller has synchronized)."""
+    if id(param) not in opt._slot:
+        raise ValueError(
+            f"this param (shape {tuple(param.shape)}) has no SuperOffloadOptimizer state: it is "
+            f"in none of the optimizer's param groups, or it does not require grad."
+        )
     bucket, i = opt._slot[id(param)]
     return {
         "master": bucket.views(bucket.master, i).detach().cpu().clone(),
@@ -26,47 +85,247 @@ def param_state(opt: SuperOffloadOptimizer, param: torch.nn.Parameter) -> dict:
     }
 
 
+class _HostViews:
+    """Each param's state as host tensors: views into a host bucket's own buffers, or into one
+    host copy per device-resident buffer (made on first use)."""
+
+    def __init__(self) -> None:
+        self._copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, bucket: Bucket, tensor: torch.Tensor, i: int) -> torch.Tensor:
+        if tensor.device.type != "cpu":
+            key = id(tensor)
+            if key not in self._copies:  # keep the source alive with its copy: ids stay unique
+                self._copies[key] = (tensor, tensor.detach().to("cpu"))
+            tensor = self._copies[key][1]
+        return bucket.views(tensor, i).detach()
+
+
 def state_dict(opt: SuperOffloadOptimizer) -> dict:
+    """torch's layout, entries viewing the live state (see the module docstring)."""
     opt.synchronize()
+    host = _HostViews()
     state, groups, index = {}, [], 0
     for group in opt.param_groups:
         ids = []
         for param in group["params"]:
-            if id(param) in opt._slot:
-                state[index] = param_state(opt, param)
+            slot = opt._slot.get(id(param))
+            if slot is not None:
+                bucket, i = slot
+                state[index] = {
+                    "master": host(bucket, bucket.master, i),
+                    "exp_avg": host(bucket, bucket.exp_avg, i),
+                    "exp_avg_sq": host(bucket, bucket.exp_avg_sq, i),
+                    "step": bucket.param_step(i),
+                }
             ids.append(index)
             index += 1
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
-    return {"state": state, "param_groups": groups}
+    extra = {"format": FORMAT_VERSION, "predicted_coef": float(opt._stv.predicted_coef)}
+    return {"state": state, "param_groups": groups, EXTRA_KEY: extra}
 
 
 @torch.no_grad()
-def load_state_dict(opt: SuperOffloadOptimizer, state_dict: dict) -> None:
+def load_state_dict(opt: SuperOffloadOptimizer, state_dict: Mapping) -> None:
+    """Check everything, then copy entry by entry into the buckets (module docstring)."""
     opt.synchronize()
-    saved_groups = state_dict["param_groups"]
-    if len(saved_groups) != len(opt.param_groups):
+    if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= state_dict.keys():
         raise ValueError(
-            f"state_dict has {len(saved_groups)} param groups, this optimizer has "
-            f"{len(opt.param_groups)}; build the optimizer with the same groups."
+            "load_state_dict expects an optimizer state dict with 'state' and 'param_groups' "
+            f"(what optimizer.state_dict() returns), got "
+            f"{sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict)}."
         )
-    params = [p for g in opt.param_groups for p in g["params"]]
-    for group, saved in zip(opt.param_groups, saved_groups, strict=True):
-        if len(group["params"]) != len(saved["params"]):
-            raise ValueError("state_dict's param groups differ in size from this optimizer's.")
-        group.update({k: v for k, v in saved.items() if k != "params"})
-    for index, entry in state_dict["state"].items():
-        param = params[int(index)]
-        bucket, i = opt._slot[id(param)]
-        if tuple(entry["master"].shape) != tuple(param.shape):
-            raise ValueError(
-                f"state_dict entry {index} has shape {tuple(entry['master'].shape)}, "
-                f"param has {tuple(param.shape)}; load into the same model."
-            )
-        bucket.views(bucket.master, i).copy_(entry["master"])
-        bucket.views(bucket.exp_avg, i).copy_(entry["exp_avg"])
-        bucket.views(bucket.exp_avg_sq, i).copy_(entry["exp_avg_sq"])
-        bucket.set_param_step(i, int(entry["step"]))
+    saved_groups = list(state_dict["param_groups"])
+    _check_group_sizes(opt.param_groups, saved_groups)
+    hypers = [_loaded_hypers(g, saved, opt.param_groups[g]) for g, saved in enumerate(saved_groups)]
+    coef = _loaded_predicted_coef(state_dict)
+    where = {}  # saved param id -> (group index, index in group, param)
+    for g, (saved, group) in enumerate(zip(saved_groups, opt.param_groups, strict=True)):
+        for j, (saved_id, param) in enumerate(zip(saved["params"], group["params"], strict=True)):
+            where[saved_id] = (g, j, param)
+    entries = {}  # id(param) -> checked entry
+    for key, entry in state_dict["state"].items():
+        g, j, param = _lookup(where, key)
+        entries[id(param)] = _checked_entry(opt, key, g, j, param, entry)
+
+    # Nothing below raises: a refused state dict has left the optimizer untouched.
+    for group, hyper in zip(opt.param_groups, hypers, strict=True):
+        group.update(hyper)
+    for group in opt.param_groups:
+        for param in group["params"]:
+            slot = opt._slot.get(id(param))
+            if slot is not None:
+                _load_param(*slot, param, entries.get(id(param)))
     for bucket in opt._buckets:
         bucket.flat_param.copy_(bucket.master)
         if bucket.on_device:
             opt._tail.set_step(bucket)
+    opt._stv.predicted_coef = coef
+
+
+def _load_param(bucket: Bucket, i: int, param: torch.Tensor, entry: dict | None) -> None:
+    """One param's state from its checked entry; a param without one starts afresh, as it
+    would in torch's AdamW (no moments, no updates yet), from its current value."""
+    master = bucket.views(bucket.master, i)
+    if entry is None or entry.get("master") is None:
+        master.copy_(param.detach())  # torch's layout: the param is the master (cast to fp32)
+    else:
+        master.copy_(entry["master"])
+    for key in MOMENT_KEYS:
+        target = bucket.views(getattr(bucket, key), i)
+        if entry is None:
+            target.zero_()
+        else:
+            target.copy_(entry[key])
+    bucket.set_param_step(i, 0 if entry is None else entry["step"])
+
+
+# ------------------------------------------------------------------------------------ checks
+
+
+def _group_sizes(groups: list[dict]) -> list[int]:
+    return [len(group["params"]) for group in groups]
+
+
+def _check_group_sizes(groups: list[dict], saved_groups: list) -> None:
+    ours = _group_sizes(groups)
+    try:
+        theirs = _group_sizes(saved_groups)
+    except (TypeError, KeyError) as exc:
+        raise ValueError(
+            "state_dict's 'param_groups' must be a list of dicts each with a 'params' list of "
+            "param ids, as optimizer.state_dict() writes them."
+        ) from exc
+    if ours == theirs:
+        return
+    if len(ours) != len(theirs):
+        what = f"{len(theirs)} param groups, this optimizer has {len(ours)}"
+    else:
+        diff = [
+            f"group {g}: {t} vs {o} here"
+            for g, (t, o) in enumerate(zip(theirs, ours, strict=True))
+            if t != o
+        ]
+        what = f"param groups of other sizes ({'; '.join(diff)})"
+    raise ValueError(
+        f"state_dict has {what}. Params per group: state_dict {theirs} ({sum(theirs)} in all), "
+        f"this optimizer {ours} ({sum(ours)} in all). Build SuperOffloadOptimizer with the same "
+        f"param groups, holding the same params in the same order, as the optimizer that saved "
+        f"it (the HF Trainer's is [decay params, no-decay params]: "
+        f"Trainer.get_decay_parameter_names)."
+    )
+
+
+def _lookup(where: dict, key) -> tuple[int, int, torch.Tensor]:
+    for candidate in (key, _as_int(key)):
+        if candidate is not None and candidate in where:
+            return where[candidate]
+    raise ValueError(
+        f"state_dict has state for param id {key!r}, which is in none of its param groups' "
+        f"'params' lists; the state dict is inconsistent."
+    )
+
+
+def _as_int(key) -> int | None:
+    try:
+        return int(key)
+    except (TypeError, ValueError):
+        return None
+
+
+def _checked_entry(
+    opt: SuperOffloadOptimizer, key, g: int, j: int, param: torch.Tensor, entry
+) -> dict:
+    """The entry with its tensors' shapes checked and its step as an int."""
+    what = f"state_dict entry {key!r} (param group {g}, param {j})"
+    if id(param) not in opt._slot:
+        raise ValueError(
+            f"{what} has optimizer state, but that param does not require grad here "
+            f"(SuperOffloadOptimizer keeps no state for it); load into a model with the same "
+            f"trainable params, or drop the entry."
+        )
+    if not isinstance(entry, Mapping):
+        raise ValueError(f"{what} is a {type(entry).__name__}, not a dict of state.")
+    missing = [k for k in (*MOMENT_KEYS, "step") if k not in entry]
+    if missing:
+        raise ValueError(
+            f"{what} lacks {missing} (has {sorted(entry)}); SuperOffloadOptimizer loads its own "
+            f"state dicts and torch.optim.AdamW's (exp_avg, exp_avg_sq, step)."
+        )
+    if "max_exp_avg_sq" in entry:
+        raise ValueError(f"{what} holds amsgrad's max_exp_avg_sq; {_AMSGRAD}")
+    for k in ("master", *MOMENT_KEYS):
+        if k == "master" and "master" not in entry:
+            continue
+        tensor = entry[k]
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"{what}: {k} is a {type(tensor).__name__}, not a tensor.")
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise ValueError(
+                f"{what}: {k} has shape {tuple(tensor.shape)}, the param here has "
+                f"{tuple(param.shape)}; load into the same model, with the params in the same "
+                f"order within the same param groups as when it was saved."
+            )
+        if not (tensor.is_floating_point()):
+            raise ValueError(f"{what}: {k} has dtype {tensor.dtype}, not a floating-point one.")
+    step = entry["step"]
+    value = float(step.item() if isinstance(step, torch.Tensor) else step)
+    if not (math.isfinite(value) and value >= 0 and value == int(value)):
+        raise ValueError(f"{what}: step must be a whole number >= 0, got {step!r}.")
+    return {**entry, "step": int(value)}
+
+
+_AMSGRAD = (
+    "SuperOffloadOptimizer implements AdamW without amsgrad, so it cannot continue this run "
+    "faithfully; resume it with torch.optim.AdamW(amsgrad=True), or start the moments afresh."
+)
+
+
+def _loaded_hypers(g: int, saved: Mapping, group: dict) -> dict:
+    """The saved group's keys to take over (all but 'params' and torch's AdamW switches),
+    checked: a switch we cannot honour, or hyperparameters we refuse, raise."""
+    where = f"state_dict's param group {g}"
+    for key, allowed in _TORCH_ADAM_SWITCHES.items():
+        if allowed is not None and key in saved and bool(saved[key]) != allowed:
+            if key == "amsgrad":
+                raise ValueError(f"{where} has amsgrad=True; {_AMSGRAD}")
+            raise ValueError(
+                f"{where} has maximize=True (gradient ascent); SuperOffloadOptimizer minimizes. "
+                f"Negate the loss instead, and start the moments afresh."
+            )
+    hyper = {k: v for k, v in saved.items() if k != "params" and k not in _TORCH_ADAM_SWITCHES}
+    for key in ("lr", "eps", "weight_decay"):
+        if isinstance(hyper.get(key), torch.Tensor):
+            hyper[key] = float(hyper[key])
+    if "betas" in hyper:
+        hyper["betas"] = tuple(float(b) for b in hyper["betas"])
+    weight_decay = hyper.get("weight_decay", group["weight_decay"])
+    if saved.get("decoupled_weight_decay") is False and weight_decay:
+        raise ValueError(
+            f"{where} comes from torch.optim.Adam with weight_decay={weight_decay}, an L2 "
+            f"penalty added to the gradients; SuperOffloadOptimizer's weight decay is AdamW's "
+            f"(decoupled), so the run would change. Resume it with torch.optim.Adam, or convert "
+            f"deliberately (set the group's weight_decay to 0, or decoupled_weight_decay=True)."
+        )
+    merged = {
+        **{k: group[k] for k in HYPER_KEYS},
+        **{k: hyper[k] for k in HYPER_KEYS if k in hyper},
+    }
+    try:
+        check_group({"params": [], **merged})
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from exc
+    return hyper
+
+
+def _loaded_predicted_coef(state_dict: Mapping) -> float:
+    extra = state_dict.get(EXTRA_KEY)
+    if extra is None:
+        return 1.0  # an older checkpoint, or torch's AdamW: as if no step had clipped
+    coef = extra.get("predicted_coef", 1.0) if isinstance(extra, Mapping) else None
+    if not isinstance(coef, (int, float)) or not 0.0 < coef <= 1.0:
+        raise ValueError(
+            f"state_dict[{EXTRA_KEY!r}] must be a dict with a 'predicted_coef' in (0, 1] (the "
+            f"last clip coefficient), got {extra!r}."
+        )
+    return float(coef)

@@ -80,9 +80,13 @@ class StvStats:
     rollbacks_clip: int = 0
     rollbacks_nonfinite: int = 0
     rollbacks_hparams: int = 0  # lr/betas changed between backward and step(): redone
+    # A speculation undone before validation: more gradients arrived for its partition (an
+    # undeclared accumulation pass, a hook firing twice), or zero_grad() discarded them.
+    rollbacks_accumulation: int = 0
     replay_seconds: float = 0.0
     cpu_step_seconds: float = 0.0
     exposed_cpu_seconds: float = 0.0
+    accumulate_seconds: float = 0.0  # summing accumulated gradients on the host
     bytes_d2h: int = 0
     bytes_h2d: int = 0
 
@@ -148,10 +152,41 @@ class Stv:
         if not (speculate and self.speculating):
             return
         hyper, scale, round_ = self.hyper(part, part.step + 1), self.predicted_coef, self._round
+        runs, grad = part.update_runs(), part.grad_for_kernel()
         part.speculated_with, part.speculated_scale = hyper, scale
+        part.speculated_runs, part.speculated_grad = runs, grad
         self.worker.submit(
-            [part.index], lambda: self.host.speculate(part, hyper, scale, d2h_event, round_)
+            [part.index],
+            lambda: self.host.speculate(part, hyper, scale, d2h_event, round_, runs, grad),
         )
+
+    def accumulate(
+        self, part: HostPartition, total: torch.Tensor, d2h_event, first: bool, last: bool
+    ) -> None:
+        """Queue the sum of the gradients that land with ``d2h_event`` into ``total`` (see
+        ``HostSteps.accumulate``); with ``last`` the sum's squared norm follows."""
+        self.worker.submit(
+            [part.index], lambda: self.host.accumulate(part, total, d2h_event, first, last)
+        )
+
+    def retract(self, part: HostPartition) -> None:
+        """Undo a partition's speculative step before validation: more gradients arrived for
+        it (it steps after validation from their sum), or they were discarded."""
+        spec = part.speculated_with
+        if spec is None:
+            return
+        self.stats.rollbacks_accumulation += 1
+        scale, runs, grad = part.speculated_scale, part.speculated_runs, part.speculated_grad
+        self.worker.submit([part.index], lambda: self.host.rollback(part, spec, scale, runs, grad))
+        part.reset_speculation()
+
+    def abandon(self, parts: Iterable[HostPartition]) -> None:
+        """The step's gradients so far are discarded (zero_grad before step): undo what was
+        speculated on them; the next arrivals start a fresh round."""
+        for part in parts:
+            self.retract(part)
+            part.reset_speculation()
+        self._round = SpeculationRound()
 
     # --------------------------------------------------------------------- validation side
 
@@ -182,21 +217,22 @@ class Stv:
         if spec is None:
             if verdict is not Verdict.SKIP:
                 hyper, event = self.hyper(part, part.step + 1), part.d2h_event
-                submit([part.index], lambda: host.step(part, hyper, coef, event))
-                part.step += 1
+                runs, grad = part.update_runs(), part.grad_for_kernel()
+                submit([part.index], lambda: host.step(part, hyper, coef, event, runs, grad))
+                part.commit_update()
             return
-        scale = part.speculated_scale
+        scale, runs, grad = part.speculated_scale, part.speculated_runs, part.speculated_grad
         if verdict is Verdict.SKIP:
-            submit([part.index], lambda: host.rollback(part, spec, scale))
+            submit([part.index], lambda: host.rollback(part, spec, scale, runs, grad))
             return
         current = self.hyper(part, spec["step"])
         if current != spec:  # lr/betas changed between backward and step(): redo with the new
             self.stats.rollbacks_hparams += 1
-            submit([part.index], lambda: host.rollback(part, spec, scale))
-            submit([part.index], lambda: host.step(part, current, coef, None))
+            submit([part.index], lambda: host.rollback(part, spec, scale, runs, grad))
+            submit([part.index], lambda: host.step(part, current, coef, None, runs, grad))
         elif scale != coef:
-            submit([part.index], lambda: host.replay(part, spec, scale, coef))
-        part.step += 1
+            submit([part.index], lambda: host.replay(part, spec, scale, coef, runs, grad))
+        part.commit_update()
 
     # --------------------------------------------------------------------- waiting
 

@@ -1,6 +1,10 @@
-"""Compiled CPU kernels (built on first use, see ``_build``)."""
+"""Compiled CPU kernels, built once and cached (see ``_build``).
 
-from ._build import BuildToolMissingError, load_extension
+``prepare()`` builds (announced with a warning) or loads them; the optimizers call it in their
+constructors. To build ahead of time: ``python -c "import hf_superoffload.ops as o; o.prepare()"``.
+"""
+
+from ._build import BuildToolMissingError, load_extension, prepare
 from .adam import (
     active_isa,
     adam_replay,
@@ -21,6 +25,7 @@ __all__ = [
     "available_isas",
     "get_num_threads",
     "load_extension",
+    "prepare",
     "set_isa",
     "set_num_threads",
 ]

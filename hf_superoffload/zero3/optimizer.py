@@ -77,6 +77,7 @@ class SuperOffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         self._accumulates = kwargs.get("gradient_accumulation_steps", 1) > 1 or not managed
         super().__init__(module, init_optimizer, param_names, timers, ds_config, **kwargs)
         ops.set_num_threads(options.cpu_threads)
+        ops.prepare()  # build or load the CPU Adam now, visibly, not inside step 1
 
         device = torch.device(get_accelerator().current_device_name())
         self._link = Link(device, pinned=self._pin_transfers)
