@@ -59,9 +59,15 @@ def _partition(numel: int, seed: int):
     return HostPartition(0, 0, master, exp_avg, exp_avg_sq, grad, None, flat)
 
 
-def test_passes_through_the_ring_in_pieces_equal_whole_passes_to_the_bit():
+@pytest.mark.parametrize(
+    "runs",
+    [[(0, 1000, 3)], [(0, 300, 3), (500, 500, 2)]],  # whole; two step counts and a skipped gap
+    ids=["whole", "runs"],
+)
+def test_passes_through_the_ring_in_pieces_equal_whole_passes_to_the_bit(runs):
     """Step, replay and rollback of a partition ten pieces long through a two-slot ring give
-    the same master, moments and model params as one kernel call over the whole partition."""
+    the same master, moments and model params as one kernel call per run; elements outside
+    the runs (params without a gradient) stay untouched."""
     from hf_superoffload import ops
     from hf_superoffload.engine.host_steps import HostSteps
     from hf_superoffload.engine.stv import StvStats, adam_hyper
@@ -72,17 +78,25 @@ def test_passes_through_the_ring_in_pieces_equal_whole_passes_to_the_bit():
     ours, ref = _partition(1000, 0), _partition(1000, 0)
     group = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
     hyper = adam_hyper(group, 3)
-    state = (ref.master, ref.host_grad, ref.exp_avg, ref.exp_avg_sq)
 
-    steps.step(ours, hyper, 1.0, None)
-    ops.adam_step(*state, **hyper, grad_scale=1.0, out_lowp=ref.flat_param)
+    def each_run(kernel):
+        for offset, numel, step in runs:
+            tensors = (ref.master, ref.host_grad, ref.exp_avg, ref.exp_avg_sq, ref.flat_param)
+            *state, low = (t.narrow(0, offset, numel) for t in tensors)
+            kernel(state, low, {**hyper, "step": step})
+
+    grad = ours.host_grad
+    steps.step(ours, hyper, 1.0, None, runs, grad)
+    each_run(lambda st, low, hp: ops.adam_step(*st, **hp, grad_scale=1.0, out_lowp=low))
     ours.speculation_applied = True
-    steps.replay(ours, hyper, 1.0, 0.25)
-    ops.adam_replay(*state, **hyper, old_grad_scale=1.0, new_grad_scale=0.25,
-                    out_lowp=ref.flat_param)  # fmt: skip
-    steps.rollback(ours, hyper, 0.25)
-    ops.adam_rollback(*state, **hyper, grad_scale=0.25)
-    ref.flat_param.copy_(ref.master)
+    steps.replay(ours, hyper, 1.0, 0.25, runs, grad)
+    each_run(
+        lambda st, low, hp: ops.adam_replay(
+            *st, **hp, old_grad_scale=1.0, new_grad_scale=0.25, out_lowp=low
+        )
+    )
+    steps.rollback(ours, hyper, 0.25, runs, grad)
+    each_run(lambda st, low, hp: (ops.adam_rollback(*st, **hp, grad_scale=0.25), low.copy_(st[0])))
     for name in ("master", "exp_avg", "exp_avg_sq", "flat_param"):
         assert torch.equal(getattr(ours, name), getattr(ref, name)), name
     assert ring.piece_numel == 96

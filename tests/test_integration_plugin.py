@@ -226,7 +226,7 @@ def _argument_fields(cls) -> set[str]:
 
 
 def test_arguments_mirror_the_plugin_fields():
-    expected = {"superoffload_" + name for name in FIELDS}
+    expected = {"superoffload_" + name for name in FIELDS} | {"superoffload_save_dtype"}
     assert _argument_fields(SuperOffloadArgumentsMixin) == expected
     assert _argument_fields(SuperOffloadTrainingArguments) == expected
     for field in dataclasses.fields(SuperOffloadArgumentsMixin):

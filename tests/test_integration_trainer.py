@@ -438,16 +438,21 @@ class _RecordWorkers(TrainerCallback):
         self.seen |= _worker_threads() - self.before
 
 
-def test_worker_closed_after_train(tmp_path):
-    """train() ends with the worker thread stopped and the optimizer released."""
+def test_optimizer_outlives_train_until_closed(tmp_path):
+    """train() ends with the optimizer synchronized but kept, as the plain Trainer keeps its
+    own (tests/test_trainer_dropin.py trains twice); close() stops its worker thread."""
     record = _RecordWorkers(_worker_threads())
     trainer = _trainer(tmp_path, True, callbacks=[record], max_steps=2)
     trainer.train()
     assert record.seen, "no SuperOffload worker thread ran during training"
-    assert not any(thread.is_alive() for thread in record.seen)
-    assert trainer.optimizer is None
-    assert trainer.superoffload_optimizer is None
+    optimizer = trainer.superoffload_optimizer
+    assert isinstance(optimizer, SuperOffloadOptimizer)
+    assert trainer.lr_scheduler is not None
     assert trainer.superoffload_stats["steps"] == 2
+    optimizer.close()
+    for thread in record.seen:
+        thread.join(timeout=10)
+    assert not any(thread.is_alive() for thread in record.seen)
 
 
 def test_accelerate_leaves_the_optimizer_state_where_it_is(tmp_path, monkeypatch):

@@ -5,14 +5,22 @@ Model FLOPs per token follow the PaLM appendix: 6 N for the weight matmuls forwa
 12 x layers x hidden x sequence length for the attention scores and values; recomputation by
 activation checkpointing is not counted. MFU divides achieved model FLOP/s per GPU by the GPU's
 dense bf16 peak, from the table below or ``SUPEROFFLOAD_PEAK_TFLOPS``.
+
+Models the formula does not describe (no ``config`` with ``num_hidden_layers`` and
+``hidden_size``: a plain ``nn.Module``, say) still get ``tokens_per_second``; ``tflops`` and
+``mfu`` are then left out of the logs, and why is logged once at INFO.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
+from collections.abc import Mapping
 
 import torch
+
+logger = logging.getLogger("hf_superoffload")
 
 # Dense (no sparsity) bf16 tensor-core peaks, TFLOP/s, from the vendors' datasheets.
 PEAK_BF16_TFLOPS = {
@@ -58,16 +66,44 @@ def peak_tflops(device_name: str | None = None) -> float | None:
 
 def matmul_params(model: torch.nn.Module) -> int:
     """Trainable params that take part in matmuls: all but the input embedding's lookup table
-    (a tied lm_head shares that weight and does a matmul, so then it counts)."""
-    embeddings = model.get_input_embeddings()
+    (a tied lm_head shares that weight and does a matmul, so then it counts). A model without
+    ``get_input_embeddings`` counts all its trainable params; a ZeRO-3 partitioned param counts
+    its full size (``ds_numel``)."""
+    try:
+        embeddings = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        embeddings = None
     skip = {id(p) for p in embeddings.parameters()} if embeddings is not None else set()
-    if getattr(model.config, "tie_word_embeddings", False):
+    if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         skip = set()
-    return sum(p.numel() for p in model.parameters() if p.requires_grad and id(p) not in skip)
+    return sum(
+        getattr(p, "ds_numel", p.numel())
+        for p in model.parameters()
+        if p.requires_grad and id(p) not in skip
+    )
 
 
 def model_flops_per_token(config, n_matmul_params: int, seq_len: int) -> float:
     return 6.0 * n_matmul_params + 12.0 * config.num_hidden_layers * config.hidden_size * seq_len
+
+
+def flops_config(model: torch.nn.Module):
+    """``(config, None)`` with the config the FLOPs formula reads (a multimodal model's text
+    config), or ``(None, reason)`` when the model does not describe its layers."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return None, f"{type(model).__name__} has no `config`"
+    get_text_config = getattr(config, "get_text_config", None)
+    if callable(get_text_config):
+        config = get_text_config()
+    missing = [
+        name
+        for name in ("num_hidden_layers", "hidden_size")
+        if not isinstance(getattr(config, name, None), int)
+    ]
+    if missing:
+        return None, f"its config ({type(config).__name__}) has no {' or '.join(missing)}"
+    return config, None
 
 
 class ThroughputMeter:
@@ -75,6 +111,8 @@ class ThroughputMeter:
 
     def __init__(self):
         self._n_params: int | None = None  # counted once: a walk over every param
+        self._config = None
+        self._no_flops: str | None = None  # why FLOPs are not counted, once known
         self.reset()
 
     def reset(self) -> None:
@@ -82,28 +120,40 @@ class ThroughputMeter:
         self.flops = 0.0
         self.since = time.perf_counter()
 
-    def add_batch(self, inputs: dict, model: torch.nn.Module) -> None:
-        ids = inputs.get("input_ids")
-        if ids is None:
+    def add_batch(self, inputs, model: torch.nn.Module) -> None:
+        ids = inputs.get("input_ids") if isinstance(inputs, Mapping) else None
+        if not isinstance(ids, torch.Tensor):
             return
         mask = inputs.get("attention_mask")
-        tokens = int(mask.sum()) if mask is not None else ids.numel()
-        if self._n_params is None:
-            self._n_params = matmul_params(model)
+        tokens = int(mask.sum()) if isinstance(mask, torch.Tensor) else ids.numel()
         self.tokens += tokens
-        self.flops += tokens * model_flops_per_token(model.config, self._n_params, ids.shape[-1])
+        if self._n_params is None and self._no_flops is None:
+            self._config, self._no_flops = flops_config(model)
+            if self._no_flops is None:
+                self._n_params = matmul_params(model)
+            else:
+                logger.info(
+                    "hf_superoffload: logging tokens_per_second without tflops and mfu: "
+                    "%s, so its FLOPs per token are unknown.",
+                    self._no_flops,
+                )
+        if self._n_params is not None:
+            seq_len = ids.shape[-1]
+            self.flops += tokens * model_flops_per_token(self._config, self._n_params, seq_len)
 
     def metrics(self, accelerator, peak: float | None) -> dict[str, float]:
-        """Reduce over ranks (tokens and FLOPs summed; per-GPU figures divide by the ranks)."""
+        """Reduce over ranks (tokens and FLOPs summed; per-GPU figures divide by the ranks).
+        ``tflops`` and ``mfu`` only when the model's FLOPs per token are known."""
         elapsed = max(time.perf_counter() - self.since, 1e-9)
         totals = torch.tensor([float(self.tokens), self.flops], device=accelerator.device)
         totals = accelerator.reduce(totals, reduction="sum")
         tokens, flops = totals.tolist()
-        ranks = accelerator.num_processes
-        tflops = flops / elapsed / ranks / 1e12
-        out = {"tokens_per_second": tokens / elapsed, "tflops": tflops}
-        if peak is not None:
-            out["mfu"] = tflops / peak
+        out = {"tokens_per_second": tokens / elapsed}
+        if self._no_flops is None:  # the same on every rank: one model
+            tflops = flops / elapsed / accelerator.num_processes / 1e12
+            out["tflops"] = tflops
+            if peak is not None:
+                out["mfu"] = tflops / peak
         self.reset()
         return out
 

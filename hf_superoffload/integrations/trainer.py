@@ -2,39 +2,86 @@
 
 Mix it in first (``class MyTrainer(SuperOffloadTrainerMixin, Trainer)``). It builds the optimizer
 from the training arguments (lr, betas, eps, weight decay with the Trainer's decay/no-decay
-split, ``max_grad_norm`` as the one clipping threshold, gradient accumulation), turns the
+split, ``max_grad_norm`` as the one clipping threshold, gradient accumulation), refuses the
+arguments it would otherwise ignore (a non-AdamW ``optim``, ``optim_args``, ...), turns the
 Trainer's clipping into the STV validation (the norm it logs is the true pre-clip norm, computed
 during backward, no extra pass), tells the Trainer when a step was skipped (so the LR schedule
-holds), waits for in-flight updates before anything reads the params, and closes the worker
-when training ends.
+holds), waits for in-flight updates before anything reads the params, and saves the fp32
+master weights (``superoffload_save_dtype``).
+
+As with the plain Trainer, ``trainer.optimizer`` and ``trainer.lr_scheduler`` outlive
+``train()`` (a second ``train()`` continues with them); the optimizer is synchronized at the
+end, so the params hold the final values. It holds host memory and a worker thread until it is
+closed: ``trainer.superoffload_optimizer.close()`` when done with the trainer. An optimizer the
+Trainer drops (``model_init``: every ``train()`` builds a new model) is closed by this mixin.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
+import warnings
+import weakref
 
 import torch
 from accelerate.utils import DistributedType
-from transformers import Trainer, TrainerCallback
+from transformers import PreTrainedModel, Trainer, TrainerCallback
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
+from transformers.trainer_pt_utils import reissue_pt_warnings
+
+try:
+    from transformers.trainer import check_torch_load_is_safe
+except ImportError:  # transformers < 4.50 checks nothing before torch.load
+
+    def check_torch_load_is_safe() -> None:
+        pass
+
 
 from ..engine import SuperOffloadOptimizer
 from ..zero3.config import export_zero3_options, require_super_offload
+from .arguments import resolve_save_dtype
 from .metrics import ThroughputMeter, peak_tflops, stv_metrics
 from .plugin import SuperOffloadPlugin
 
 logger = logging.getLogger("hf_superoffload")
+
+# transformers' ``optim`` names whose update rule is the engine's: AdamW with decoupled weight
+# decay (``adamw_hf`` exists in older transformers only). The fused variant differs from
+# torch's default AdamW by rounding only; the engine does torch's default arithmetic.
+ADAMW_OPTIM_NAMES = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
+
+BF16_CAST_WARNING = (
+    "hf_superoffload: bf16=True casts the model's params to bf16 in place. The fp32 master "
+    "weights (from the params' fp32 values) and the Adam moments stay on the host "
+    "(SuperOffloadOptimizer), and the model runs forward and backward on bf16 params. The "
+    "plain Trainer instead keeps fp32 params and runs them under bf16 autocast, so losses and "
+    "updates differ from it by bf16 rounding (1e-5 to 3e-3 relative on the loss in our runs), "
+    "and frozen params and buffers are bf16 here. save_model writes the fp32 master "
+    "(superoffload_save_dtype='bfloat16' for bf16 files)."
+)
 
 
 class SuperOffloadTrainerMixin:
     def __init__(self, *args, superoffload_plugin: SuperOffloadPlugin | None = None, **kwargs):
         self._superoffload_plugin = superoffload_plugin
         self._throughput = ThroughputMeter()
+        self._superoffload_built: SuperOffloadOptimizer | None = None
+        self._superoffload_warned_bf16 = False
         super().__init__(*args, **kwargs)
         if self._on_deepspeed:  # DeepSpeed builds our ZeRO-3 optimizer when train() starts
             require_super_offload(self.accelerator.state.deepspeed_plugin.deepspeed_config)
             export_zero3_options(self._explicit_options())
+            if getattr(self.args, "superoffload_save_dtype", None) is not None:
+                raise ValueError(
+                    "superoffload_save_dtype applies to the standalone engine; under DeepSpeed "
+                    "ZeRO-3 the Trainer saves the 16-bit weights DeepSpeed gathers (use "
+                    "zero_to_fp32 on a checkpoint for the fp32 master). Drop the argument."
+                )
+        else:
+            _check_optimizer_arguments(self)
+            self._superoffload_save_dtype()  # a bad SUPEROFFLOAD_SAVE_DTYPE fails here
         self.add_callback(_SuperOffloadCallback(self))
 
     @property
@@ -59,15 +106,29 @@ class SuperOffloadTrainerMixin:
         return engine_optimizer if hasattr(engine_optimizer, "stats") else None
 
     def _explicit_options(self) -> dict:
-        """The SuperOffload options given as arguments (a plugin, or superoffload_* fields)."""
+        """The engine options given as arguments (a plugin, or superoffload_* fields)."""
         if self._superoffload_plugin is not None:
             return self._superoffload_plugin.optimizer_kwargs()
         prefix = "superoffload_"
-        return {
-            name[len(prefix) :]: value
-            for name, value in vars(self.args).items()
-            if name.startswith(prefix) and value is not None
-        }
+        names = [f.name for f in dataclasses.fields(SuperOffloadPlugin)]
+        options = {name: getattr(self.args, prefix + name, None) for name in names}
+        return {name: value for name, value in options.items() if value is not None}
+
+    def _superoffload_save_dtype(self) -> torch.dtype:
+        return resolve_save_dtype(getattr(self.args, "superoffload_save_dtype", None))
+
+    def train(self, *args, **kwargs):
+        if getattr(self, "model_init", None) is not None:
+            # The Trainer builds a new model and drops the optimizer: release ours (host
+            # memory, hooks, worker thread) before the new model and optimizer are built.
+            self._close_superoffload_optimizer()
+        return super().train(*args, **kwargs)
+
+    def _close_superoffload_optimizer(self) -> None:
+        optimizer = self._superoffload_built
+        if optimizer is not None:
+            optimizer.close()
+            self._superoffload_built = None
 
     def _resolved_plugin(self) -> SuperOffloadPlugin:
         if self._superoffload_plugin is not None:
@@ -81,11 +142,17 @@ class SuperOffloadTrainerMixin:
         _check_supported(self)
         if self._on_deepspeed:  # the Trainer's AdamW becomes DeepSpeed's base optimizer
             return super().create_optimizer(model)
+        _check_optimizer_arguments(self)
+        # One we built before and the Trainer (or the user) has since dropped: release it.
+        self._close_superoffload_optimizer()
         opt_model = self.model if model is None else model
+        fp32_values = {}
         if self.args.bf16 and next(opt_model.parameters()).dtype == torch.float32:
             # The fp32 master lives on the CPU, so the GPU copy only needs bf16.
-            logger.info("hf_superoffload: casting the model to bf16 (fp32 master stays on the CPU)")
-            opt_model.to(torch.bfloat16)
+            if not self._superoffload_warned_bf16:
+                logger.warning(BF16_CAST_WARNING)
+                self._superoffload_warned_bf16 = True
+            fp32_values = _cast_to_bf16(opt_model, self.accelerator.num_processes == 1)
         decay = set(self.get_decay_parameter_names(opt_model))
         named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
         groups = [
@@ -103,25 +170,37 @@ class SuperOffloadTrainerMixin:
             model=opt_model,
             **self._resolved_plugin().optimizer_kwargs(),
         )
+        self._superoffload_built = self.optimizer
+        with torch.no_grad():  # the masters start from the fp32 values, not the rounded ones
+            for param in (p for group in groups for p in group["params"]):
+                if id(param) in fp32_values:
+                    _master_view(self.optimizer, param).copy_(fp32_values.pop(id(param)))
         _prepare_in_place(self.accelerator, self.optimizer)
         if self.accelerator.distributed_type in _DATA_PARALLEL:
             _prepare_without_ddp(self.accelerator, opt_model)
         return self.optimizer
 
     def _load_optimizer_and_scheduler(self, checkpoint):
-        optimizer_file = os.path.join(checkpoint or "", OPTIMIZER_NAME)
-        if (
-            self.superoffload_optimizer is None
-            or self.args.world_size == 1
-            or not os.path.isfile(optimizer_file)
-        ):
+        optimizer = self.superoffload_optimizer
+        if checkpoint is None or optimizer is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
-        # NOTE: with several processes the Trainer loads the optimizer file onto each GPU
-        # (map_location=args.device): 12 B/param there, where ours goes to the host anyway.
-        state = torch.load(optimizer_file, map_location="cpu", weights_only=True, mmap=True)
-        self.optimizer.load_state_dict(state)
+        optimizer_file = os.path.join(checkpoint, OPTIMIZER_NAME)
         scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
-        self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
+        if not (os.path.isfile(optimizer_file) and os.path.isfile(scheduler_file)):
+            # The Trainer then loads neither (or an old .bin format, which mmap cannot map).
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        # NOTE: the Trainer reads the whole file into memory, onto each GPU when several
+        # processes run (map_location=args.device): 12 B/param there, or a second host copy of
+        # the state with one process. Mapped, the state pages in while it is copied to the
+        # optimizer's own buffers, on one process or many.
+        check_torch_load_is_safe()
+        state = torch.load(optimizer_file, map_location="cpu", weights_only=True, mmap=True)
+        optimizer.load_state_dict(state)
+        del state
+        with warnings.catch_warnings(record=True) as caught_warnings:
+            check_torch_load_is_safe()
+            self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
+        reissue_pt_warnings(caught_warnings)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         optimizer = self.superoffload_optimizer
@@ -155,6 +234,36 @@ class SuperOffloadTrainerMixin:
         self._superoffload_synchronize()
         return super().save_model(output_dir, _internal_call=_internal_call)
 
+    def _save(self, output_dir=None, state_dict=None):
+        """Writes the optimizer's fp32 master weights (``superoffload_save_dtype``), not the
+        model's bf16 copy, without copying them: the state dict holds views of the master."""
+        optimizer = self.superoffload_optimizer
+        if state_dict is not None or optimizer is None:
+            return super()._save(output_dir, state_dict=state_dict)
+        dtype = self._superoffload_save_dtype()
+        super()._save(output_dir, state_dict=_weights_to_save(self.model, optimizer, dtype))
+        self._write_saved_dtype(output_dir or self.args.output_dir, dtype)
+
+    def _write_saved_dtype(self, output_dir: str, dtype: torch.dtype) -> None:
+        """``save_pretrained`` records the params' dtype in config.json (bf16 after bf16=True),
+        which ``from_pretrained(dtype="auto")`` would load the fp32 file as: record the file's
+        (``dtype``, or ``torch_dtype`` in older transformers)."""
+        model = self.accelerator.unwrap_model(self.model)
+        model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
+        path = os.path.join(output_dir, "config.json")
+        if not (self.args.should_save and isinstance(model, PreTrainedModel)):
+            return
+        if not os.path.isfile(path):  # a PEFT adapter, say: no config.json of the model
+            return
+        name = str(dtype).removeprefix("torch.")
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+        stale = [key for key in ("dtype", "torch_dtype") if config.get(key) not in (None, name)]
+        if stale:
+            config.update(dict.fromkeys(stale, name))
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
     def _save_checkpoint(self, model, trial):
         self._superoffload_synchronize()
         return super()._save_checkpoint(model, trial)
@@ -184,18 +293,14 @@ class _SuperOffloadCallback(TrainerCallback):
             self.trainer.optimizer._is_overflow = optimizer.last_step_skipped
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.trainer._on_deepspeed:  # the DeepSpeed engine owns (and ends) its optimizer
-            engine_optimizer = self.trainer._stv_optimizer
-            if engine_optimizer is not None:
-                self.trainer.superoffload_stats = engine_optimizer.stats
+        optimizer = self.trainer._stv_optimizer
+        if optimizer is None:
             return
-        optimizer = self.trainer.superoffload_optimizer
-        if optimizer is not None:
+        if not self.trainer._on_deepspeed:  # the DeepSpeed engine owns its optimizer
+            # The optimizer and scheduler stay (as the plain Trainer's do: a second train()
+            # continues with them); the params now hold the final values.
             optimizer.synchronize()
-            self.trainer.superoffload_stats = optimizer.stats  # outlives the closed optimizer
-            optimizer.close()
-            # A later train() builds a fresh optimizer (resume from a checkpoint to continue).
-            self.trainer.optimizer = self.trainer.lr_scheduler = None
+        self.trainer.superoffload_stats = optimizer.stats  # a snapshot at the end of train()
 
 
 # One process per GPU (or CPU, with gloo): the optimizer averages gradients itself.
@@ -228,15 +333,106 @@ def _prepare_without_ddp(accelerator, trained: torch.nn.Module) -> None:
 
 def _prepare_one_object_with(accelerator, method: str, target, **options) -> None:
     """Make ``accelerator.<method>`` prepare ``target`` with ``options`` (every option that
-    method takes), and anything else as it was asked to."""
+    method takes), and anything else as it was asked to. It replaces an earlier such patch
+    (one target per method: a model_init rebuild's new model and optimizer) and holds the
+    target weakly, so that a dropped model or optimizer can be freed."""
     prepare = getattr(accelerator, method)
+    prepare = getattr(prepare, "_superoffload_unpatched", prepare)
+    target_ref = weakref.ref(target)
 
     def prepare_target_with_options(obj, *args, **kwargs):
-        if obj is target:
+        if obj is target_ref():
             return prepare(obj, **options)
         return prepare(obj, *args, **kwargs)
 
+    prepare_target_with_options._superoffload_unpatched = prepare
     setattr(accelerator, method, prepare_target_with_options)
+
+
+def _master_view(optimizer: SuperOffloadOptimizer, param: torch.nn.Parameter) -> torch.Tensor:
+    """The fp32 master of ``param`` itself (a view into its bucket, no copy; the caller has
+    synchronized). NOTE: reads the engine's layout, as its state_io does."""
+    bucket, index = optimizer._slot[id(param)]
+    return bucket.views(bucket.master, index)
+
+
+def _cast_to_bf16(model: torch.nn.Module, keep_fp32: bool) -> dict[int, torch.Tensor]:
+    """Cast ``model`` to bf16 in place. With ``keep_fp32``, return host copies of the trainable
+    fp32 params that bf16 does not hold exactly (by ``id``), for their masters to start from;
+    a model loaded from a bf16 checkpoint has none. With several processes the engine starts
+    every rank from rank 0's (bf16) params, so the masters start from those."""
+    fp32_values = {}
+    if keep_fp32:
+        trainable = [p for p in model.parameters() if p.requires_grad and p.dtype == torch.float32]
+        for param in trainable:
+            value = param.detach()
+            if not torch.equal(value.to(torch.bfloat16).float(), value):
+                fp32_values[id(param)] = value.to("cpu", copy=True)
+    else:
+        logger.info(
+            "hf_superoffload: several processes: the fp32 masters start from rank 0's bf16 "
+            "params (fp32 values that bf16 cannot hold lose their low bits)."
+        )
+    model.to(torch.bfloat16)
+    return fp32_values
+
+
+def _weights_to_save(
+    model: torch.nn.Module, optimizer: SuperOffloadOptimizer, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with every param the optimizer steps taken from its fp32 master
+    (views, no copy) and every floating tensor in ``dtype``. A 16-bit param saved in its own
+    dtype is written as the model holds it: the engine rounds the master into it each step."""
+    optimizer.synchronize()
+    weights = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        managed = id(tensor) in optimizer._slot
+        if managed and (dtype == torch.float32 or tensor.dtype != dtype):
+            value = _master_view(optimizer, tensor).detach()
+        else:
+            value = tensor.detach()
+        if value.is_floating_point() and value.dtype != dtype:
+            value = value.to(dtype)
+        weights[name] = value
+    return weights
+
+
+def _check_optimizer_arguments(trainer) -> None:
+    """Refuse the optimizer choices SuperOffload would otherwise ignore without a word."""
+    args = trainer.args
+    optim = getattr(args.optim, "value", args.optim)
+    if optim not in ADAMW_OPTIM_NAMES:
+        raise ValueError(
+            f"SuperOffload runs AdamW (decoupled weight decay) on the CPU; optim={optim!r} is "
+            f"another optimizer, which it does not implement. Use optim='adamw_torch' (or leave "
+            f"the default, 'adamw_torch_fused'), or train with the plain Trainer for {optim!r}."
+        )
+    if args.optim_args:
+        raise ValueError(
+            f"SuperOffload ignores optim_args ({args.optim_args!r}): its AdamW takes "
+            f"learning_rate, adam_beta1, adam_beta2, adam_epsilon, weight_decay and "
+            f"max_grad_norm from the training arguments. Drop optim_args."
+        )
+    if args.optim_target_modules is not None:
+        raise ValueError(
+            "SuperOffload ignores optim_target_modules (it selects modules for GaLore/APOLLO "
+            "optimizers): AdamW steps every trainable param. Drop optim_target_modules, or "
+            "freeze params (requires_grad=False) to leave them out."
+        )
+    if getattr(trainer, "optimizer_cls_and_kwargs", None) is not None:
+        raise ValueError(
+            "SuperOffloadTrainer builds its own optimizer (SuperOffloadOptimizer, AdamW) and "
+            "would ignore optimizer_cls_and_kwargs; drop it, or use the plain Trainer."
+        )
+    given = getattr(trainer, "optimizer", None)
+    given = getattr(given, "optimizer", given)  # accelerate wraps it
+    if given is not None and not isinstance(given, SuperOffloadOptimizer):
+        raise ValueError(
+            f"SuperOffloadTrainer got optimizers=({type(given).__name__}, ...): it would train "
+            f"with that optimizer and offload nothing. Pass optimizers=(None, None) to let it "
+            f"build SuperOffloadOptimizer from the arguments, a SuperOffloadOptimizer, or use "
+            f"the plain Trainer."
+        )
 
 
 def _check_supported(trainer) -> None:
