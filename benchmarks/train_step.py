@@ -31,6 +31,21 @@ from systems import SYSTEMS
 # reads HF_SUPEROFFLOAD_DEEPSPEED to decide whose SuperOffload DeepSpeed builds.
 
 
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model and batch flags every per-run script takes (``model_config`` reads them)."""
+    parser.add_argument(
+        "--model-config", default=None,
+        help="a config.json (e.g. hf_superoffload/model_configs/llama-3.1-8b.json): that "
+        "architecture with random weights, in place of --hidden/--layers/--inter/--vocab",
+    )  # fmt: skip
+    parser.add_argument("--hidden", type=int, default=3072)
+    parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--inter", type=int, default=0, help="0: 8/3 x hidden, rounded to 256")
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=4)
+
+
 def model_config(args) -> transformers.PretrainedConfig:
     """The architecture of ``--model-config`` (a config.json), else a Llama-style model of
     the size flags."""
@@ -96,17 +111,7 @@ def timed_phases(system, batch) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--system", choices=sorted(SYSTEMS), required=True)
-    parser.add_argument(
-        "--model-config", default=None,
-        help="a config.json (e.g. examples/model_configs/llama-3.1-8b.json): that architecture "
-        "with random weights, in place of --hidden/--layers/--inter/--vocab",
-    )  # fmt: skip
-    parser.add_argument("--hidden", type=int, default=3072)
-    parser.add_argument("--layers", type=int, default=28)
-    parser.add_argument("--inter", type=int, default=0, help="0: 8/3 x hidden, rounded to 256")
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--batch", type=int, default=4)
+    add_model_arguments(parser)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--clip", type=float, default=1.0)

@@ -222,3 +222,81 @@ def test_a_param_unused_on_one_rank_keeps_the_ranks_in_step(tmp_path):
     for name, param in model.named_parameters():
         assert torch.equal(ranks[0][name], ranks[1][name]), name
         torch.testing.assert_close(ranks[0][name], param.detach(), rtol=1e-5, atol=1e-6)
+
+
+class _SharedInCheckpoints(torch.nn.Module):
+    """One weight in two reentrant-checkpointed segments: its gradient hook fires twice in one
+    backward, the second time after the rest of its bucket is in."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.shared, self.head = (torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        x = torch.tanh(self.inp(x))  # the checkpointed segments' input needs a gradient
+        for _ in range(2):
+            x = torch.utils.checkpoint.checkpoint(self._block, x, use_reentrant=True)
+        return self.head(x).pow(2).mean()
+
+    def _block(self, x):
+        return x + torch.tanh(self.shared(x))
+
+
+_LEARNING_STEPS = 4
+
+
+def _learning_on_rank(rank, rendezvous, out_dir, passes) -> None:
+    torch.set_num_threads(1)
+    _join_group("gloo", rendezvous, rank)
+    try:
+        torch.manual_seed(0)
+        model = _SharedInCheckpoints()
+        data = _learning_data(passes)
+        options = {"lr": 1e-2, "weight_decay": 0.0, "max_grad_norm": 0.5, "bucket_size": 150}
+        with SuperOffloadOptimizer(
+            model.parameters(), gpu_buckets=0, model=model, **options
+        ) as opt:
+            fired = []
+            model.shared.weight.register_post_accumulate_grad_hook(lambda p: fired.append(1))
+            for step in range(_LEARNING_STEPS):
+                for micro in range(passes):  # undeclared accumulation when passes > 1
+                    (model(data[step, micro, rank]) / passes).backward()
+                opt.step()
+                opt.zero_grad()
+            opt.synchronize()
+            found = {n: p.detach().clone() for n, p in model.named_parameters()}
+            record = {"params": found, "stats": opt.stats, "fired": len(fired)}
+            torch.save(record, out_dir / f"learning{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _learning_data(passes: int) -> torch.Tensor:
+    shape = (_LEARNING_STEPS, passes, WORLD, 2, 8)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(2))
+
+
+@pytest.mark.parametrize("passes", [1, 2], ids=["hook-fires-twice", "and-undeclared-accumulation"])
+def test_replicas_learn_extra_arrivals_in_their_first_step(tmp_path, passes):
+    """A hook firing twice in one backward (and a second backward nobody declared) cannot
+    reopen a bucket already averaged with the other ranks: replicas launch every bucket at
+    step() in their first step, count the arrivals, and from then on launch each bucket after
+    its last one. The ranks stay identical and follow AdamW + clip_grad_norm_ on the whole
+    batch, with no rollback."""
+    spawn_ranks(_learning_on_rank, (str(tmp_path / "rendezvous"), tmp_path, passes), WORLD)
+    ranks = [torch.load(tmp_path / f"learning{r}.pt") for r in range(WORLD)]
+    torch.manual_seed(0)
+    model = _SharedInCheckpoints()
+    data = _learning_data(passes)
+    reference = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    for step in range(_LEARNING_STEPS):
+        for micro in range(passes):
+            sum(model(data[step, micro, r]) for r in range(WORLD)).div(WORLD * passes).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        reference.step()
+        reference.zero_grad()
+    for name, param in model.named_parameters():
+        assert torch.equal(ranks[0]["params"][name], ranks[1]["params"][name]), name
+        torch.testing.assert_close(ranks[0]["params"][name], param.detach(), rtol=1e-5, atol=1e-6)
+    assert ranks[0]["fired"] == 2 * passes * _LEARNING_STEPS  # the case at hand
+    assert ranks[0]["stats"]["rollbacks_accumulation"] == 0

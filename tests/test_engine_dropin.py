@@ -293,6 +293,40 @@ def test_shared_weight_under_reentrant_checkpointing_like_adamw(gpu_buckets, dev
     assert_matches_adamw(opt, mine, ref_opt, ref)
 
 
+@pytest.mark.parametrize("told", ["boundary", "declared"])
+@pytest.mark.parametrize("gpu_buckets", [0, 100])
+def test_shared_weight_with_told_accumulation_rolls_back_once_like_adamw(told, gpu_buckets, device):
+    """Two micro-batches per step, a hook firing twice in each (a shared weight under reentrant
+    checkpointing), and the optimizer told about the accumulation: with the boundary announced
+    before each backward (as SuperOffloadTrainer does), or only the count declared. The first
+    step finds the extra firing after its bucket launched and rolls back; the optimizer learns
+    it, so no later step rolls back (and every one speculates), and the result is AdamW's."""
+    steps, passes = 5, 2
+    rollbacks_before_step = []
+
+    def shared_in_two_passes(model, opt, step, reference):
+        if not reference:
+            rollbacks_before_step.append(opt.stats["rollbacks_accumulation"])
+        for micro in range(passes):
+            if not reference and told == "boundary":
+                opt.set_accumulation_boundary(micro == passes - 1)
+            loss_of(model, batch(passes * step + micro), scale=1 / passes).backward()
+
+    opt, mine, ref_opt, ref = run_both(
+        steps,
+        shared_in_two_passes,
+        gpu_buckets=gpu_buckets,
+        gradient_accumulation_steps=passes,
+        model_args={"shared_in_checkpoints": True},
+    )
+    assert_matches_adamw(opt, mine, ref_opt, ref)
+    after_first, final = rollbacks_before_step[1], opt.stats["rollbacks_accumulation"]
+    assert [*rollbacks_before_step[2:], final] == [after_first] * (steps - 1)
+    if gpu_buckets == 0:  # host buckets speculate: the first step undid a launch
+        assert after_first >= 1
+        assert opt.stats["speculative_steps"] == steps
+
+
 # --- 4. a dropped optimizer lets go; two live ones over one model are refused -----------------
 
 
@@ -458,3 +492,104 @@ def test_negative_hyperparameters_are_refused(key):
     group = {"params": list(model.parameters()), key: -1e-3}
     with pytest.raises(ValueError, match=f"{key} must be >= 0"):
         SuperOffloadOptimizer([group], gpu_buckets=0)
+
+
+@pytest.mark.parametrize("where", ["arguments", "groups"])
+def test_adamw_switches_at_their_defaults_train_like_adamw(where):
+    """Code written for torch.optim.AdamW passes its switches (``foreach``, ``fused``, ...):
+    values that keep AdamW's update rule are accepted, as keyword arguments or in param groups
+    (the caller's group dicts are left as given), and change nothing."""
+    mine, ref = twins()
+    switches = {
+        "amsgrad": False,
+        "maximize": False,
+        "foreach": False,
+        "fused": None,
+        "capturable": False,
+        "differentiable": False,
+    }
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER, **switches)
+    if where == "arguments":
+        opt = ours(mine, **switches)
+    else:
+        groups = [{"params": list(mine.parameters()), **switches, "fused": True}]
+        opt = SuperOffloadOptimizer(
+            groups, model=mine, **HYPER, max_grad_norm=None, gpu_buckets=0, bucket_size=300
+        )
+        assert groups[0]["fused"] is True and "foreach" in groups[0]  # not taken out of theirs
+        assert not set(switches) & set(opt.param_groups[0])
+    for step in range(3):
+        for model, optimizer in ((ref, ref_opt), (mine, opt)):
+            loss_of(model, batch(step)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert_matches_adamw(opt, mine, ref_opt, ref)
+
+
+@pytest.mark.parametrize(
+    ("switch", "value", "says"),
+    [
+        ("amsgrad", True, "Drop amsgrad, or train with torch.optim.AdamW"),
+        ("maximize", True, "negate the loss"),
+        ("capturable", True, "keep optimizer.step() out of the captured region"),
+        ("differentiable", True, "Drop differentiable"),
+        ("foreach", "yes", "must be None, False or True"),
+        ("fused", 1, "must be None, False or True"),
+    ],
+)
+@pytest.mark.parametrize("where", ["arguments", "groups"])
+def test_adamw_switches_it_does_not_implement_are_refused(switch, value, says, where):
+    model, _ = twins()
+    with pytest.raises(ValueError, match=switch) as refused:
+        if where == "arguments":
+            ours(model, **{switch: value})
+        else:
+            groups = [{"params": list(model.parameters()), switch: value}]
+            SuperOffloadOptimizer(groups, gpu_buckets=0)
+    assert says in str(refused.value)
+    if where == "groups":
+        assert "in param group 0" in str(refused.value)
+
+
+# --- master_view: the fp32 master of a param, for integrations ---------------------------------
+
+
+@pytest.mark.parametrize("gpu_buckets", [0, 100])
+def test_master_view_is_the_live_fp32_master_like_adamws_param(gpu_buckets, device):
+    """Right after step() (updates still in flight: model= defers the wait to the next
+    forward) the view holds the new master, equal to AdamW's param; it is a view, shaped like
+    the param, and what is written into it (with the param) is where the next step starts,
+    as with AdamW's param. The hand-set weight (a ramp to 1) changes the step visibly."""
+    mine, ref = twins()
+    opt, ref_opt = ours(mine, gpu_buckets=gpu_buckets), adamw(ref)
+    named = dict(mine.named_parameters())
+    for step in range(3):
+        if step == 2:  # set a weight by hand between steps, in both
+            value = torch.linspace(-1, 1, ref.head.weight.numel()).view_as(ref.head.weight)
+            with torch.no_grad():
+                ref.head.weight.copy_(value)
+                opt.master_view(mine.head.weight).copy_(value)
+                mine.head.weight.copy_(value)
+        for model, optimizer in ((ref, ref_opt), (mine, opt)):
+            loss_of(model, batch(step)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        for name, q in ref.named_parameters():
+            view = opt.master_view(named[name])
+            assert view.dtype == torch.float32 and view.shape == q.shape
+            assert view.data_ptr() != named[name].data_ptr()  # the master, not the param
+            torch.testing.assert_close(view.cpu(), q.detach().cpu(), **PARAM_TOL, msg=name)
+    view = opt.master_view(mine.head.bias)
+    assert view.data_ptr() == opt.master_view(mine.head.bias).data_ptr()  # no copy
+    torch.testing.assert_close(view.cpu(), opt.master_state(mine.head.bias)["master"])
+
+
+def test_master_view_of_a_param_it_does_not_manage_is_a_clear_error():
+    model, other = twins()
+    model.head.bias.requires_grad_(False)
+    opt = ours(model)
+    assert opt.manages(model.head.weight)
+    assert not opt.manages(model.head.bias) and not opt.manages(other.head.weight)
+    for param in (model.head.bias, other.head.weight):
+        with pytest.raises(ValueError, match=r"no fp32 master .*optimizer\.manages\(param\)"):
+            opt.master_view(param)

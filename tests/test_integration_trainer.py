@@ -40,7 +40,7 @@ from hf_superoffload import (
     SuperOffloadTrainer,
     SuperOffloadTrainingArguments,
 )
-from hf_superoffload.integrations.trainer import _check_supported
+from hf_superoffload.integrations.checks import check_supported
 from hf_superoffload.toy import build_tiny_llama, tiny_llama_config
 
 VOCAB = 64
@@ -480,27 +480,27 @@ def _stub(distributed_type, fp16=False):
 
 def test_refuses_fsdp():
     with pytest.raises(ValueError, match="cannot combine with FSDP; use a DeepSpeed ZeRO-3"):
-        _check_supported(_stub(DistributedType.FSDP))
+        check_supported(_stub(DistributedType.FSDP))
 
 
 def test_accepts_deepspeed():  # tests/test_zero3_trainer.py trains through it
-    _check_supported(_stub(DistributedType.DEEPSPEED))
+    check_supported(_stub(DistributedType.DEEPSPEED))
 
 
 def test_refuses_fp16():
     with pytest.raises(ValueError, match="fp16"):
-        _check_supported(_stub(DistributedType.NO, fp16=True))
+        check_supported(_stub(DistributedType.NO, fp16=True))
 
 
 def test_accepts_a_single_process_without_fp16():
-    _check_supported(_stub(DistributedType.NO))
+    check_supported(_stub(DistributedType.NO))
 
 
 @pytest.mark.parametrize("distributed_type", [DistributedType.MULTI_GPU, DistributedType.MULTI_CPU])
 def test_accepts_data_parallelism(distributed_type):
-    _check_supported(_stub(distributed_type))  # tests/test_integration_trainer_ddp.py trains it
+    check_supported(_stub(distributed_type))  # tests/test_integration_trainer_ddp.py trains it
 
 
 def test_refuses_other_distributed_types():
     with pytest.raises(ValueError, match="one process per GPU"):
-        _check_supported(_stub(DistributedType.XLA))
+        check_supported(_stub(DistributedType.XLA))

@@ -178,13 +178,13 @@ class _CheckRefNotManaged(TrainerCallback):
         optimizer = self.trainer.superoffload_optimizer
         assert optimizer is not None
         policy = [p for p in self.trainer.model.parameters() if p.requires_grad]
-        assert all(id(p) in optimizer._slot for p in policy)
+        assert all(optimizer.manages(p) for p in policy)
         assert all(p._post_accumulate_grad_hooks for p in policy)  # the attribute checked below
         assert any(m._forward_pre_hooks for m in self.trainer.model.modules())
         ref_modules = list(self.trainer.ref_model.modules())
         assert not any(m._forward_pre_hooks for m in ref_modules)  # no waits for CPU updates
         for name, param in self.trainer.ref_model.named_parameters():
-            assert id(param) not in optimizer._slot, name
+            assert not optimizer.manages(param), name
             assert not getattr(param, "_post_accumulate_grad_hooks", None), name
             assert param.data_ptr() == self.ref_ptrs[name], name
             assert param.grad is None, name

@@ -46,9 +46,9 @@ SUPPORTED_KWARGS = ("lr", "betas", "eps", "weight_decay")
 
 # AdamW's (and Adam's) keyword arguments that SuperOffloadOptimizer does not take.
 # key: (values that are no-ops for this engine, why the key is not supported)
-# A no-op value may be refused (today every key is: the constructor has no such parameter, so
-# Python raises TypeError naming it; a param group carrying it gets check_group's ValueError)
-# or accepted, and then the run must equal AdamW's. Any other value must be refused.
+# A no-op value may be refused or accepted (the engine accepts every one of them, as AdamW's
+# switches at their defaults: engine/adamw_switches.py), and then the run must equal AdamW's.
+# Any other value must be refused.
 UNSUPPORTED_KWARGS: dict[str, tuple[tuple, str]] = {
     "amsgrad": (
         (False,),

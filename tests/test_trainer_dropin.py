@@ -47,7 +47,7 @@ from transformers import LlamaForCausalLM, Trainer, TrainerCallback
 from transformers.training_args import OptimizerNames
 
 from hf_superoffload import SuperOffloadOptimizer, SuperOffloadTrainer
-from hf_superoffload.integrations.trainer import ADAMW_OPTIM_NAMES
+from hf_superoffload.integrations.checks import ADAMW_OPTIM_NAMES
 
 LOSS_RTOL = 1e-5
 RESUME_TOL = {"rtol": 1e-6, "atol": 1e-8}
@@ -279,6 +279,91 @@ def test_bad_save_dtype_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("SUPEROFFLOAD_SAVE_DTYPE", "half")
     with pytest.raises(ValueError, match="SUPEROFFLOAD_SAVE_DTYPE"):
         _run(tmp_path, True, train=False)  # plain TrainingArguments read the env too
+
+
+# ------------------------------------------------------------------- load_best_model_at_end
+
+# Checkpoints every 2 of 6 steps, each evaluated; "best" is the highest eval loss, which on
+# this data is the first checkpoint's (the loss falls), so the best is not the last step.
+BEST_ARGS = {
+    "max_steps": 6,
+    "eval_strategy": "steps",
+    "eval_steps": 2,
+    "save_strategy": "steps",
+    "save_steps": 2,
+    "load_best_model_at_end": True,
+    "metric_for_best_model": "eval_loss",
+    "greater_is_better": True,
+}
+
+
+def _run_to_best(output_dir, superoffload: bool, **overrides):
+    cls = SuperOffloadTrainer if superoffload else Trainer
+    trainer = cls(
+        model=_model(),
+        args=_args(output_dir, superoffload, **BEST_ARGS, **overrides),
+        train_dataset=_dataset(),
+        eval_dataset=_dataset(8),
+    )
+    if superoffload:
+        _opened.append(trainer)
+    trainer.train()
+    return trainer
+
+
+def test_load_best_model_at_end_saves_and_continues_from_the_best_like_trainer(tmp_path):
+    """The best checkpoint is loaded into the model and into the fp32 masters: save_model
+    writes the best weights (the plain Trainer's), and a second train() continues from them
+    (as the plain Trainer's does) rather than from the last step's masters."""
+    ours = _run_to_best(tmp_path / "ours", True)
+    ref = _run_to_best(tmp_path / "ref", False)
+    best = ours.state.best_model_checkpoint
+    assert best.endswith("checkpoint-2") and ref.state.best_model_checkpoint.endswith("-2")
+    best_weights = load_file(os.path.join(best, "model.safetensors"))
+    last_weights = load_file(tmp_path / "ours" / "checkpoint-6" / "model.safetensors")
+    assert any(not torch.equal(best_weights[n], last_weights[n]) for n in best_weights)
+
+    masters = _masters(ours)
+    for name, value in best_weights.items():
+        torch.testing.assert_close(masters[name], value, rtol=0, atol=0, msg=name)
+    _assert_params_close(_params(ours.model), masters, rtol=0, atol=0)
+    _assert_params_close(_params(ours.model), _params(ref.model), **PARAM_TOL)
+    ours.save_model(str(tmp_path / "ours_saved"))
+    ref.save_model(str(tmp_path / "ref_saved"))
+    saved = load_file(tmp_path / "ours_saved" / "model.safetensors")
+    _assert_params_close(saved, best_weights, rtol=0, atol=0)
+    _assert_params_close(saved, load_file(tmp_path / "ref_saved" / "model.safetensors"),
+                         **PARAM_TOL)  # fmt: skip
+
+    ours.train()  # from the best weights, with the optimizer's moments and step count
+    ref.train()
+    torch.testing.assert_close(_losses(ours), _losses(ref), rtol=LOSS_RTOL, atol=0)
+    _assert_params_close(_params(ours.model), _params(ref.model), **PARAM_TOL)
+
+
+@pytest.mark.parametrize("save_dtype", [None, "bfloat16"])
+def test_load_best_model_at_end_with_bf16_restores_the_exact_masters(tmp_path, caplog, save_dtype):
+    """bf16=True: the model holds bf16 params, and the best checkpoint the fp32 masters; the
+    masters come back from there exactly, not from the bf16 params the Trainer loaded them
+    into. With superoffload_save_dtype="bfloat16" the checkpoint holds bf16 weights only: the
+    masters restart from those, and a WARNING says so."""
+    extra = {} if save_dtype is None else {"superoffload_save_dtype": save_dtype}
+    caplog.set_level(logging.WARNING, logger="hf_superoffload")
+    ours = _run_to_best(tmp_path / "ours", True, bf16=True, **extra)
+    warned = [r for r in caplog.records if "are not stored in fp32 there" in r.getMessage()]
+    assert len(warned) == (0 if save_dtype is None else 1)
+    best_weights = load_file(os.path.join(ours.state.best_model_checkpoint, "model.safetensors"))
+    masters = _masters(ours)
+    for name, param in ours.model.named_parameters():
+        if save_dtype is None:
+            assert best_weights[name].dtype == torch.float32
+            torch.testing.assert_close(masters[name], best_weights[name], rtol=0, atol=0)
+        else:
+            torch.testing.assert_close(masters[name], best_weights[name].float(), rtol=0, atol=0)
+        assert param.dtype == torch.bfloat16
+        torch.testing.assert_close(param, masters[name].to(torch.bfloat16), rtol=0, atol=0)
+    if save_dtype is None:  # the masters are no rounded bf16 values
+        assert any(not torch.equal(m.to(torch.bfloat16).float(), m) for m in masters.values())
 
 
 # ------------------------------------------------------------------------------------ optim=

@@ -19,7 +19,7 @@ H100_GPU, H100_HOST = int(79.18 * GIB), int(125 * GIB)  # what torch and free(1)
 
 def _config(name: str):
     if name == "llama-3.1-8b":
-        values = json.loads((ROOT / "examples/model_configs/llama-3.1-8b.json").read_text())
+        values = json.loads((ROOT / "hf_superoffload/model_configs/llama-3.1-8b.json").read_text())
         values = {k: v for k, v in values.items() if not k.startswith("_")}
         return transformers.AutoConfig.for_model(values.pop("model_type"), **values)
     return transformers.LlamaConfig(  # the DESIGN.md 3.0B point (benchmarks/train_step.py)

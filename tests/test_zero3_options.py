@@ -1,4 +1,5 @@
-"""DeepSpeed's default sizes become the ZeRO-3 path's partition size; a user's choice stays."""
+"""DeepSpeed's default sizes become the ZeRO-3 path's partition size, and its default
+``cpuadam_cores_perc`` the standalone engine's thread count; a user's choice stays."""
 
 from __future__ import annotations
 
@@ -9,11 +10,16 @@ import torch
 if not torch.cuda.is_available():  # before anything imports DeepSpeed
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+from deepspeed.runtime.zero.offload_config import DeepSpeedZeroOffloadOptimizerConfig
+
+from hf_superoffload.engine.checks import default_cpu_threads
 from hf_superoffload.engine.optimizer import DEFAULT_BUCKET_SIZE
 from hf_superoffload.zero3.options import (
     DEEPSPEED_DEFAULT_REDUCE_BUCKET_SIZE,
     DEEPSPEED_DEFAULT_SUB_GROUP_SIZE,
+    cores_perc_if_set,
     reduce_bucket_size,
+    resolve_options,
     sub_group_size,
 )
 
@@ -27,3 +33,18 @@ def test_sizes_the_user_chose_are_kept():
     assert sub_group_size(123_456) == 123_456
     assert reduce_bucket_size(9_437_184, 1 << 25) == 9_437_184  # the Trainer's "auto": hidden^2
     assert reduce_bucket_size(10**9, 1 << 25) == 10**9
+
+
+def test_cpu_threads_follow_the_standalone_default_unless_the_config_sets_a_share(monkeypatch):
+    monkeypatch.delenv("SUPEROFFLOAD_CPU_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    cuda = torch.device("cuda", 0)  # only its type matters: no GPU is touched
+    unset = DeepSpeedZeroOffloadOptimizerConfig(device="cpu", super_offload=True)
+    assert cores_perc_if_set(unset) is None  # DeepSpeed's 0.8 is its default, not a choice
+    assert resolve_options(None, cuda).cpu_threads == default_cpu_threads(cuda) == 15
+    chosen = DeepSpeedZeroOffloadOptimizerConfig(device="cpu", cpuadam_cores_perc=0.5)
+    assert cores_perc_if_set(chosen) == 0.5
+    assert resolve_options(0.5, cuda).cpu_threads == 8
+    monkeypatch.setenv("SUPEROFFLOAD_CPU_THREADS", "3")
+    assert resolve_options(0.5, cuda).cpu_threads == 3

@@ -25,7 +25,11 @@ def check_group(group: dict) -> None:
             f"betas must be in (0, 1) (a zero beta cannot be rolled back), got {group['betas']}."
         )
     if group["lr"] * group["weight_decay"] >= 1:
-        raise ValueError("lr * weight_decay must be < 1 for the step to be undoable.")
+        raise ValueError(
+            f"lr * weight_decay must be < 1 (got {group['lr']} * {group['weight_decay']}): the "
+            f"decay factor 1 - lr * weight_decay must stay positive for a speculated step to be "
+            f"undone. Lower lr or weight_decay."
+        )
 
 
 def common_device_and_dtype(params: list[torch.nn.Parameter]) -> tuple[torch.device, torch.dtype]:

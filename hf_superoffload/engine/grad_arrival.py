@@ -13,9 +13,12 @@ activation checkpointing). Each arrival is summed exactly, in fp32:
 - host buckets send each round of arrivals to the host, where they add up in the bucket's fp32
   ``grad_sum`` on the worker (no gradient stays on the device between micro-batches); the sum's
   norm is taken there. A bucket that had already launched (and maybe speculated) when more
-  gradients came is *reopened*: the speculation is rolled back and what had landed becomes the
-  sum's first term. The optimizer learns the firings per step from such a step, so the next
-  ones launch at the right arrival;
+  gradients came, or when a forward is about to read its params, is *reopened*: the
+  speculation is rolled back and what had landed becomes the sum's first term. The optimizer
+  learns the firings per step from such a step, so the next ones launch at the right arrival.
+  Told the boundary (``set_accumulation_boundary``, as the Trainer does), it learns the
+  firings per boundary pass instead: a hook that fires twice in the window's last backward
+  rolls back once, not at every step;
 - tail buckets, and every bucket under replicas (whose averaging needs the gradients on the
   device), add up in their device staging buffer, in fp32 when accumulating.
 A param that got no gradient in a step is not updated at all (see ``Bucket.update_runs``).
@@ -39,9 +42,12 @@ class GradArrival:
         key = id(param)
         bucket, i = self._slot[key]
         self._micro[key] += 1
+        self._pass_arrivals[key] = self._pass_arrivals.get(key, 0) + 1
         last = self._boundary_override
         if last is None:
             last = self._micro[key] >= self._firings.get(key, self.gradient_accumulation_steps)
+        elif last:  # the window's last pass: its last arrival, as learned (once by default)
+            last = self._pass_arrivals[key] >= self._boundary_firings.get(key, 1)
         with torch.no_grad():
             if bucket.launched:
                 self._reopen(bucket)
@@ -52,18 +58,28 @@ class GradArrival:
         bucket.last_seen[i] = last
         if bucket.complete:
             self._launch_complete(bucket)
-        elif bucket.arrived == len(bucket.plan.params) and self._sums_on_host(bucket):
+        elif not self._sums_on_host(bucket):
+            return
+        elif bucket.summing and all(bucket.last_seen):
+            # Every param's last gradient is in; those not in this round are in the host sum.
+            self._fill_round(bucket)
+            self._launch(bucket, last=True)
+        elif bucket.arrived == len(bucket.plan.params):
             self._send_round(bucket)  # a full round, not the step's last: to the host sum
 
     def _send_round(self, bucket: Bucket) -> None:
-        """Add this round's gradients to the bucket's host sum and begin the next round;
-        params with nothing staged in it add zeros (the staging buffer is not zeroed)."""
+        """Add this round's gradients to the bucket's host sum and begin the next round."""
+        self._fill_round(bucket)
+        self._launch(bucket, last=False)
+        bucket.new_round()
+
+    def _fill_round(self, bucket: Bucket) -> None:
+        """Params with nothing staged in this round add zeros (the staging buffer is not
+        zeroed)."""
         with torch.no_grad():
             for i, staged in enumerate(bucket.staged):
                 if not staged:
                     self._stage(bucket, i, None)
-        self._launch(bucket, last=False)
-        bucket.new_round()
 
     def _sums_on_host(self, bucket: Bucket) -> bool:
         return not bucket.on_device and not self._replicas.distributed
@@ -107,7 +123,8 @@ class GradArrival:
         than one."""
         if not self._replicas.distributed:
             return False
-        return self.gradient_accumulation_steps > 1 or self._boundary_override is False
+        many = self.gradient_accumulation_steps > 1 or self._boundary_override is False
+        return many or self._learning_firings or bool(self._firings or self._boundary_firings)
 
     # ------------------------------------------------------------------------ launching
 
@@ -118,6 +135,8 @@ class GradArrival:
         this rank's batch did not use) waits for the earlier ones, or for step()'s flush."""
         if not self._replicas.distributed:
             self._launch(bucket, last=True)
+            return
+        if self._learning_firings:  # the first step: every bucket waits for step()'s flush
             return
         while self._next_launch < len(self._buckets):
             ready = self._buckets[self._next_launch]
@@ -160,6 +179,16 @@ class GradArrival:
                 self._stv.launch(bucket, event)
         return event
 
+    def _before_forward(self, buckets: list[Bucket]) -> None:
+        """A module is about to run: wait for its params' updates. A forward between
+        backward and step() (an accumulation pass nobody announced, a shared weight recomputed
+        under reentrant checkpointing) must not see speculative values: its buckets' are rolled
+        back first, and their gradients summed with what comes next."""
+        for bucket in buckets:
+            if bucket.launched and bucket.speculated_with is not None:
+                self._reopen(bucket)
+        self._stv.wait_for(buckets)
+
     def _reopen(self, bucket: Bucket) -> None:
         """More gradients for a bucket that launched as complete: its step must use the sum.
         A host bucket's speculation is rolled back and what landed becomes the sum's first
@@ -175,6 +204,9 @@ class GradArrival:
         bucket.launched = False
         if bucket.on_device:
             return
+        # The arrivals so far were not the last: a param counts as done again once it has
+        # its (next) last one, or at step()'s flush if none comes.
+        bucket.last_seen = [False] * len(bucket.plan.params)
         event = bucket.d2h_event
         self._stv.retract(bucket)
         if not bucket.summing:  # what landed becomes the sum's first term
@@ -234,17 +266,49 @@ class GradArrival:
             total = total + host.to(total.device)
         return total
 
+    def _reset_arrivals(self) -> None:
+        """The step is over (or its gradients discarded): the next arrival starts a new one."""
+        for bucket in self._buckets:
+            bucket.reset_for_next_step()
+        self._micro = dict.fromkeys(self._micro, 0)
+        self._pass_arrivals.clear()
+        self._reopened = self._flushed = False
+        self._next_launch = 0  # replicas launch buckets in order (see _launch_complete)
+
     def _learn_firings(self) -> None:
-        """After a step that reopened buckets (gradients arrived after their bucket launched,
-        and nobody said when the last arrives): expect as many arrivals per step from now on,
-        so later steps launch each bucket once, at its last arrival."""
-        if not self._reopened or self._boundary_override is not None:
+        """After a step that reopened buckets (gradients arrived after their bucket launched):
+        expect as many arrivals from now on, so later steps launch each bucket once, at its
+        last arrival. Counted per step when nobody said when the last arrives; per boundary
+        pass when the boundary was announced (a hook firing more than once in that backward).
+        Replicas learn from their first step instead, which launched every bucket at step():
+        the counts agreed over the ranks (the largest), so every rank launches each bucket
+        after the same arrival."""
+        learning = self._learning_firings and self._boundary_override is not False
+        if not (self._reopened or learning) or self._boundary_override is False:
             return
-        expected = self.gradient_accumulation_steps
-        learned = {k: n for k, n in self._micro.items() if n > self._firings.get(k, expected)}
+        self._learning_firings = False
+        if self._boundary_override:
+            counts, learned_so_far, expected = self._pass_arrivals, self._boundary_firings, 1
+        else:
+            counts, learned_so_far = self._micro, self._firings
+            expected = self.gradient_accumulation_steps
+        if learning:
+            keys = list(self._slot)
+            agreed = self._replicas.maxima([counts.get(k, 0) for k in keys])
+            counts = dict(zip(keys, agreed, strict=True))
+        learned = {k: n for k, n in counts.items() if n > learned_so_far.get(k, expected)}
         if not learned:
             return
-        self._firings.update(learned)
+        learned_so_far.update(learned)
+        if self._boundary_override:
+            logger.info(
+                "hf_superoffload: a gradient hook fired %d times in one announced last "
+                "backward pass (a shared weight under reentrant checkpointing, say), after its "
+                "bucket had left for the CPU: that step's speculation was rolled back and the "
+                "gradients summed. Later boundary passes expect as many.",
+                max(learned.values()),
+            )
+            return
         if not self._told_about_firings:
             self._told_about_firings = True
             logger.warning(

@@ -19,10 +19,11 @@ if TYPE_CHECKING:
 
 
 class SpeculationRound:
-    """Per-step flag shared by that step's speculative tasks (all run on the worker)."""
+    """What one step's speculative tasks have seen so far (all run on the worker, in order)."""
 
     def __init__(self):
-        self.poisoned = False
+        self.poisoned = False  # a non-finite gradient: the step will be skipped
+        self.sq_norm_seen = 0.0  # squared gradient norm of the partitions speculated so far
 
 
 class HostSteps:
@@ -46,18 +47,45 @@ class HostSteps:
     # bookkeeping while the worker still runs this one's tasks.
 
     def speculate(
-        self, part: HostPartition, hyper: dict, scale: float, d2h_event, round_, runs, grad
+        self,
+        part: HostPartition,
+        hyper: dict,
+        scale: float,
+        d2h_event,
+        round_: SpeculationRound,
+        runs,
+        grad,
+        clip_threshold: float | None = None,
     ) -> None:
-        """Step a partition before validation, unless this step's gradients already showed a
-        non-finite value: then it (and every later partition) stays untouched, so the skip
-        that validation will decide needs no rollback and leaves the state bit-exact."""
+        """Step a partition before validation with gradient scale ``scale``, unless what this
+        step's gradients showed so far rules it out; then the partition stays untouched
+        (``speculation_applied`` False) and steps after validation:
+
+        - a non-finite value: it and every later partition wait, so the skip that validation
+          will decide needs no rollback and leaves the state bit-exact;
+        - a norm so far (a lower bound of the global one) above ``clip_threshold / scale``:
+          the step will clip harder than ``scale`` assumes, so a speculation would only be
+          replayed, and undoing a gradient much larger than the one kept loses exactness (a
+          loss spike after unclipped steps: exp_avg_sq keeps (1 - beta2) * g^2 of a gradient
+          the clip shrinks 400x, and ended 1.4e-3 off AdamW's)."""
         self.link.host_waits_for(d2h_event)  # gradients and their norm are on the host
-        if round_.poisoned or not math.isfinite(float(self.host_sq_norms[part.index])):
+        part.speculation_applied = False
+        sq_norm = float(self.host_sq_norms[part.index])
+        if round_.poisoned or not math.isfinite(sq_norm):
             round_.poisoned = True
-            part.speculation_applied = False
+            return
+        round_.sq_norm_seen += sq_norm
+        if clip_threshold and math.sqrt(round_.sq_norm_seen) * scale > clip_threshold:
+            self.stats.speculations_withheld += 1
             return
         part.speculation_applied = True
         self.step(part, hyper, scale, None, runs, grad)
+
+    def complete(self, part: HostPartition, hyper: dict, scale: float, runs, grad) -> None:
+        """The step validated with the speculated scale: nothing to do, unless the speculation
+        was withheld (``speculate``); then it steps now."""
+        if not part.speculation_applied:
+            self.step(part, hyper, scale, None, runs, grad)
 
     def step(self, part: HostPartition, hyper: dict, scale: float, d2h_event, runs, grad) -> None:
         self.link.host_waits_for(d2h_event)  # the gradients are on the host
@@ -69,6 +97,10 @@ class HostSteps:
         self.elements_stepped += sum(numel for _, numel, _ in runs)
 
     def replay(self, part: HostPartition, hyper: dict, old: float, new: float, runs, grad) -> None:
+        if not part.speculation_applied:  # withheld (``speculate``): step with the new scale
+            self.step(part, hyper, new, None, runs, grad)
+            return
+
         def kernel(state, low, step):
             ops.adam_replay(
                 *state, **{**hyper, "step": step}, old_grad_scale=old, new_grad_scale=new,

@@ -22,7 +22,6 @@ within the rollback's rounding for buckets speculated before the bad one arrived
 from __future__ import annotations
 
 import logging
-import time
 import weakref
 from collections.abc import Iterable
 
@@ -30,6 +29,7 @@ import torch
 
 from .. import ops
 from . import clip_routing, ownership, state_io
+from .adamw_switches import check_switches, without_switches
 from .bucket import Bucket
 from .buckets import plan_buckets
 from .cast_policy import CastPlan, choose_cast_plan
@@ -37,21 +37,17 @@ from .checks import check_group, common_device_and_dtype, default_cpu_threads
 from .device_tail import DeviceTail
 from .grad_arrival import GradArrival
 from .link import Link
-from .placement import (
-    DEVICE_BYTES_PER_ELEMENT,
-    choose_device_buckets,
-    device_headroom_bytes,
-    make_tail_tuner,
-)
+from .placement import choose_device_buckets, make_tail_tuner
 from .replicas import Replicas
 from .stv import Stv, Verdict, validate
+from .tail_moves import TailMoves
 
 logger = logging.getLogger("hf_superoffload")
 
 DEFAULT_BUCKET_SIZE = 1 << 25  # 33.5M elements: ~7 ms of CPU Adam on 16 cores
 
 
-class SuperOffloadOptimizer(GradArrival, torch.optim.Optimizer):
+class SuperOffloadOptimizer(GradArrival, TailMoves, torch.optim.Optimizer):
     def __init__(
         self,
         params: Iterable,
@@ -70,9 +66,26 @@ class SuperOffloadOptimizer(GradArrival, torch.optim.Optimizer):
         model: torch.nn.Module | None = None,
         gradient_accumulation_steps: int = 1,
         process_group: torch.distributed.ProcessGroup | None = None,
+        amsgrad: bool = False,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
     ):
+        # torch.optim.AdamW's switches: no-op values accepted, others refused (adamw_switches.py).
+        check_switches(
+            {
+                "amsgrad": amsgrad,
+                "maximize": maximize,
+                "foreach": foreach,
+                "fused": fused,
+                "capturable": capturable,
+                "differentiable": differentiable,
+            }
+        )
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
-        super().__init__(params, defaults)
+        super().__init__(without_switches(params), defaults)
         if max_grad_norm is not None and max_grad_norm < 0:
             raise ValueError(
                 f"max_grad_norm must be >= 0 (0 or None: no clipping), got {max_grad_norm}."
@@ -125,7 +138,14 @@ class SuperOffloadOptimizer(GradArrival, torch.optim.Optimizer):
         }
         self._micro = dict.fromkeys(self._slot, 0)  # gradient arrivals this step, per param
         self._firings: dict[int, int] = {}  # learned arrivals per step (see GradArrival)
+        # Arrivals in the backward pass announced by set_accumulation_boundary, and those
+        # learned for a boundary pass (a hook that fires twice in one backward).
+        self._pass_arrivals: dict[int, int] = {}
+        self._boundary_firings: dict[int, int] = {}
         self._told_about_firings = False
+        # Replicas cannot reopen a bucket already averaged with the other ranks, so their first
+        # step launches every bucket at step() and counts the arrivals (GradArrival).
+        self._learning_firings = self._replicas.distributed
         self._reopened = self._flushed = False
         self._next_launch = 0
         self._sq_norms = torch.zeros(len(self._buckets), device=device)
@@ -137,6 +157,7 @@ class SuperOffloadOptimizer(GradArrival, torch.optim.Optimizer):
             speculate=speculate,
             speculate_after_clip=speculate_after_clip,
         )
+        self._stv.clip_threshold = self.max_grad_norm
         self.stats_counters = self._stv.stats
         self._tail = DeviceTail()
         for bucket in self._buckets:
@@ -172,6 +193,7 @@ class SuperOffloadOptimizer(GradArrival, torch.optim.Optimizer):
         """Say whether the coming backward ends an accumulation window (integrations know this
         from accelerate's ``sync_gradients``); None returns to counting backward passes."""
         self._boundary_override = is_boundary
+        self._pass_arrivals.clear()  # a new backward pass is announced
 
     def clip_grad_norm_(self, max_norm: float | None = None) -> torch.Tensor:
         """The pre-clip global norm of the current gradients, computed during backward.
@@ -196,13 +218,9 @@ class SuperOffloadOptimizer(GradArrival, torch.optim.Optimizer):
         if not any(self._micro.values()):
             return  # nothing arrived since the last step (the usual call)
         self._stv.abandon(b for b in self._buckets if not b.on_device)
-        for bucket in self._buckets:
-            bucket.reset_for_next_step()
+        self._reset_arrivals()
         with self._link.d2h():
             self._sq_norms.zero_()
-        self._micro = dict.fromkeys(self._micro, 0)
-        self._reopened = self._flushed = False
-        self._next_launch = 0
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -222,11 +240,7 @@ class SuperOffloadOptimizer(GradArrival, torch.optim.Optimizer):
             tail = [b for b in self._buckets if b.on_device]
             self._tail.step(tail, [self._stv.hyper(b, b.step + 1) for b in tail], result.clip_coef)
         self._learn_firings()
-        for bucket in self._buckets:
-            bucket.reset_for_next_step()
-        self._micro = dict.fromkeys(self._micro, 0)
-        self._reopened = self._flushed = False
-        self._next_launch = 0  # replicas launch buckets in order (see _launch_complete)
+        self._reset_arrivals()
         self._sq_norms.zero_()
         if not self._waits_in_forward:
             self.synchronize()
@@ -242,6 +256,34 @@ class SuperOffloadOptimizer(GradArrival, torch.optim.Optimizer):
         """Copies of the fp32 master, both moments and the step count of ``param``."""
         self.synchronize()
         return self._param_state(param)
+
+    def manages(self, param: torch.Tensor) -> bool:
+        """Whether this optimizer steps ``param`` (and so holds its fp32 master)."""
+        return id(param) in self._slot
+
+    def master_view(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """The fp32 master weight of ``param`` itself: a view of the optimizer's buffer shaped
+        like ``param`` (host memory; device memory for a tail bucket), no copy.
+
+        Updates still in flight for it are waited for first, so it holds the value of the last
+        step() and may be written to. A write changes the master only, not the model's param:
+        copy the value there too (as ``load_state_dict`` does), and write between steps only,
+        never between backward() and step(), while a speculative update may be in it."""
+        bucket, i = self._slot_of(param)
+        self._stv.wait_for_tasks([bucket.index])
+        self._link.host_waits_for(bucket.last_h2d)  # no transfer still reads it
+        return bucket.views(bucket.master, i)
+
+    def _slot_of(self, param: torch.Tensor) -> tuple[Bucket, int]:
+        slot = self._slot.get(id(param))
+        if slot is None:
+            raise ValueError(
+                f"this param (shape {tuple(param.shape)}, {param.dtype}) has no fp32 master in "
+                f"SuperOffloadOptimizer: it is in none of the optimizer's param groups, or it "
+                f"did not require grad when the optimizer was built (optimizer.manages(param) "
+                f"tells)."
+            )
+        return slot
 
     def _param_state(self, param: torch.nn.Parameter) -> dict:
         return state_io.param_state(self, param)
@@ -288,61 +330,6 @@ class SuperOffloadOptimizer(GradArrival, torch.optim.Optimizer):
     def __exit__(self, *exc):
         self.close()
 
-    # ------------------------------------------------------------------------ device tail
-
-    def _tune_device_tail(self) -> None:
-        """gpu_buckets='auto': move host buckets next to the tail onto the device while the
-        GPU measurably waits for the CPU and device memory allows (see placement.TailTuner)."""
-        stats = self.stats_counters
-        want = self._tuner.elements_to_move(
-            time.perf_counter(),
-            stats.exposed_cpu_seconds,
-            stats.cpu_step_seconds,
-            self._stv.host.elements_stepped,
-            sum(b.plan.numel for b in self._buckets if not b.on_device),
-        )
-        if self._replicas.distributed:
-            # Every rank moves the same buckets: one placement, so one arithmetic per bucket.
-            want = int(self._replicas.agree(want, "max"))
-            if not want and not self._replicas.agree(self._tuner.active, "max"):
-                self._tuner = None  # all ranks have settled: no more agreement rounds
-        if not want:
-            return
-        headroom = self._replicas.agree(device_headroom_bytes(self._link.device), "min")
-        chosen, numel = [], 0
-        for bucket in reversed(self._buckets):  # host buckets nearest the tail first
-            if numel >= want:
-                break
-            if bucket.on_device:
-                continue
-            if (numel + bucket.plan.numel) * DEVICE_BYTES_PER_ELEMENT > headroom:
-                break
-            chosen.append(bucket)
-            numel += bucket.plan.numel
-        if not chosen:
-            self._tuner.stop("device memory is full")
-            return
-        self._move_buckets_to_device(chosen)
-        self._tuner.moved()
-        n_tail = sum(b.on_device for b in self._buckets)
-        logger.info(
-            "hf_superoffload: gpu_buckets='auto' moved %d buckets (%.1fM params) to the device "
-            "after step %d (GPU waited %.3f s for the CPU last step); n' = %d of %d",
-            len(chosen),
-            numel / 1e6,
-            stats.steps,
-            self._tuner.last_exposed,
-            n_tail,
-            len(self._buckets),
-        )
-
-    def _move_buckets_to_device(self, buckets: list[Bucket]) -> None:
-        """Between steps: turn host buckets into tail buckets, state and all."""
-        self._stv.worker.wait([b.index for b in buckets])  # their settled updates are done
-        for bucket in buckets:
-            bucket.move_to_device(self._link)
-            self._tail.register(bucket)
-
     def _device_waits_for_d2h(self) -> None:
         if self._link.is_cuda:
             torch.cuda.current_stream(self._link.device).wait_stream(self._link.d2h_stream)
@@ -373,16 +360,6 @@ class SuperOffloadOptimizer(GradArrival, torch.optim.Optimizer):
                 optimizer._before_forward(buckets)
 
         return hook
-
-    def _before_forward(self, buckets: list[Bucket]) -> None:
-        """A module is about to run: wait for its params' updates. A forward between
-        backward and step() (an accumulation pass nobody announced, a shared weight recomputed
-        under reentrant checkpointing) must not see speculative values: its buckets' are rolled
-        back first, and their gradients summed with what comes next."""
-        for bucket in buckets:
-            if bucket.launched and bucket.speculated_with is not None:
-                self._reopen(bucket)
-        self._stv.wait_for(buckets)
 
     def _check_params_attached(self) -> None:
         moved = [b for b in self._buckets if b.plan.params[0].data_ptr() != b.first_param_ptr]

@@ -70,6 +70,14 @@ class Replicas:
         dist.all_reduce(holder, op=dist.ReduceOp.MAX, group=self.group)
         return [bool(v) for v in holder.tolist()]
 
+    def maxima(self, counts: list[int]) -> list[int]:
+        """Each count's maximum over all ranks."""
+        if not self.distributed:
+            return counts
+        holder = torch.tensor(counts, dtype=torch.int64, device=self._scalar_device)
+        dist.all_reduce(holder, op=dist.ReduceOp.MAX, group=self.group)
+        return [int(v) for v in holder.tolist()]
+
     def from_rank0(self, values: list[float]) -> list[float]:
         """Rank 0's ``values`` on every rank (a decision measured locally, taken once)."""
         if not self.distributed:

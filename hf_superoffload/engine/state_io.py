@@ -222,7 +222,8 @@ def _lookup(where: dict, key) -> tuple[int, int, torch.Tensor]:
             return where[candidate]
     raise ValueError(
         f"state_dict has state for param id {key!r}, which is in none of its param groups' "
-        f"'params' lists; the state dict is inconsistent."
+        f"'params' lists; the state dict is inconsistent. Save it again from the optimizer "
+        f"(optimizer.state_dict()), or drop that entry of its 'state'."
     )
 
 
@@ -245,7 +246,10 @@ def _checked_entry(
             f"trainable params, or drop the entry."
         )
     if not isinstance(entry, Mapping):
-        raise ValueError(f"{what} is a {type(entry).__name__}, not a dict of state.")
+        raise ValueError(
+            f"{what} is a {type(entry).__name__}, not a dict of state (exp_avg, exp_avg_sq, "
+            f"step): load a state dict saved by SuperOffloadOptimizer or torch.optim.AdamW."
+        )
     missing = [k for k in (*MOMENT_KEYS, "step") if k not in entry]
     if missing:
         raise ValueError(
@@ -259,7 +263,10 @@ def _checked_entry(
             continue
         tensor = entry[k]
         if not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"{what}: {k} is a {type(tensor).__name__}, not a tensor.")
+            raise ValueError(
+                f"{what}: {k} is a {type(tensor).__name__}, not a tensor: load a state dict "
+                f"saved by SuperOffloadOptimizer or torch.optim.AdamW."
+            )
         if tuple(tensor.shape) != tuple(param.shape):
             raise ValueError(
                 f"{what}: {k} has shape {tuple(tensor.shape)}, the param here has "
@@ -267,7 +274,10 @@ def _checked_entry(
                 f"order within the same param groups as when it was saved."
             )
         if not (tensor.is_floating_point()):
-            raise ValueError(f"{what}: {k} has dtype {tensor.dtype}, not a floating-point one.")
+            raise ValueError(
+                f"{what}: {k} has dtype {tensor.dtype}, not a floating-point one: load a state "
+                f"dict saved by SuperOffloadOptimizer or torch.optim.AdamW."
+            )
     step = entry["step"]
     value = float(step.item() if isinstance(step, torch.Tensor) else step)
     if not (math.isfinite(value) and value >= 0 and value == int(value)):
@@ -326,6 +336,7 @@ def _loaded_predicted_coef(state_dict: Mapping) -> float:
     if not isinstance(coef, (int, float)) or not 0.0 < coef <= 1.0:
         raise ValueError(
             f"state_dict[{EXTRA_KEY!r}] must be a dict with a 'predicted_coef' in (0, 1] (the "
-            f"last clip coefficient), got {extra!r}."
+            f"last clip coefficient), got {extra!r}; drop the key to load as if no step had "
+            f"clipped."
         )
     return float(coef)

@@ -46,6 +46,7 @@ class Validation:
     verdict: Verdict
     total_norm: float  # pre-clip global L2 norm (inf/nan when not finite)
     clip_coef: float  # gradient multiplier for the committed step (1.0 unless CLIP)
+    max_grad_norm: float | None = None  # the clipping threshold it was validated against
 
 
 def torch_clip_coef(total_norm: torch.Tensor, max_grad_norm: float) -> float:
@@ -61,14 +62,15 @@ def validate(
 ) -> Validation:
     """Decide the fate of a step from the global gradient norm (an fp32 scalar tensor)."""
     norm = float(total_norm)
+    threshold = max_grad_norm or None
     if not math.isfinite(norm):
-        return Validation(Verdict.SKIP, norm, 0.0)
-    if not max_grad_norm:
+        return Validation(Verdict.SKIP, norm, 0.0, threshold)
+    if not threshold:
         return Validation(Verdict.COMMIT, norm, 1.0)
-    coef = clip_coef(total_norm, max_grad_norm)
+    coef = clip_coef(total_norm, threshold)
     if coef < 1.0:
-        return Validation(Verdict.CLIP, norm, coef)
-    return Validation(Verdict.COMMIT, norm, 1.0)
+        return Validation(Verdict.CLIP, norm, coef, threshold)
+    return Validation(Verdict.COMMIT, norm, 1.0, threshold)
 
 
 @dataclasses.dataclass
@@ -80,6 +82,9 @@ class StvStats:
     rollbacks_clip: int = 0
     rollbacks_nonfinite: int = 0
     rollbacks_hparams: int = 0  # lr/betas changed between backward and step(): redone
+    # Partitions not speculated on because the norm seen so far showed the step would clip
+    # harder than the speculation's scale (HostSteps.speculate); they stepped after validation.
+    speculations_withheld: int = 0
     # A speculation undone before validation: more gradients arrived for its partition (an
     # undeclared accumulation pass, a hook firing twice), or zero_grad() discarded them.
     rollbacks_accumulation: int = 0
@@ -129,6 +134,9 @@ class Stv:
         # replay then changes the gradient scale by a ratio near 1, which keeps the algebraic
         # rollback accurate (undoing a 1000x larger unclipped g^2 would cancel v's bits).
         self.predicted_coef = 1.0
+        # The clipping threshold of the last validation (the engine may set the first): a
+        # speculation that the norm seen so far shows would be clipped harder is withheld.
+        self.clip_threshold: float | None = None
         # The worker reads each partition's squared norm before speculating on it.
         self.host_sq_norms = link.host_empty(n_partitions, torch.float32)
         self.host = HostSteps(link, self.stats, self.host_sq_norms, copy_out)
@@ -152,12 +160,14 @@ class Stv:
         if not (speculate and self.speculating):
             return
         hyper, scale, round_ = self.hyper(part, part.step + 1), self.predicted_coef, self._round
-        runs, grad = part.update_runs(), part.grad_for_kernel()
+        runs, grad, threshold = part.update_runs(), part.grad_for_kernel(), self.clip_threshold
         part.speculated_with, part.speculated_scale = hyper, scale
         part.speculated_runs, part.speculated_grad = runs, grad
         self.worker.submit(
             [part.index],
-            lambda: self.host.speculate(part, hyper, scale, d2h_event, round_, runs, grad),
+            lambda: self.host.speculate(
+                part, hyper, scale, d2h_event, round_, runs, grad, threshold
+            ),
         )
 
     def accumulate(
@@ -199,7 +209,13 @@ class Stv:
         stats.speculative_steps += any(p.speculated_with is not None for p in parts)
         if result.verdict is Verdict.SKIP:
             stats.rollbacks_nonfinite += 1
-            logger.warning("hf_superoffload: non-finite gradient norm; step skipped")
+            logger.warning(
+                "hf_superoffload: non-finite gradient norm (%s) at optimizer step %d; the step "
+                "was skipped, params and moments unchanged (%d of %d steps skipped so far). "
+                "Many in a row: check the data and the loss, lower the learning rate, or use "
+                "bf16 rather than fp16.",
+                result.total_norm, stats.steps, stats.rollbacks_nonfinite, stats.steps,
+            )  # fmt: skip
         else:
             if any(
                 p.speculated_with is not None and p.speculated_scale != result.clip_coef
@@ -207,6 +223,7 @@ class Stv:
             ):
                 stats.rollbacks_clip += 1
             self.predicted_coef = result.clip_coef
+            self.clip_threshold = result.max_grad_norm
         for part in parts:
             self._settle(part, result.verdict, result.clip_coef)
             part.reset_speculation()
@@ -232,6 +249,8 @@ class Stv:
             submit([part.index], lambda: host.step(part, current, coef, None, runs, grad))
         elif scale != coef:
             submit([part.index], lambda: host.replay(part, spec, scale, coef, runs, grad))
+        else:
+            submit([part.index], lambda: host.complete(part, spec, scale, runs, grad))
         part.commit_update()
 
     # --------------------------------------------------------------------- waiting

@@ -76,7 +76,8 @@ class Worker:
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             raise WorkerError(
-                f"the SuperOffload CPU worker failed: {self._error!r}"
+                f"the SuperOffload CPU worker failed: {self._error!r}. This optimizer cannot "
+                f"go on: close() it and build a new one (resume from the last checkpoint)."
             ) from self._error
 
     def _run(self) -> None:

@@ -6,8 +6,9 @@ split, ``max_grad_norm`` as the one clipping threshold, gradient accumulation), 
 arguments it would otherwise ignore (a non-AdamW ``optim``, ``optim_args``, ...), turns the
 Trainer's clipping into the STV validation (the norm it logs is the true pre-clip norm, computed
 during backward, no extra pass), tells the Trainer when a step was skipped (so the LR schedule
-holds), waits for in-flight updates before anything reads the params, and saves the fp32
-master weights (``superoffload_save_dtype``).
+holds), waits for in-flight updates before anything reads the params, saves the fp32 master
+weights (``superoffload_save_dtype``) and loads them back with the best checkpoint
+(``load_best_model_at_end``). The refusals live in checks.py, the weights' handling in save.py.
 
 As with the plain Trainer, ``trainer.optimizer`` and ``trainer.lr_scheduler`` outlive
 ``train()`` (a second ``train()`` continues with them); the optimizer is synchronized at the
@@ -19,7 +20,6 @@ Trainer drops (``model_init``: every ``train()`` builds a new model) is closed b
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import warnings
@@ -27,7 +27,7 @@ import weakref
 
 import torch
 from accelerate.utils import DistributedType
-from transformers import PreTrainedModel, Trainer, TrainerCallback
+from transformers import Trainer, TrainerCallback
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 from transformers.trainer_pt_utils import reissue_pt_warnings
 
@@ -42,25 +42,18 @@ except ImportError:  # transformers < 4.50 checks nothing before torch.load
 from ..engine import SuperOffloadOptimizer
 from ..zero3.config import export_zero3_options, require_super_offload
 from .arguments import resolve_save_dtype
+from .checks import DATA_PARALLEL, check_optimizer_arguments, check_supported
 from .metrics import ThroughputMeter, peak_tflops, stv_metrics
 from .plugin import SuperOffloadPlugin
+from .save import (
+    BF16_CAST_WARNING,
+    cast_to_bf16,
+    masters_from_checkpoint,
+    record_saved_dtype,
+    weights_to_save,
+)
 
 logger = logging.getLogger("hf_superoffload")
-
-# transformers' ``optim`` names whose update rule is the engine's: AdamW with decoupled weight
-# decay (``adamw_hf`` exists in older transformers only). The fused variant differs from
-# torch's default AdamW by rounding only; the engine does torch's default arithmetic.
-ADAMW_OPTIM_NAMES = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
-
-BF16_CAST_WARNING = (
-    "hf_superoffload: bf16=True casts the model's params to bf16 in place. The fp32 master "
-    "weights (from the params' fp32 values) and the Adam moments stay on the host "
-    "(SuperOffloadOptimizer), and the model runs forward and backward on bf16 params. The "
-    "plain Trainer instead keeps fp32 params and runs them under bf16 autocast, so losses and "
-    "updates differ from it by bf16 rounding (1e-5 to 3e-3 relative on the loss in our runs), "
-    "and frozen params and buffers are bf16 here. save_model writes the fp32 master "
-    "(superoffload_save_dtype='bfloat16' for bf16 files)."
-)
 
 
 class SuperOffloadTrainerMixin:
@@ -80,7 +73,7 @@ class SuperOffloadTrainerMixin:
                     "zero_to_fp32 on a checkpoint for the fp32 master). Drop the argument."
                 )
         else:
-            _check_optimizer_arguments(self)
+            check_optimizer_arguments(self)
             self._superoffload_save_dtype()  # a bad SUPEROFFLOAD_SAVE_DTYPE fails here
         self.add_callback(_SuperOffloadCallback(self))
 
@@ -139,10 +132,10 @@ class SuperOffloadTrainerMixin:
     def create_optimizer(self, model=None):
         if self.optimizer is not None:
             return self.optimizer
-        _check_supported(self)
+        check_supported(self)
         if self._on_deepspeed:  # the Trainer's AdamW becomes DeepSpeed's base optimizer
             return super().create_optimizer(model)
-        _check_optimizer_arguments(self)
+        check_optimizer_arguments(self)
         # One we built before and the Trainer (or the user) has since dropped: release it.
         self._close_superoffload_optimizer()
         opt_model = self.model if model is None else model
@@ -152,7 +145,7 @@ class SuperOffloadTrainerMixin:
             if not self._superoffload_warned_bf16:
                 logger.warning(BF16_CAST_WARNING)
                 self._superoffload_warned_bf16 = True
-            fp32_values = _cast_to_bf16(opt_model, self.accelerator.num_processes == 1)
+            fp32_values = cast_to_bf16(opt_model)
         decay = set(self.get_decay_parameter_names(opt_model))
         named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
         groups = [
@@ -174,9 +167,9 @@ class SuperOffloadTrainerMixin:
         with torch.no_grad():  # the masters start from the fp32 values, not the rounded ones
             for param in (p for group in groups for p in group["params"]):
                 if id(param) in fp32_values:
-                    _master_view(self.optimizer, param).copy_(fp32_values.pop(id(param)))
+                    self.optimizer.master_view(param).copy_(fp32_values.pop(id(param)))
         _prepare_in_place(self.accelerator, self.optimizer)
-        if self.accelerator.distributed_type in _DATA_PARALLEL:
+        if self.accelerator.distributed_type in DATA_PARALLEL:
             _prepare_without_ddp(self.accelerator, opt_model)
         return self.optimizer
 
@@ -241,32 +234,25 @@ class SuperOffloadTrainerMixin:
         if state_dict is not None or optimizer is None:
             return super()._save(output_dir, state_dict=state_dict)
         dtype = self._superoffload_save_dtype()
-        super()._save(output_dir, state_dict=_weights_to_save(self.model, optimizer, dtype))
-        self._write_saved_dtype(output_dir or self.args.output_dir, dtype)
-
-    def _write_saved_dtype(self, output_dir: str, dtype: torch.dtype) -> None:
-        """``save_pretrained`` records the params' dtype in config.json (bf16 after bf16=True),
-        which ``from_pretrained(dtype="auto")`` would load the fp32 file as: record the file's
-        (``dtype``, or ``torch_dtype`` in older transformers)."""
-        model = self.accelerator.unwrap_model(self.model)
-        model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
-        path = os.path.join(output_dir, "config.json")
-        if not (self.args.should_save and isinstance(model, PreTrainedModel)):
-            return
-        if not os.path.isfile(path):  # a PEFT adapter, say: no config.json of the model
-            return
-        name = str(dtype).removeprefix("torch.")
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-        stale = [key for key in ("dtype", "torch_dtype") if config.get(key) not in (None, name)]
-        if stale:
-            config.update(dict.fromkeys(stale, name))
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        super()._save(output_dir, state_dict=weights_to_save(self.model, optimizer, dtype))
+        if self.args.should_save:
+            model = self.accelerator.unwrap_model(self.model)
+            record_saved_dtype(model, output_dir or self.args.output_dir, dtype)
 
     def _save_checkpoint(self, model, trial):
         self._superoffload_synchronize()
         return super()._save_checkpoint(model, trial)
+
+    def _load_best_model(self):
+        """load_best_model_at_end: the Trainer loads the best checkpoint into the model; the
+        fp32 masters must follow, or saving would write the last step's weights and the next
+        step would continue from them."""
+        optimizer = self.superoffload_optimizer
+        if optimizer is not None:
+            optimizer.synchronize()  # no update in flight may land on the loaded weights
+        super()._load_best_model()
+        if optimizer is not None:
+            masters_from_checkpoint(self.model, optimizer, self.state.best_model_checkpoint)
 
     def _superoffload_synchronize(self) -> None:
         optimizer = self._stv_optimizer
@@ -301,10 +287,6 @@ class _SuperOffloadCallback(TrainerCallback):
             # continues with them); the params now hold the final values.
             optimizer.synchronize()
         self.trainer.superoffload_stats = optimizer.stats  # a snapshot at the end of train()
-
-
-# One process per GPU (or CPU, with gloo): the optimizer averages gradients itself.
-_DATA_PARALLEL = (DistributedType.MULTI_GPU, DistributedType.MULTI_CPU)
 
 
 def _prepare_in_place(accelerator, ours: SuperOffloadOptimizer) -> None:
@@ -347,111 +329,3 @@ def _prepare_one_object_with(accelerator, method: str, target, **options) -> Non
 
     prepare_target_with_options._superoffload_unpatched = prepare
     setattr(accelerator, method, prepare_target_with_options)
-
-
-def _master_view(optimizer: SuperOffloadOptimizer, param: torch.nn.Parameter) -> torch.Tensor:
-    """The fp32 master of ``param`` itself (a view into its bucket, no copy; the caller has
-    synchronized). NOTE: reads the engine's layout, as its state_io does."""
-    bucket, index = optimizer._slot[id(param)]
-    return bucket.views(bucket.master, index)
-
-
-def _cast_to_bf16(model: torch.nn.Module, keep_fp32: bool) -> dict[int, torch.Tensor]:
-    """Cast ``model`` to bf16 in place. With ``keep_fp32``, return host copies of the trainable
-    fp32 params that bf16 does not hold exactly (by ``id``), for their masters to start from;
-    a model loaded from a bf16 checkpoint has none. With several processes the engine starts
-    every rank from rank 0's (bf16) params, so the masters start from those."""
-    fp32_values = {}
-    if keep_fp32:
-        trainable = [p for p in model.parameters() if p.requires_grad and p.dtype == torch.float32]
-        for param in trainable:
-            value = param.detach()
-            if not torch.equal(value.to(torch.bfloat16).float(), value):
-                fp32_values[id(param)] = value.to("cpu", copy=True)
-    else:
-        logger.info(
-            "hf_superoffload: several processes: the fp32 masters start from rank 0's bf16 "
-            "params (fp32 values that bf16 cannot hold lose their low bits)."
-        )
-    model.to(torch.bfloat16)
-    return fp32_values
-
-
-def _weights_to_save(
-    model: torch.nn.Module, optimizer: SuperOffloadOptimizer, dtype: torch.dtype
-) -> dict[str, torch.Tensor]:
-    """``model.state_dict()`` with every param the optimizer steps taken from its fp32 master
-    (views, no copy) and every floating tensor in ``dtype``. A 16-bit param saved in its own
-    dtype is written as the model holds it: the engine rounds the master into it each step."""
-    optimizer.synchronize()
-    weights = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        managed = id(tensor) in optimizer._slot
-        if managed and (dtype == torch.float32 or tensor.dtype != dtype):
-            value = _master_view(optimizer, tensor).detach()
-        else:
-            value = tensor.detach()
-        if value.is_floating_point() and value.dtype != dtype:
-            value = value.to(dtype)
-        weights[name] = value
-    return weights
-
-
-def _check_optimizer_arguments(trainer) -> None:
-    """Refuse the optimizer choices SuperOffload would otherwise ignore without a word."""
-    args = trainer.args
-    optim = getattr(args.optim, "value", args.optim)
-    if optim not in ADAMW_OPTIM_NAMES:
-        raise ValueError(
-            f"SuperOffload runs AdamW (decoupled weight decay) on the CPU; optim={optim!r} is "
-            f"another optimizer, which it does not implement. Use optim='adamw_torch' (or leave "
-            f"the default, 'adamw_torch_fused'), or train with the plain Trainer for {optim!r}."
-        )
-    if args.optim_args:
-        raise ValueError(
-            f"SuperOffload ignores optim_args ({args.optim_args!r}): its AdamW takes "
-            f"learning_rate, adam_beta1, adam_beta2, adam_epsilon, weight_decay and "
-            f"max_grad_norm from the training arguments. Drop optim_args."
-        )
-    if args.optim_target_modules is not None:
-        raise ValueError(
-            "SuperOffload ignores optim_target_modules (it selects modules for GaLore/APOLLO "
-            "optimizers): AdamW steps every trainable param. Drop optim_target_modules, or "
-            "freeze params (requires_grad=False) to leave them out."
-        )
-    if getattr(trainer, "optimizer_cls_and_kwargs", None) is not None:
-        raise ValueError(
-            "SuperOffloadTrainer builds its own optimizer (SuperOffloadOptimizer, AdamW) and "
-            "would ignore optimizer_cls_and_kwargs; drop it, or use the plain Trainer."
-        )
-    given = getattr(trainer, "optimizer", None)
-    given = getattr(given, "optimizer", given)  # accelerate wraps it
-    if given is not None and not isinstance(given, SuperOffloadOptimizer):
-        raise ValueError(
-            f"SuperOffloadTrainer got optimizers=({type(given).__name__}, ...): it would train "
-            f"with that optimizer and offload nothing. Pass optimizers=(None, None) to let it "
-            f"build SuperOffloadOptimizer from the arguments, a SuperOffloadOptimizer, or use "
-            f"the plain Trainer."
-        )
-
-
-def _check_supported(trainer) -> None:
-    distributed = trainer.accelerator.distributed_type
-    if distributed == DistributedType.FSDP:
-        raise ValueError(
-            "SuperOffload runs its own optimizer offload and cannot combine with FSDP; use a "
-            "DeepSpeed ZeRO-3 config (accelerate_configs/ has them) or one of the plain configs."
-        )
-    if distributed == DistributedType.DEEPSPEED:
-        return
-    if distributed not in (DistributedType.NO, *_DATA_PARALLEL):
-        raise ValueError(
-            f"SuperOffload supports one process, or data parallelism with one process per GPU "
-            f"(MULTI_GPU, or MULTI_CPU for tests), not {distributed}; use one of the configs "
-            f"in accelerate_configs/."
-        )
-    if trainer.args.fp16:
-        raise ValueError(
-            "SuperOffload does not support fp16 with loss scaling (GradScaler): gradients leave "
-            "the GPU during backward, before unscaling. Use bf16=True instead."
-        )

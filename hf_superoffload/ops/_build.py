@@ -230,7 +230,10 @@ def _compile(name: str, sources: list[Path], folder: Path) -> ModuleType:
 def _import_library(name: str, library: Path) -> ModuleType:
     spec = importlib.util.spec_from_file_location(name, library)
     if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load the CPU Adam library {library}")
+        raise ImportError(
+            f"cannot load the CPU Adam library {library}; delete its folder "
+            f"({library.parent}) so that the next start builds it again."
+        )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -88,7 +88,11 @@ def _decoder_layers(model) -> list[torch.nn.Module]:
     for module in model.modules():
         if isinstance(module, torch.nn.ModuleList) and len(module) and module[0] is not None:
             return list(module)
-    raise ValueError(f"{type(model).__name__} has no list of decoder layers to plan for")
+    raise ValueError(
+        f"{type(model).__name__} has no list of decoder layers to plan for; the memory plan "
+        f"covers decoder-only models (a ModuleList of layers), such as the configs in "
+        f"hf_superoffload/model_configs."
+    )
 
 
 @dataclasses.dataclass(frozen=True)

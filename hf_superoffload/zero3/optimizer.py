@@ -43,9 +43,11 @@ from ..engine.link import Link
 from ..engine.partition import HostPartition
 from ..engine.stv import Stv, Verdict, validate
 from .activation import OPT_OUT_ENV
+from .gather_waits import wrap_gathers
 from .options import (
     DEEPSPEED_DEFAULT_REDUCE_BUCKET_SIZE,
     check_supported,
+    cores_perc_if_set,
     reduce_bucket_size,
     resolve_options,
     sub_group_size,
@@ -66,20 +68,22 @@ def deepspeed_clip_coef(total_norm: torch.Tensor, clip: float) -> float:
 class SuperOffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
     def __init__(self, module, init_optimizer, param_names, timers, ds_config, **kwargs):
         check_supported(init_optimizer, ds_config, kwargs)
-        options = resolve_options(kwargs.get("cpuadam_cores_perc", 0.8))
+        device = torch.device(get_accelerator().current_device_name())
+        perc = cores_perc_if_set(kwargs.get("offload_optimizer_config"))
+        options = resolve_options(perc, device)
         kwargs["sub_group_size"] = sub_group_size(kwargs.get("sub_group_size", 0))
         kwargs["reduce_bucket_size"] = reduce_bucket_size(
             kwargs.get("reduce_bucket_size", DEEPSPEED_DEFAULT_REDUCE_BUCKET_SIZE),
             kwargs["sub_group_size"],
         )
         managed = ds_config.get("managed_gradient_accumulation", True) is not False
+        self._holds_elements: dict[int, bool] = {}  # ds_id -> _has_gradient_partition
         # Read by the set-up hooks below, which DeepSpeed's constructor calls.
         self._accumulates = kwargs.get("gradient_accumulation_steps", 1) > 1 or not managed
         super().__init__(module, init_optimizer, param_names, timers, ds_config, **kwargs)
         ops.set_num_threads(options.cpu_threads)
         ops.prepare()  # build or load the CPU Adam now, visibly, not inside step 1
 
-        device = torch.device(get_accelerator().current_device_name())
         self._link = Link(device, pinned=self._pin_transfers)
         dtype = self.fp16_partitioned_groups_flat[0].dtype
         # Gradients: DeepSpeed hands each partition over in its accumulation dtype, and the
@@ -102,6 +106,7 @@ class SuperOffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
             speculate_after_clip=options.speculate_after_clip,
             copy_out=copy_out,
         )
+        self._stv.clip_threshold = self.clip_grad or None
         if not self._accumulates:  # before ours are allocated: the host's peak is at start-up
             self._drop_accumulation_buffer()
         self._host_parts = self._build_host_partitions(params_on_device)
@@ -118,7 +123,7 @@ class SuperOffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         self._persistent_parts = persistent
         for group in self.fp16_groups:
             for param in group:
-                self._gather_after_update(param)
+                wrap_gathers(param, self._wait_for_params)
         self.last_step_skipped = False
         self._finalizer = weakref.finalize(self, _shutdown, self._stv, self._link)
         log_dist(
@@ -191,22 +196,6 @@ class SuperOffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
     def _holds_persistent(self, sub_group: int) -> bool:
         return any(getattr(p, "ds_persist", False) for p in self.fp16_groups[sub_group])
 
-    def _gather_after_update(self, param) -> None:
-        """NOTE: wraps DeepSpeed's per-param gather functions (attributes DeepSpeed sets on
-        each ZeRO-3 param): a gather reads the param's partition, which our worker may still
-        be updating after step() returned. Waits for those sub groups, then orders the
-        current stream (DeepSpeed's all-gather stream inside its coordinator) after their
-        copies to the device."""
-        for name in ("all_gather_coalesced", "all_gather"):
-            gather = getattr(param, name)
-
-            def gather_updated(*args, _gather=gather, **kwargs):
-                params = args[0] if args else kwargs.get("param_list", kwargs.get("params"))
-                self._wait_for_params([param] if params is None else params)
-                return _gather(*args, **kwargs)
-
-            setattr(param, name, gather_updated)
-
     def _wait_for_params(self, params) -> None:
         parts = {id(part): part for p in params if (part := self._part_of_param.get(p.ds_id))}
         if parts:
@@ -244,8 +233,16 @@ class SuperOffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         return torch.tensor(float(step))
 
     def _has_gradient_partition(self, param) -> bool:
-        """Whether this rank's partition of ``param`` holds real elements (not only padding)."""
-        return param.partition_numel() * self._get_param_partition_rank(param) < param.ds_numel
+        """Whether this rank's partition of ``param`` holds real elements (not only padding).
+        Looked up once per param: it is asked per param in every backward, and DeepSpeed's
+        partition rank goes through torch.distributed's group lookups."""
+        known = self._holds_elements.get(param.ds_id)
+        if known is None:
+            rank = self._get_param_partition_rank(param)
+            known = self._holds_elements[param.ds_id] = (
+                param.partition_numel() * rank < param.ds_numel
+            )
+        return known
 
     def _params_expecting_gradients(self) -> dict[int, set[int]]:
         """Per host sub group, the ds_ids whose gradient partitions it waits for."""

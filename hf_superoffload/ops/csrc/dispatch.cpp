@@ -14,8 +14,10 @@ namespace {
 
 // Below this many elements a parallel region costs more than it saves.
 constexpr int64_t kMinElementsPerThread = 1 << 15;
-// Thread chunks start on a cache-line multiple so no two threads write the same line.
-constexpr int64_t kChunkAlign = 64;
+// The unit threads claim: large enough that claiming costs nothing next to the work (a few
+// microseconds of memory traffic each), small enough to even out the threads' finish times; a
+// multiple of 64 so that no two threads write the same cache line of the rounded params.
+constexpr int64_t kBlockElements = 1 << 16;
 
 AdamSpanFn find_kernel(const char* name) {
   if (strcmp(name, "scalar") == 0) return hso_adam_span_scalar;
@@ -56,15 +58,17 @@ extern "C" int64_t hso_adam_run(const char* isa, int op, const AdamArgs* args,
   const int nthreads = threads < max_useful ? (threads < 1 ? 1 : threads) : int(max_useful);
   if (nthreads == 1) return kernel(op, args, tensors, 0, n);
 
+  // Threads claim blocks as they go (dynamic schedule), so a thread that loses its core for a
+  // while (to the training thread feeding the GPU, say) does fewer blocks instead of holding
+  // the whole call back, as a static split over all cores did (measured on a 16-core H100
+  // host: a CPU pass of 0.88 s with 15 threads took 1.18 s with 16).
+  const int64_t blocks = (n + kBlockElements - 1) / kBlockElements;
   int64_t skipped = 0;
-#pragma omp parallel num_threads(nthreads) reduction(+ : skipped)
-  {
-    const int64_t team = omp_get_num_threads();
-    int64_t chunk = (n + team - 1) / team;
-    chunk = (chunk + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
-    const int64_t begin = chunk * omp_get_thread_num();
-    const int64_t end = begin + chunk < n ? begin + chunk : n;
-    if (begin < end) skipped += kernel(op, args, tensors, begin, end);
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) reduction(+ : skipped)
+  for (int64_t block = 0; block < blocks; ++block) {
+    const int64_t begin = block * kBlockElements;
+    const int64_t end = begin + kBlockElements < n ? begin + kBlockElements : n;
+    skipped += kernel(op, args, tensors, begin, end);
   }
   return skipped;
 }

@@ -1,0 +1,92 @@
+"""The GPU and host memory a planned run is checked against, from the options, a hardware
+preset or, failing both, this machine.
+
+Explicit ``--gpu-mem`` / ``--cpu-mem`` win over the preset, so a preset can be corrected for
+one's own site (a GH200 node with a different memory size, say).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+from .errors import UsageError
+from .hardware import GIB, preset
+
+
+@dataclasses.dataclass(frozen=True)
+class Capacity:
+    label: str  # a preset's name, "custom" or "this machine"
+    gpu_memory: int  # bytes per GPU
+    gpus_per_host: int | None  # ranks sharing one host's memory; None: all on one host
+    source: str  # where the figures come from, for the output
+    host_memory_for: Callable[[int], int]  # GPUs on one host -> bytes of memory they share
+
+    def ranks_per_host(self, gpus: int) -> int:
+        return gpus if self.gpus_per_host is None else min(self.gpus_per_host, gpus)
+
+
+def _gib(value: float | None, option: str) -> int | None:
+    if value is None:
+        return None
+    if not value > 0:
+        raise UsageError(f"{option} must be a positive number of GiB, got {value}")
+    return int(value * GIB)
+
+
+def resolve(args) -> Capacity:
+    """What ``plan``'s options say to check against."""
+    gpu_memory = _gib(args.gpu_mem, "--gpu-mem")
+    host_memory = _gib(args.cpu_mem, "--cpu-mem")
+    if args.gpus_per_host is not None and args.gpus_per_host < 1:
+        raise UsageError(f"--gpus-per-host must be at least 1, got {args.gpus_per_host}")
+    if args.hardware:
+        hardware = preset(args.hardware)
+        overridden = gpu_memory is not None or host_memory is not None
+        return Capacity(
+            label=hardware.name + (" (overridden)" if overridden else ""),
+            gpu_memory=gpu_memory or hardware.gpu_memory,
+            gpus_per_host=args.gpus_per_host or hardware.gpus_per_host,
+            source=hardware.source + ("; --gpu-mem/--cpu-mem override it" if overridden else ""),
+            host_memory_for=(lambda _: host_memory) if host_memory else hardware.host_memory_for,
+        )
+    gpu_memory = gpu_memory or _this_gpu()
+    if gpu_memory is None:
+        raise UsageError(
+            "no GPU here to plan for: name one with --hardware gh200|h100|h200, or give "
+            "--gpu-mem (GiB per GPU) and --cpu-mem (GiB per host)"
+        )
+    host_memory = host_memory or _this_host()
+    if host_memory is None:
+        raise UsageError("cannot read this host's memory size: give --cpu-mem (GiB per host)")
+    custom = args.gpu_mem is not None and args.cpu_mem is not None
+    return Capacity(
+        label="custom" if custom else "this machine",
+        gpu_memory=gpu_memory,
+        gpus_per_host=args.gpus_per_host,
+        # Some VMs grow their memory as it is used, so MemTotal can read low there.
+        source="--gpu-mem/--cpu-mem"
+        if custom
+        else "this machine: torch, and MemTotal, which reads low on VMs whose memory grows "
+        "on use (give --cpu-mem there)",
+        host_memory_for=lambda _: host_memory,
+    )
+
+
+def _this_gpu() -> int | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(0).total_memory
+
+
+def _this_host() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

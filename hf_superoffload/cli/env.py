@@ -1,0 +1,134 @@
+"""``hf-superoffload env``: what this machine offers SuperOffload, for bug reports and tuning.
+
+Versions, the CPU and its SIMD features, the CPU Adam's build status and instruction set, GPUs
+with measured host<->GPU bandwidth, NUMA nodes, resctrl/MPAM and DeepSpeed. ``--json`` prints
+the same facts for scripts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from . import env_facts
+
+_GIB = 2**30
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser(
+        "env",
+        help="report versions, CPU, CPU Adam build, GPUs and bandwidth, NUMA, DeepSpeed",
+        description="Report what this machine offers SuperOffload. Builds nothing unless "
+        "--build is given.",
+    )
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument(
+        "--build",
+        action="store_true",
+        help="build the CPU Adam now if it is not cached (about 1-2 minutes, once per machine)",
+    )
+    parser.add_argument("--no-bandwidth", action="store_true", help="skip timing host<->GPU copies")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.build:
+        print("hf-superoffload env: building the CPU Adam if needed ...", file=sys.stderr)
+    facts = env_facts.collect(build=args.build, measure_bandwidth=not args.no_bandwidth)
+    print(json.dumps(facts, indent=2) if args.json else render(facts))
+    return 0
+
+
+def _row(name: str, value: object) -> str:
+    return f"  {name:<16} {value}"
+
+
+def render(facts: dict) -> str:
+    torch_facts, cpu, kernel = facts["torch"], facts["cpu"], facts["cpu_adam"]
+    lines = [
+        f"hf_superoffload {facts['hf_superoffload']}, Python {facts['python']}, {facts['platform']}"
+    ]
+    lines.append("packages")
+    for name, version in facts["packages"].items():
+        lines.append(_row(name, version or "not installed"))
+    cuda = torch_facts["cuda"] or "none (CPU build of torch)"
+    nccl = f", NCCL {torch_facts['nccl']}" if torch_facts["nccl"] else ""
+    lines.append(_row("CUDA", f"{cuda}{nccl}; available: {torch_facts['cuda_available']}"))
+
+    lines.append("CPU")
+    lines.append(_row("model", f"{cpu['model']} ({cpu['arch']})"))
+    lines.append(
+        _row(
+            "cores",
+            f"{cpu['logical_cores']} logical, {cpu['usable_cores']} usable by this process, "
+            f"torch threads {torch_facts['threads']}",
+        )
+    )
+    simd = " ".join(cpu["features"]) or "none of note"
+    if "sve_vector_bits" in cpu:
+        simd += f" (SVE {cpu['sve_vector_bits']}-bit)"
+    lines.append(_row("SIMD", simd))
+
+    lines.append("CPU Adam kernel")
+    lines.append(_row("build", _build_line(kernel)))
+    isa = kernel["isa"]
+    if kernel.get("available_isas"):
+        isa += f" (this CPU runs: {', '.join(kernel['available_isas'])})"
+    lines.append(_row("instruction set", f"{isa}; {kernel['isa_source']}"))
+    lines.append(_row("threads", kernel["threads"]))
+
+    lines.append("GPUs")
+    if not facts["gpus"]:
+        lines.append("  none visible to torch")
+    for gpu in facts["gpus"]:
+        numa = f", NUMA node {gpu['numa_node']}" if gpu["numa_node"] is not None else ""
+        lines.append(
+            f"  {gpu['index']}: {gpu['name']}, {gpu['memory_bytes'] / _GIB:.1f} GiB, "
+            f"sm_{gpu['capability'].replace('.', '')}, {gpu['multiprocessors']} SMs{numa}"
+        )
+        if "h2d_bytes_per_s" in gpu:
+            lines.append(
+                f"     pinned copies: host->GPU {gpu['h2d_bytes_per_s'] / 1e9:.1f} GB/s, "
+                f"GPU->host {gpu['d2h_bytes_per_s'] / 1e9:.1f} GB/s"
+            )
+        elif "bandwidth_error" in gpu:
+            lines.append(f"     bandwidth not measured: {gpu['bandwidth_error']}")
+
+    lines.append("NUMA nodes")
+    if not facts["numa"]:
+        lines.append("  none reported (/sys/devices/system/node)")
+    for node in facts["numa"]:
+        memory = node["memory_bytes"]
+        size = f"{memory / _GIB:.1f} GiB" if memory is not None else "memory unknown"
+        cpus = f"cpus {node['cpus']}" if node["cpus"] else "no CPUs (device or far memory)"
+        lines.append(f"  node{node['node']}: {cpus}, {size}")
+
+    resctrl = facts["resctrl"]
+    lines.append("memory partitioning (resctrl: Intel RDT / Arm MPAM)")
+    lines.append(_row("status", resctrl["status"]))
+    if resctrl["resources"]:
+        lines.append(_row("resources", " ".join(resctrl["resources"])))
+    if resctrl["cpu_flags"]:
+        lines.append(_row("CPU flags", " ".join(resctrl["cpu_flags"])))
+
+    deepspeed = facts["deepspeed"]
+    lines.append("DeepSpeed")
+    lines.append(_row("version", deepspeed["version"] or "not installed"))
+    lines.append(_row("ZeRO-3 path", deepspeed["zero3_path"]))
+    return "\n".join(lines)
+
+
+def _build_line(kernel: dict) -> str:
+    status = kernel["status"]
+    if status == "not built":
+        return (
+            "not built: the first optimizer builds it (about 1-2 minutes); "
+            f"`hf-superoffload env --build` builds it now; cache {kernel['cache']}"
+        )
+    if status in ("cannot build", "broken"):
+        return f"{status}: {kernel['error']}"
+    if status == "built":
+        return f"built now in {kernel['build_seconds']} s, cached in {kernel['cache']}"
+    return f"{status} ({kernel['cache']})"

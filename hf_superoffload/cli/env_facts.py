@@ -1,0 +1,174 @@
+"""The facts ``hf-superoffload env`` reports, gathered into one JSON-ready dict.
+
+Nothing here builds the CPU Adam unless asked (``build=True``): a first build takes a minute or
+two, and a report should be instant. Importing DeepSpeed is avoided as well (seconds); its
+files are looked up instead.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import platform
+import time
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+from .. import __version__
+from . import bandwidth, host_facts
+
+PACKAGES = ("torch", "transformers", "accelerate", "trl", "deepspeed", "datasets", "ninja")
+ISA_ENV = "HF_SUPEROFFLOAD_CPU_ADAM_ISA"
+
+
+def collect(build: bool = False, measure_bandwidth: bool = True) -> dict:
+    cpu = host_facts.cpu()
+    return {
+        "hf_superoffload": __version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "packages": packages(),
+        "torch": torch_facts(),
+        "cpu": cpu,
+        "cpu_adam": cpu_adam(cpu, build),
+        "gpus": gpus(measure_bandwidth),
+        "numa": host_facts.numa_nodes(),
+        "resctrl": host_facts.resctrl(cpu),
+        "deepspeed": deepspeed(),
+    }
+
+
+def packages() -> dict[str, str | None]:
+    found = {}
+    for name in PACKAGES:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def torch_facts() -> dict:
+    cuda = torch.cuda.is_available()
+    nccl = None
+    if cuda and hasattr(torch.cuda, "nccl"):
+        try:
+            nccl = ".".join(map(str, torch.cuda.nccl.version()))
+        except (RuntimeError, AttributeError, TypeError):
+            nccl = None
+    return {
+        "version": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cuda_available": cuda,
+        "gpu_count": torch.cuda.device_count() if cuda else 0,
+        "nccl": nccl,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def cpu_adam(cpu: dict, build: bool) -> dict:
+    """Build status of the compiled CPU Adam and the instruction set it uses (or would)."""
+    from ..ops import _build, adam
+
+    folder = _build.build_dir()
+    facts = {
+        "cache": str(folder),
+        "threads": adam.get_num_threads(),
+        "isa_override": os.environ.get(ISA_ENV) or None,
+    }
+    record = folder / _build._MARKER
+    if _build._module is not None:
+        facts["status"] = "loaded"
+    elif record.is_file():
+        facts["status"] = "cached"
+    elif build:
+        start = time.perf_counter()
+        _build.prepare()
+        facts["status"] = "built"
+        facts["build_seconds"] = round(time.perf_counter() - start, 1)
+    else:
+        facts["status"] = "not built"
+        try:
+            _build.check_build_tools()
+        except _build.BuildToolMissingError as error:
+            facts["status"] = "cannot build"
+            facts["error"] = str(error)
+    if facts["status"] in ("not built", "cannot build"):
+        facts["isa"] = host_facts.expected_isa(cpu)
+        facts["isa_source"] = "expected from /proc/cpuinfo (kernel not built)"
+        return facts
+    try:  # loading a finished build is quick: no compiler runs
+        facts["isa"] = adam.active_isa()
+        facts["available_isas"] = adam.available_isas()
+        facts["isa_source"] = f"{ISA_ENV}" if facts["isa_override"] else "the kernel's choice"
+    except (ImportError, OSError) as error:
+        facts["status"] = "broken"
+        facts["error"] = str(error)
+    return facts
+
+
+def gpus(measure_bandwidth: bool) -> list[dict]:
+    if not torch.cuda.is_available():
+        return []
+    found = []
+    for index in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(index)
+        facts = {
+            "index": index,
+            "name": props.name,
+            "memory_bytes": props.total_memory,
+            "capability": f"{props.major}.{props.minor}",
+            "multiprocessors": props.multi_processor_count,
+            "numa_node": _gpu_numa_node(props),
+        }
+        if measure_bandwidth:
+            try:
+                rates = bandwidth.measure(index)
+            except RuntimeError as error:  # out of memory, a busy or broken device
+                facts["bandwidth_error"] = str(error).splitlines()[0]
+            else:
+                facts["h2d_bytes_per_s"], facts["d2h_bytes_per_s"] = rates["h2d"], rates["d2h"]
+        found.append(facts)
+    return found
+
+
+def _gpu_numa_node(props) -> int | None:
+    ids = [getattr(props, name, None) for name in ("pci_domain_id", "pci_bus_id", "pci_device_id")]
+    if any(not isinstance(value, int) for value in ids):
+        return None
+    return host_facts.gpu_numa_node(*ids)
+
+
+def deepspeed() -> dict:
+    """Whether DeepSpeed is here, has the SuperOffload entry point our ZeRO-3 optimizer takes
+    over, and whether the takeover is on (``import hf_superoffload`` turns it on)."""
+    from ..zero3 import activation
+
+    spec = importlib.util.find_spec("deepspeed")
+    facts = {"installed": spec is not None, "version": packages()["deepspeed"], "active": False}
+    if spec is None or spec.origin is None:
+        facts["zero3_path"] = "inactive: DeepSpeed is not installed (pip install deepspeed)"
+        return facts
+    target = Path(spec.origin).parent / "runtime" / "superoffload" / "superoffload_stage3.py"
+    facts["superoffload_module"] = target.is_file()
+    try:
+        enabled = activation.enabled()
+    except ValueError as error:
+        facts["zero3_path"] = f"inactive: {error}"
+        return facts
+    if not target.is_file():
+        facts["zero3_path"] = (
+            "inactive: this DeepSpeed has no SuperOffload entry point "
+            f"({activation.TARGET_MODULE}); DeepSpeed 0.18 or newer has it"
+        )
+    elif not enabled:
+        facts["zero3_path"] = f"inactive: {activation.OPT_OUT_ENV}=0 keeps DeepSpeed's own"
+    else:
+        facts["zero3_path"] = (
+            'active: ZeRO-3 configs with "super_offload": true run hf_superoffload\'s optimizer '
+            "in processes that import hf_superoffload"
+        )
+        facts["active"] = True
+    return facts

@@ -1,0 +1,301 @@
+"""``hf-superoffload plan MODEL --gpus N``: does full fine-tuning of MODEL fit, part by part?
+
+It wraps ``zero3.memory_plan`` (the ZeRO-3 path's per-rank GPU and host bytes, from the model
+built on the meta device) and checks them against a hardware preset, explicit sizes or this
+machine. Exit code 0: fits; 1: does not fit (the output says why and what to change); 2: bad
+input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+from ..zero3.memory_plan import (
+    CUDA_CONTEXT_BYTES,
+    GPU_HEADROOM,
+    HOST_HEADROOM,
+    MemoryPlan,
+    Zero3Run,
+    zero3_memory_plan,
+)
+from . import capacity as capacity_options
+from . import model_source
+from .errors import EXIT_DOES_NOT_FIT, EXIT_FITS, UsageError
+from .hardware import GIB, PRESETS
+
+_MORE_GPUS = (2, 4, 8, 16, 32, 64)  # GPU counts tried when a run does not fit
+
+
+def add_parser(commands) -> None:
+    shipped = ", ".join(model_source.shipped_configs())
+    parser = commands.add_parser(
+        "plan",
+        help="whether a model's full fine-tuning fits, per GPU and per host",
+        description="Per-rank GPU and host memory of full fine-tuning MODEL with SuperOffload "
+        "on DeepSpeed ZeRO-3 (bf16 weights, fp32 master and Adam moments on the host, "
+        "activation checkpointing), checked against a hardware preset, given sizes, or this "
+        "machine. Exit code 0: fits, 1: does not fit, 2: bad input.",
+        epilog=f"Shipped model configs: {shipped}. Presets: "
+        + "; ".join(f"{h.name}: {h.summary}" for h in PRESETS.values()),
+    )
+    parser.add_argument(
+        "model", metavar="MODEL", help="a model directory, its config.json, or a shipped name"
+    )
+    parser.add_argument("--gpus", type=int, default=1, help="data-parallel GPUs (default 1)")
+    parser.add_argument("--hardware", metavar="NAME", help=f"preset: {', '.join(PRESETS)}")
+    parser.add_argument("--gpu-mem", type=float, metavar="GiB", help="memory per GPU, GiB")
+    parser.add_argument("--cpu-mem", type=float, metavar="GiB", help="memory per host, GiB")
+    parser.add_argument(
+        "--gpus-per-host",
+        type=int,
+        metavar="K",
+        help="GPUs sharing one host's memory (default: a preset's, else all on one host)",
+    )
+    parser.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
+    parser.add_argument("--batch", type=int, default=4, help="micro-batch per GPU (default 4)")
+    parser.add_argument(
+        "--ratio",
+        type=float,
+        default=1.0,
+        help="share of the optimizer state on the host; DeepSpeed's offload_optimizer.ratio "
+        "(default 1.0: all of it)",
+    )
+    parser.add_argument(
+        "--offload-param", action="store_true", help="bf16 params on the host too (ZeRO-3)"
+    )
+    parser.add_argument(
+        "--gradient-accumulation-steps",
+        type=int,
+        default=1,
+        metavar="N",
+        help="above 1, DeepSpeed keeps a host accumulation buffer (2 B/param)",
+    )
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.set_defaults(run=run)
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    plan: MemoryPlan
+    gpu_memory: int
+    host_memory: int  # of one host, for the ranks that share it
+    reasons: list[str]
+
+    @property
+    def fits(self) -> bool:
+        return not self.reasons
+
+    # The same allowances MemoryPlan.shortfalls adds before comparing.
+    @property
+    def gpu_need(self) -> int:
+        return int(self.plan.gpu_bytes * (1 + GPU_HEADROOM) + CUDA_CONTEXT_BYTES)
+
+    @property
+    def host_need(self) -> int:
+        return int(self.plan.host_bytes_per_host * (1 + HOST_HEADROOM))
+
+
+def _check(args) -> None:
+    for option, value in (("--gpus", args.gpus), ("--seq", args.seq), ("--batch", args.batch)):
+        if value < 1:
+            raise UsageError(f"{option} must be at least 1, got {value}")
+    if args.gradient_accumulation_steps < 1:
+        raise UsageError(
+            f"--gradient-accumulation-steps must be at least 1, got "
+            f"{args.gradient_accumulation_steps}"
+        )
+    if not 0.0 <= args.ratio <= 1.0:
+        raise UsageError(
+            f"--ratio must be within [0, 1] (1.0: all state on the host), got {args.ratio}"
+        )
+
+
+def _judge(config, run: Zero3Run, capacity) -> Verdict:
+    try:
+        plan = zero3_memory_plan(config, run)
+    except (ValueError, TypeError, AttributeError) as error:
+        raise UsageError(f"cannot plan this model from its config: {error}") from None
+    host_memory = capacity.host_memory_for(run.ranks_per_host)
+    return Verdict(
+        plan, capacity.gpu_memory, host_memory, plan.shortfalls(capacity.gpu_memory, host_memory)
+    )
+
+
+def _suggestions(config, run: Zero3Run, capacity, verdict: Verdict) -> list[str]:
+    """Changes that make a run fit, each checked with the plan: more GPUs; for a GPU
+    shortfall also the params on the host, or a smaller micro-batch."""
+    found = []
+    for gpus in (g for g in _MORE_GPUS if g > run.ranks):
+        per_host = capacity.ranks_per_host(gpus)
+        try:
+            trial = _judge(
+                config, dataclasses.replace(run, ranks=gpus, ranks_per_host=per_host), capacity
+            )
+        except UsageError:  # a preset that does not know hosts of that many GPUs
+            continue
+        if trial.fits:
+            found.append(f"--gpus {gpus} ({per_host} per host) fits: {_usage(trial)}")
+            break
+    gpu_short = verdict.gpu_need > verdict.gpu_memory
+    if gpu_short and not run.offload_param:
+        trial = _judge(config, dataclasses.replace(run, offload_param=True), capacity)
+        if trial.fits:
+            found.append(f"--offload-param fits: {_usage(trial)}")
+    if gpu_short and run.ratio < 1.0:
+        trial = _judge(config, dataclasses.replace(run, ratio=1.0), capacity)
+        if trial.fits:
+            found.append(f"--ratio 1.0 fits: {_usage(trial)}")
+    batch = run.batch // 2
+    while gpu_short and batch >= 1:
+        trial = _judge(config, dataclasses.replace(run, batch=batch), capacity)
+        if trial.fits:
+            found.append(
+                f"--batch {batch} fits: {_usage(trial)} (more gradient accumulation keeps the "
+                "global batch)"
+            )
+            break
+        batch //= 2
+    return found
+
+
+def run(args: argparse.Namespace) -> int:
+    _check(args)
+    source = model_source.resolve(args.model)
+    capacity = capacity_options.resolve(args)
+    zero3_run = Zero3Run(
+        seq=args.seq,
+        batch=args.batch,
+        ranks=args.gpus,
+        ranks_per_host=capacity.ranks_per_host(args.gpus),
+        ratio=args.ratio,
+        offload_param=args.offload_param,
+        gradient_accumulation=args.gradient_accumulation_steps,
+    )
+    verdict = _judge(source.config, zero3_run, capacity)
+    suggestions = [] if verdict.fits else _suggestions(source.config, zero3_run, capacity, verdict)
+    notes = [*source.notes, *_model_notes(source.config, verdict.plan)]
+    if args.json:
+        print(json.dumps(_as_json(source, capacity, verdict, suggestions, notes), indent=2))
+    else:
+        print(_as_text(source, capacity, verdict, suggestions, notes))
+    return EXIT_FITS if verdict.fits else EXIT_DOES_NOT_FIT
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / GIB:.1f} GiB"
+
+
+def _usage(verdict: Verdict) -> str:
+    return (
+        f"GPU {_gib(verdict.gpu_need)} of {_gib(verdict.gpu_memory)}, host "
+        f"{_gib(verdict.host_need)} of {_gib(verdict.host_memory)}"
+    )
+
+
+def _experts(config) -> tuple[int, int]:
+    total = getattr(config, "num_local_experts", 0) or getattr(config, "num_experts", 0) or 0
+    return total, getattr(config, "num_experts_per_tok", 0) or 0
+
+
+def _model_notes(config, plan: MemoryPlan) -> list[str]:
+    total, top_k = _experts(config)
+    if not total:
+        return []
+    return [
+        f"MoE ({total} experts, top-{top_k}): every expert's weights and optimizer state "
+        f"count; the recomputed layer's MLP activations are planned "
+        f"{plan.shape.active_intermediate} wide. The plan was checked against measured peaks "
+        "of dense models only."
+    ]
+
+
+def _model_line(source, plan: MemoryPlan) -> str:
+    shape, config = plan.shape, source.config
+    total, top_k = _experts(config)
+    moe = f", {total} experts (top-{top_k})" if total else ""
+    return (
+        f"model: {source.name} ({config.model_type}, {shape.params / 1e9:.2f}B params, "
+        f"{shape.layers} layers, hidden {shape.hidden}, vocab {shape.vocab}{moe})"
+    )
+
+
+def _run_line(plan: MemoryPlan) -> str:
+    run = plan.run
+    on_gpu = plan.gpu["optimizer_on_gpu"] // 16
+    where = (
+        "all optimizer state on the host"
+        if not on_gpu
+        else f"{on_gpu / 1e9:.2f}B params' optimizer state on the GPU (n', the first sub groups)"
+    )
+    extras = [
+        f"sub groups (speculation buckets) of up to {run.sub_group_size / 1e6:.1f}M params",
+        where,
+    ]
+    if run.offload_param:
+        extras.append("bf16 params on the host")
+    if run.gradient_accumulation > 1:
+        extras.append(f"gradient accumulation {run.gradient_accumulation}")
+    return (
+        f"run: {run.ranks} GPU(s), {run.ranks_per_host} per host, seq {run.seq} x batch "
+        f"{run.batch} per GPU, ratio {run.ratio}; " + ", ".join(extras)
+    )
+
+
+def _as_text(source, capacity, verdict: Verdict, suggestions, notes) -> str:
+    plan = verdict.plan
+    per_host = plan.run.ranks_per_host
+    lines = [
+        _model_line(source, plan),
+        _run_line(plan),
+        f"hardware: {capacity.label}: {_gib(capacity.gpu_memory)} per GPU, "
+        f"{_gib(verdict.host_memory)} per host of {per_host} GPU(s) ({capacity.source})",
+        "",
+        plan.table(),
+        "",
+        f"GPU per rank: needs {_gib(verdict.gpu_need)} with the allocator's headroom and the "
+        f"CUDA context, has {_gib(verdict.gpu_memory)} "
+        f"({verdict.gpu_need / verdict.gpu_memory:.0%})",
+        f"host, {per_host} rank(s): needs {_gib(verdict.host_need)} with the system's share, "
+        f"has {_gib(verdict.host_memory)} ({verdict.host_need / verdict.host_memory:.0%})",
+        *(f"note: {note}" for note in notes),
+        "",
+    ]
+    if verdict.fits:
+        lines.append("fits")
+    else:
+        lines.append("does not fit, because " + "; and ".join(verdict.reasons))
+        lines.extend(f"change: {suggestion}" for suggestion in suggestions)
+    return "\n".join(lines)
+
+
+def _as_json(source, capacity, verdict: Verdict, suggestions, notes) -> dict:
+    plan = verdict.plan
+    return {
+        "model": {
+            "name": source.name,
+            "config": source.path,
+            "model_type": source.config.model_type,
+            **dataclasses.asdict(plan.shape),
+        },
+        "run": dataclasses.asdict(plan.run),
+        "hardware": {
+            "name": capacity.label,
+            "gpu_memory_bytes": verdict.gpu_memory,
+            "host_memory_bytes": verdict.host_memory,
+            "gpus_per_host": plan.run.ranks_per_host,
+            "source": capacity.source,
+        },
+        "gpu_bytes_per_rank": plan.gpu,
+        "host_bytes_per_rank": plan.host,
+        "gpu_total_bytes": plan.gpu_bytes,
+        "host_total_bytes_per_rank": plan.host_bytes,
+        "host_total_bytes_per_host": plan.host_bytes_per_host,
+        "gpu_need_bytes": verdict.gpu_need,
+        "host_need_bytes": verdict.host_need,
+        "fits": verdict.fits,
+        "reasons": verdict.reasons,
+        "suggestions": suggestions,
+        "notes": notes,
+    }

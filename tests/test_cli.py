@@ -1,0 +1,231 @@
+"""The ``hf-superoffload`` command line: ``env`` reports without building anything, ``plan``
+gives the paper's fit answers for its models on GH200 and ours on the H100/H200 benchmark
+machines, and bad input exits 2 with a message that says what to change."""
+
+from __future__ import annotations
+
+import configparser
+import importlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from hf_superoffload.cli import main, model_source
+from hf_superoffload.ops import _build
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Published total parameter counts (model cards / papers), in billions.
+PUBLISHED_PARAMS = {
+    "gpt-oss-20b": 20.91,
+    "qwen3-14b": 14.8,
+    "phi-4": 14.7,
+    "llama-3.1-8b": 8.03,
+    "seed-oss-36b": 36.15,
+    "qwen3-30b-a3b": 30.5,
+    "llama-3.3-70b": 70.6,
+}
+# The paper's examples (seed README): the fewest GH200 superchips each model is fine-tuned on,
+# at its settings of seq 4096 and batch 4 per GPU.
+GH200_GPUS = {
+    "gpt-oss-20b": 1,
+    "qwen3-14b": 1,
+    "phi-4": 1,
+    "seed-oss-36b": 2,
+    "qwen3-30b-a3b": 2,
+    "llama-3.3-70b": 4,
+}
+
+
+def cli(capsys, *args: str) -> tuple[int, str, str]:
+    try:
+        code = main(list(args))
+    except SystemExit as exit_:  # argparse's own errors and --help
+        code = exit_.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def plan_json(capsys, *args: str) -> tuple[int, dict]:
+    code, out, err = cli(capsys, "plan", *args, "--json")
+    assert code in (0, 1), err
+    return code, json.loads(out)
+
+
+# ----------------------------------------------------------------------------- env
+
+
+def test_env_json_reports_every_section_and_builds_nothing(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_SUPEROFFLOAD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(_build, "_module", None)  # as in a fresh process
+
+    def no_build(*_, **__):
+        raise AssertionError("env must not build the CPU Adam without --build")
+
+    monkeypatch.setattr(_build, "prepare", no_build)
+    monkeypatch.setattr(_build, "_build", no_build)
+    code, out, _ = cli(capsys, "env", "--json")
+    assert code == 0
+    facts = json.loads(out)
+    assert set(facts) >= {
+        "hf_superoffload", "python", "platform", "packages", "torch", "cpu", "cpu_adam",
+        "gpus", "numa", "resctrl", "deepspeed",
+    }  # fmt: skip
+    assert set(facts["packages"]) >= {"torch", "transformers", "accelerate", "trl", "deepspeed"}
+    assert facts["torch"]["version"] == torch.__version__
+    assert facts["cpu"]["logical_cores"] >= 1 and isinstance(facts["cpu"]["features"], list)
+    kernel = facts["cpu_adam"]
+    assert kernel["status"] in ("not built", "cannot build")
+    assert kernel["isa"] in ("avx512", "avx2", "sve", "neon", "scalar")
+    assert not (tmp_path / "cache").exists()
+    assert all({"node", "cpus", "memory_bytes"} <= set(node) for node in facts["numa"])
+    assert {"kernel_support", "mounted", "status"} <= set(facts["resctrl"])
+    assert facts["deepspeed"]["zero3_path"].split(":")[0] in ("active", "inactive")
+    if not torch.cuda.is_available():
+        assert facts["gpus"] == [] and facts["torch"]["gpu_count"] == 0
+
+
+def test_env_text_names_its_sections(capsys):
+    code, out, _ = cli(capsys, "env", "--no-bandwidth")
+    assert code == 0
+    for section in ("packages", "CPU Adam kernel", "GPUs", "NUMA nodes", "DeepSpeed"):
+        assert f"\n{section}" in out
+
+
+# ---------------------------------------------------------------------- shipped configs
+
+
+def test_shipped_configs_build_on_meta_at_their_published_size():
+    assert set(model_source.shipped_configs()) == set(PUBLISHED_PARAMS)
+    for name, published in PUBLISHED_PARAMS.items():
+        config = model_source.resolve(name).config
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        params = sum(p.numel() for p in model.parameters()) / 1e9
+        assert params == pytest.approx(published, rel=0.01), name
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+@pytest.mark.parametrize("model", sorted(GH200_GPUS))
+def test_plan_agrees_with_the_paper_on_gh200(capsys, model):
+    gpus = GH200_GPUS[model]
+    code, plan = plan_json(capsys, model, "--hardware", "gh200", "--gpus", str(gpus))
+    assert code == 0 and plan["fits"], plan["reasons"]
+    assert plan["run"]["ranks_per_host"] == 1  # each superchip its own memory
+    if gpus > 1:  # and on half as many it does not
+        code, fewer = plan_json(capsys, model, "--hardware", "gh200", "--gpus", str(gpus // 2))
+        assert code == 1 and not fewer["fits"]
+        assert fewer["reasons"][0].startswith("GPU: needs")
+        assert any(s.startswith(f"--gpus {gpus} ") for s in fewer["suggestions"])
+
+
+def test_llama_8b_fits_one_h100_and_one_h200(capsys):
+    # Measured: 43.1 GiB GPU and 107.1 GiB host on the H100 (docs/benchmarks.md, "Memory plan").
+    for hardware in ("h100", "h200"):
+        code, out, _ = cli(capsys, "plan", "llama-3.1-8b", "--hardware", hardware)
+        assert code == 0
+        assert out.rstrip().endswith("\nfits")
+        assert "param_partition" in out and "moments" in out
+
+
+def test_a_run_that_does_not_fit_says_why_and_what_to_change(capsys):
+    # Twice the batch: the logits outgrow the H100; halving it back fits.
+    code, out, _ = cli(capsys, "plan", "llama-3.1-8b", "--hardware", "h100", "--batch", "8")
+    assert code == 1
+    assert "does not fit, because GPU: needs" in out and "change: --batch 4 fits" in out
+    # Qwen3-14B's 14 B/param of host state is more than the H100 host's 125 GiB.
+    code, plan = plan_json(capsys, "qwen3-14b", "--hardware", "h100")
+    assert code == 1 and plan["reasons"][0].startswith("host: needs")
+    assert plan["host_need_bytes"] > plan["hardware"]["host_memory_bytes"]
+
+
+def test_h200_hosts_share_their_memory_between_gpus(capsys):
+    code, plan = plan_json(capsys, "qwen3-14b", "--hardware", "h200", "--gpus", "2")
+    assert code == 0 and plan["run"]["ranks_per_host"] == 2
+    assert plan["hardware"]["host_memory_bytes"] == 256 * 2**30
+
+
+def test_plans_a_local_directory_or_config_file_with_explicit_sizes(capsys, tmp_path):
+    config = transformers.LlamaConfig(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=1000,
+    )  # fmt: skip
+    config.save_pretrained(tmp_path)
+    for spec in (str(tmp_path), str(tmp_path / "config.json")):
+        code, plan = plan_json(capsys, spec, "--gpu-mem", "16", "--cpu-mem", "32", "--seq", "128")
+        assert code == 0 and plan["model"]["model_type"] == "llama"
+        assert plan["hardware"]["name"] == "custom"
+        assert plan["gpu_total_bytes"] == sum(plan["gpu_bytes_per_rank"].values())
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["no/such/model"], "shipped:"),
+        (["llama-3.1-8b", "--hardware", "tpu"], "choose one of gh200, h100, h200"),
+        (["llama-3.1-8b", "--hardware", "h100", "--gpus", "0"], "--gpus must be at least 1"),
+        (["llama-3.1-8b", "--hardware", "h100", "--ratio", "1.5"], "--ratio must be within"),
+        (["llama-3.1-8b", "--hardware", "h100", "--gpu-mem", "-1"], "--gpu-mem must be"),
+        (["llama-3.1-8b", "--hardware", "h100", "--gpus", "2"], "give --cpu-mem"),
+    ],
+)
+def test_bad_input_exits_2_saying_what_to_change(capsys, args, message):
+    code, out, err = cli(capsys, "plan", *args)
+    assert code == 2 and out == ""
+    assert message in err and err.startswith("hf-superoffload plan: error:")
+
+
+def test_bad_config_files_exit_2(capsys, tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "broken.json").write_text("{not json")
+    (tmp_path / "alien.json").write_text('{"model_type": "no_such_architecture"}')
+    for spec, message in (
+        (tmp_path / "empty", "without a config.json"),
+        (tmp_path / "broken.json", "cannot read"),
+        (tmp_path / "alien.json", "cannot build model_type 'no_such_architecture'"),
+    ):
+        code, _, err = cli(capsys, "plan", str(spec), "--hardware", "h100")
+        assert code == 2 and message in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="plans for this machine's GPU here")
+def test_without_a_gpu_or_hardware_it_asks_for_one(capsys):
+    code, _, err = cli(capsys, "plan", "llama-3.1-8b")
+    assert code == 2 and "--hardware gh200|h100|h200" in err
+
+
+def test_argparse_errors_exit_2(capsys):
+    code, _, err = cli(capsys, "plan", "llama-3.1-8b", "--gpus", "two")
+    assert code == 2 and "invalid int value" in err
+
+
+# ------------------------------------------------------------------------ entry points
+
+
+def test_python_dash_m_help():
+    result = subprocess.run(
+        [sys.executable, "-m", "hf_superoffload", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "env" in result.stdout and "plan" in result.stdout
+
+
+def test_console_script_points_at_main():
+    setup = configparser.ConfigParser()
+    setup.read(ROOT / "setup.cfg")
+    scripts = setup["options.entry_points"]["console_scripts"].strip().splitlines()
+    name, target = (part.strip() for part in scripts[0].split("="))
+    module, attribute = target.split(":")
+    assert name == "hf-superoffload"
+    assert getattr(importlib.import_module(module), attribute) is main
