@@ -49,15 +49,34 @@ def _both_on_rank(rank, world, port, case, env, out_dir) -> None:
     for name, super_offload in (("reference", False), ("superoffload", True)):
         engine, optimizer = make_engine(case, super_offload, world)
         kind = type(optimizer).__name__
+        norms_agree = _compare_norms_with_deepspeeds(optimizer) if super_offload else []
         record = train(engine, case, rank, range(case.steps))
         record.update(state=optimizer_state(engine), kind=kind)
         if super_offload:
             record["stats"] = optimizer.stats
             record["host_bytes"] = optimizer.host_bytes()
             record["params"] = sum(p.ds_tensor.numel() for p in engine.module.parameters())
+            record["norms_agree"] = norms_agree
         results[name] = record
         engine.destroy()
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def _compare_norms_with_deepspeeds(optimizer) -> list[bool]:
+    """Make every step also compute DeepSpeed's per sub group norms (one all-reduce each) and
+    record whether ours (all in one all-reduce, zero3/norms.py) equal them to the bit."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    agree, ours = [], optimizer._get_norm_groups
+
+    def both():
+        mine = ours()
+        theirs = DeepSpeedZeroOptimizer_Stage3._get_norm_groups(optimizer)
+        agree.append(torch.equal(torch.stack(mine), torch.stack([t.reshape(()) for t in theirs])))
+        return mine
+
+    optimizer._get_norm_groups = both
+    return agree
 
 
 def _run(case: Zero3Case, world: int, tmp_path, env: dict | None = None) -> list[dict]:
@@ -70,6 +89,7 @@ def _assert_follows(results: list[dict]) -> None:
         ref, ours = result["reference"], result["superoffload"]
         assert ref["kind"] == "DeepSpeedZeroOptimizer_Stage3"
         assert ours["kind"] == "SuperOffloadZero3Optimizer"
+        assert ours["norms_agree"] and all(ours["norms_agree"]), f"rank {rank}"
         assert_states_close(ours["state"], ref["state"], TOLERANCES, f"rank {rank}")
         torch.testing.assert_close(
             torch.tensor(ours["losses"]), torch.tensor(ref["losses"]), rtol=1e-4, atol=1e-6,

@@ -42,8 +42,10 @@ from ..engine.copy_out import CopyOutRing
 from ..engine.link import Link
 from ..engine.partition import HostPartition
 from ..engine.stv import Stv, Verdict, validate
+from .accessors import HostGradientAccessors
 from .activation import OPT_OUT_ENV
 from .gather_waits import wrap_gathers
+from .norms import sub_group_norms
 from .options import (
     DEEPSPEED_DEFAULT_REDUCE_BUCKET_SIZE,
     check_supported,
@@ -65,7 +67,7 @@ def deepspeed_clip_coef(total_norm: torch.Tensor, clip: float) -> float:
     return float(1.0 / divisor)
 
 
-class SuperOffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
+class SuperOffloadZero3Optimizer(HostGradientAccessors, DeepSpeedZeroOptimizer_Stage3):
     def __init__(self, module, init_optimizer, param_names, timers, ds_config, **kwargs):
         check_supported(init_optimizer, ds_config, kwargs)
         device = torch.device(get_accelerator().current_device_name())
@@ -351,6 +353,10 @@ class SuperOffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
 
     # ------------------------------------------------------------------------- validation
 
+    def _get_norm_groups(self):
+        norms = sub_group_norms(self)  # None: model or expert parallelism, DeepSpeed's own
+        return norms if norms is not None else super()._get_norm_groups()
+
     @torch.no_grad()
     def step(self, closure=None):
         self._launch_the_rest()  # before _pre_step forgets which params got gradients
@@ -393,37 +399,6 @@ class SuperOffloadZero3Optimizer(DeepSpeedZeroOptimizer_Stage3):
         self._stv.synchronize(self._host_parts)
         for part in self._host_parts:
             self._link.host_waits_for(part.last_h2d)
-
-    # DeepSpeed's gradient accessors (safe_get_full_grad, ...) read fp32 gradient buffers; the
-    # host sub groups' gradients are in ours, in DeepSpeed's accumulation dtype.
-
-    def _get_fp32_grad_state_partition(self, param, release_swap_buffers):
-        i, offset, numel = self.grad_position[self.get_param_id(param)]
-        part = self._host_part_at.get(i)
-        if part is None:
-            return super()._get_fp32_grad_state_partition(param, release_swap_buffers)
-        if not get_accelerator().resolves_data_dependency():
-            self.reduce_and_partition_stream.synchronize()  # the copies into it have landed
-        return part.host_grad.narrow(0, offset, numel), i
-
-    def get_fp32_grad_partitions(self):
-        grad_dict: dict[int, dict[int, torch.Tensor]] = {}
-        for group in self.fp16_groups:
-            for index, param in enumerate(group):
-                grad, i = self._get_fp32_grad_state_partition(param, True)
-                grad_dict.setdefault(i, {})[index] = grad.float()
-        return grad_dict
-
-    def update_fp32_grad_for_param_vectorized(self, update_func, param_list):
-        for param in param_list:
-            if param.requires_grad:
-                full = self.get_fp32_grad_for_param(param)
-                self.set_fp32_grad_for_param(update_func(full, param), param)
-
-    def _get_fp32_opt_state_partition(self, param, release_swap_buffers, optim_state_key=None):
-        # DeepSpeed's accessors (safe_get_local_fp32_param, ...) read a sub group's state.
-        self._stv.worker.wait([self.grad_position[self.get_param_id(param)][0]])
-        return super()._get_fp32_opt_state_partition(param, release_swap_buffers, optim_state_key)
 
     # ------------------------------------------------------------------------- state
 
