@@ -167,7 +167,9 @@ def test_state_dict_layout_matches_torch(tmp_path):
     assert sorted(sd["state"]) == list(range(len(names)))
     for i, name in enumerate(names):
         st = sd["state"][i]
-        assert isinstance(st["step"], int) and st["step"] == cfg.steps, (name, st["step"])
+        step = st["step"]  # torch's layout: a float32 scalar tensor
+        assert isinstance(step, torch.Tensor) and step.dtype == torch.float32, (name, step)
+        assert int(step) == cfg.steps, (name, step)
         for key in ("master", "exp_avg", "exp_avg_sq"):
             t = st[key]
             assert t.dtype == torch.float32 and t.device.type == "cpu", (name, key, t.dtype)

@@ -8,6 +8,7 @@ The model, data, reference runs and tolerances are `engine_reference`'s.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import re
@@ -804,3 +805,31 @@ def test_gpu_state_dict_copies_only_the_tail_and_an_integer_gpu_buckets_resumes_
         for key in ("master", "exp_avg", "exp_avg_sq"):
             assert torch.equal(st[key], getattr(whole, key)[name]), (key, name)
         assert torch.equal(params[name], whole.params[name]), name
+
+
+def test_a_superoffload_state_dict_continues_in_torch_adamw():
+    """Switching back: torch.optim.AdamW loads our state dict (the extra 'master' entries and
+    our format record are ignored by it) and continues as our optimizer does."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    data = torch.randn(5, 4, 8, generator=torch.Generator().manual_seed(3))
+    options = {"lr": 1e-2, "weight_decay": 0.01}
+    with SuperOffloadOptimizer(
+        model.parameters(), max_grad_norm=0.0, gpu_buckets=0, **options
+    ) as ours:
+        for step in range(3):
+            model(data[step]).pow(2).mean().backward()
+            ours.step()
+            ours.zero_grad()
+        twin = copy.deepcopy(model)
+        adamw = torch.optim.AdamW(twin.parameters(), **options)
+        adamw.load_state_dict(copy.deepcopy(ours.state_dict()))
+        for step in range(3, 5):
+            for net, opt in ((model, ours), (twin, adamw)):
+                net(data[step]).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+        ours.synchronize()
+        for (name, got), want in zip(model.named_parameters(), twin.parameters(), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=name)
+        assert all(int(s["step"]) == 5 for s in adamw.state_dict()["state"].values())

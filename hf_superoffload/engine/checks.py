@@ -2,11 +2,70 @@
 
 from __future__ import annotations
 
+import numbers
 import os
 
 import torch
 
 HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
+def _is_number(value) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and not value.is_complex()
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _require_number(name: str, value, example: str) -> None:
+    if not _is_number(value):
+        raise ValueError(
+            f"{name} must be a number, got {value!r} ({type(value).__name__}); pass e.g. "
+            f"{name}={example}."
+        )
+
+
+def check_options(
+    max_grad_norm, gradient_accumulation_steps, bucket_size, speculate, speculate_after_clip
+) -> None:
+    """Types of the constructor's engine options (the values are checked where they are used)."""
+    if max_grad_norm is not None:
+        _require_number("max_grad_norm", max_grad_norm, "1.0 (0 or None: no clipping)")
+    for name, value, example in (
+        ("gradient_accumulation_steps", gradient_accumulation_steps, "4"),
+        ("bucket_size", bucket_size, "2**25"),
+    ):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(
+                f"{name} must be an int, got {value!r} ({type(value).__name__}); pass e.g. "
+                f"{name}={example}."
+            )
+    for name, value in (("speculate", speculate), ("speculate_after_clip", speculate_after_clip)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}.")
+
+
+def check_no_duplicates(groups: list[dict]) -> None:
+    """A param listed twice in one group (torch warns, and will raise; across groups it raises)
+    would get two master copies here, each stepped with half of its gradients."""
+    for g, group in enumerate(groups):
+        seen: set[int] = set()
+        for param in group["params"]:
+            if id(param) in seen:
+                raise ValueError(
+                    f"param group {g} lists a param (shape {tuple(param.shape)}) twice; list each "
+                    f"param once (e.g. pass model.parameters(), which yields tied weights once)."
+                )
+            seen.add(id(param))
+
+
+def check_dense_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    if grad.is_sparse or grad.layout != torch.strided:
+        raise RuntimeError(
+            f"SuperOffloadOptimizer got a sparse gradient (layout {grad.layout}) for a param of "
+            f"shape {tuple(param.shape)}: it steps dense gradients only, like torch's AdamW. Build "
+            f"the embedding with sparse=False (nn.Embedding's default), or train that param with "
+            f"torch.optim.SparseAdam and leave it out of this optimizer (freeze it here)."
+        )
 
 
 def check_group(group: dict) -> None:
@@ -16,10 +75,17 @@ def check_group(group: dict) -> None:
             f"unknown param-group keys {sorted(unknown)}; SuperOffloadOptimizer groups take "
             f"{list(HYPER_KEYS)}."
         )
+    examples = {"lr": "1e-3", "eps": "1e-8", "weight_decay": "0.01"}
     for key in ("lr", "eps", "weight_decay"):
+        _require_number(key, group[key], examples[key])
         if float(group[key]) < 0:
             raise ValueError(f"{key} must be >= 0, got {float(group[key])}.")
-    beta1, beta2 = group["betas"]
+    betas = group["betas"]
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(map(_is_number, betas))):
+        raise ValueError(
+            f"betas must be a pair of numbers, got {betas!r}; pass e.g. betas=(0.9, 0.999)."
+        )
+    beta1, beta2 = betas
     if not (0 < beta1 < 1 and 0 < beta2 < 1):
         raise ValueError(
             f"betas must be in (0, 1) (a zero beta cannot be rolled back), got {group['betas']}."
@@ -46,9 +112,16 @@ def common_device_and_dtype(params: list[torch.nn.Parameter]) -> tuple[torch.dev
                 f"Cast the model (e.g. model.to(torch.bfloat16)) first."
             )
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"params must be float32, bfloat16 or float16, got {dtype}.")
+        raise ValueError(
+            f"params must be float32, bfloat16 or float16, got {dtype}. Cast the model (e.g. "
+            f"model.to(torch.float32)); complex params are not supported: train those with "
+            f"torch.optim.AdamW."
+        )
     if device.type not in ("cuda", "cpu"):
-        raise ValueError(f"params must be on a CUDA device or the CPU, got {device}.")
+        raise ValueError(
+            f"params must be on a CUDA device or the CPU, got {device}. Move the model there "
+            f"(model.to('cuda')); meta params must be materialised first (load the weights)."
+        )
     return device, dtype
 
 

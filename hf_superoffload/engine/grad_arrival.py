@@ -31,6 +31,7 @@ import logging
 import torch
 
 from .bucket import Bucket
+from .checks import check_dense_grad
 
 logger = logging.getLogger("hf_superoffload")
 
@@ -39,6 +40,7 @@ class GradArrival:
     # ------------------------------------------------------------------------ the hook
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
+        check_dense_grad(param, param.grad)
         key = id(param)
         bucket, i = self._slot[key]
         self._micro[key] += 1

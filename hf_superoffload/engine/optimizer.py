@@ -33,7 +33,13 @@ from .adamw_switches import check_switches, without_switches
 from .bucket import Bucket
 from .buckets import plan_buckets
 from .cast_policy import CastPlan, choose_cast_plan
-from .checks import check_group, common_device_and_dtype, default_cpu_threads
+from .checks import (
+    check_group,
+    check_no_duplicates,
+    check_options,
+    common_device_and_dtype,
+    default_cpu_threads,
+)
 from .device_tail import DeviceTail
 from .grad_arrival import GradArrival
 from .link import Link
@@ -73,6 +79,9 @@ class SuperOffloadOptimizer(GradArrival, TailMoves, torch.optim.Optimizer):
         capturable: bool = False,
         differentiable: bool = False,
     ):
+        check_options(
+            max_grad_norm, gradient_accumulation_steps, bucket_size, speculate, speculate_after_clip
+        )
         # torch.optim.AdamW's switches: no-op values accepted, others refused (adamw_switches.py).
         check_switches(
             {
@@ -94,6 +103,7 @@ class SuperOffloadOptimizer(GradArrival, TailMoves, torch.optim.Optimizer):
             raise ValueError(
                 f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}."
             )
+        check_no_duplicates(self.param_groups)
         for group in self.param_groups:
             check_group(group)
         self.max_grad_norm = max_grad_norm or None

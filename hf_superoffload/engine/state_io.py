@@ -116,7 +116,9 @@ def state_dict(opt: SuperOffloadOptimizer) -> dict:
                     "master": host(bucket, bucket.master, i),
                     "exp_avg": host(bucket, bucket.exp_avg, i),
                     "exp_avg_sq": host(bucket, bucket.exp_avg_sq, i),
-                    "step": bucket.param_step(i),
+                    # A float tensor, as torch's AdamW keeps it: its step() increments the
+                    # count in place, which an int loaded into it would never see.
+                    "step": torch.tensor(float(bucket.param_step(i))),
                 }
             ids.append(index)
             index += 1

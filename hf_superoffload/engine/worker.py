@@ -74,6 +74,12 @@ class Worker:
         return self._thread.is_alive()
 
     def _raise_if_failed(self) -> None:
+        if isinstance(self._error, KeyboardInterrupt):
+            # An interrupt stays an interrupt (a notebook's stop button, a Trainer's handler).
+            raise KeyboardInterrupt(
+                "the SuperOffload CPU worker was interrupted; close() this optimizer and build "
+                "a new one."
+            ) from self._error
         if self._error is not None:
             raise WorkerError(
                 f"the SuperOffload CPU worker failed: {self._error!r}. This optimizer cannot "

@@ -9,12 +9,15 @@ accumulation are not here: they come from the training arguments, the single sou
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from typing import Any
 
 ENV_PREFIX = "SUPEROFFLOAD_"
 _CASTS = ("auto", "gpu", "cpu")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+# Variables read elsewhere: SAVE_DTYPE (integrations/arguments.py), PEAK_TFLOPS (metrics.py).
+_OTHER_ENV = ("SAVE_DTYPE", "PEAK_TFLOPS")
 
 
 @dataclasses.dataclass
@@ -64,6 +67,7 @@ class SuperOffloadPlugin:
     )
 
     def __post_init__(self):
+        check_env_names()
         if self.gpu_buckets is None:
             self.gpu_buckets = _env("GPU_BUCKETS", "auto")
         if isinstance(self.gpu_buckets, str) and self.gpu_buckets != "auto":
@@ -101,6 +105,26 @@ class SuperOffloadPlugin:
 
     def optimizer_kwargs(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def known_env_names() -> list[str]:
+    """Every ``SUPEROFFLOAD_*`` variable the package reads."""
+    fields = [f.name.upper() for f in dataclasses.fields(SuperOffloadPlugin)]
+    return sorted(ENV_PREFIX + name for name in (*fields, *_OTHER_ENV))
+
+
+def check_env_names() -> None:
+    """Refuse a ``SUPEROFFLOAD_*`` variable the package does not read: a misspelled one would
+    otherwise be ignored and the run would go on with the default."""
+    known = known_env_names()
+    for name in sorted(os.environ):
+        if name.startswith(ENV_PREFIX) and name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise ValueError(
+                f"unknown environment variable {name}: {hint}Rename or unset it. The known "
+                f"ones are {known}."
+            )
 
 
 def _env(name: str, default: Any) -> Any:

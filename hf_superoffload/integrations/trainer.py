@@ -24,6 +24,7 @@ import logging
 import os
 import warnings
 import weakref
+from pathlib import Path
 
 import torch
 from accelerate.utils import DistributedType
@@ -44,6 +45,7 @@ from ..zero3.config import export_zero3_options, require_super_offload
 from .arguments import resolve_save_dtype
 from .checks import DATA_PARALLEL, check_optimizer_arguments, check_supported
 from .metrics import ThroughputMeter, peak_tflops, stv_metrics
+from .model_card import add_superoffload_section, dataset_names, trainer_kind_tags
 from .plugin import SuperOffloadPlugin
 from .save import (
     BF16_CAST_WARNING,
@@ -254,6 +256,17 @@ class SuperOffloadTrainerMixin:
         if optimizer is not None:
             masters_from_checkpoint(self.model, optimizer, self.state.best_model_checkpoint)
 
+    def create_model_card(self, *args, **kwargs):
+        """The parent's card (the Trainer's, or TRL's) in output_dir/README.md, with our card
+        data and a "Reproduce" section added (model_card.py); ``push_to_hub`` uploads it."""
+        if not self.is_world_process_zero():
+            return
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        super().create_model_card(*args, **kwargs)
+        path = os.path.join(self.args.output_dir, "README.md")
+        datasets = dataset_names(getattr(self, "train_dataset", None))
+        add_superoffload_section(self, path, trainer_kind_tags(self), datasets)
+
     def _superoffload_synchronize(self) -> None:
         optimizer = self._stv_optimizer
         if optimizer is not None:
@@ -280,13 +293,24 @@ class _SuperOffloadCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         optimizer = self.trainer._stv_optimizer
-        if optimizer is None:
-            return
-        if not self.trainer._on_deepspeed:  # the DeepSpeed engine owns its optimizer
-            # The optimizer and scheduler stay (as the plain Trainer's do: a second train()
-            # continues with them); the params now hold the final values.
-            optimizer.synchronize()
-        self.trainer.superoffload_stats = optimizer.stats  # a snapshot at the end of train()
+        if optimizer is not None:
+            if not self.trainer._on_deepspeed:  # the DeepSpeed engine owns its optimizer
+                # The optimizer and scheduler stay (as the plain Trainer's do: a second train()
+                # continues with them); the params now hold the final values.
+                optimizer.synchronize()
+            self.trainer.superoffload_stats = optimizer.stats  # a snapshot at the end of train()
+        if args.should_save and self.trainer.is_world_process_zero():
+            self._write_model_card(args)
+
+    def _write_model_card(self, args) -> None:
+        """NOTE: a card that cannot be written (an unreadable README, a Hub lookup of the
+        parent's card function failing) must not fail train() after the run: the user's script
+        has not saved the model yet. It is logged instead."""
+        name = args.hub_model_id.split("/")[-1] if args.hub_model_id else None
+        try:
+            self.trainer.create_model_card(model_name=name or Path(args.output_dir).name)
+        except Exception as error:
+            logger.warning("The model card was not written to %s: %r", args.output_dir, error)
 
 
 def _prepare_in_place(accelerator, ours: SuperOffloadOptimizer) -> None:
