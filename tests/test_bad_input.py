@@ -92,6 +92,7 @@ def _build(params, **kwargs):
         ({"weight_decay": "0.1"}, ValueError, "weight_decay must be a number"),
         ({"eps": None}, ValueError, "eps must be a number"),
         ({"betas": "09"}, ValueError, r"betas must be a pair of numbers.*betas=\(0.9, 0.999\)"),
+        ({"betas": 0.9}, ValueError, r"betas must be a pair of numbers.*betas=\(0.9, 0.999\)"),
         ({"gradient_accumulation_steps": "2"}, ValueError, "must be an int.*=4"),
         ({"bucket_size": 0}, ValueError, "bucket_size must be a positive number of elements"),
         ({"bucket_size": 1.5}, ValueError, "bucket_size must be an int"),

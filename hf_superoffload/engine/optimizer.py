@@ -93,7 +93,9 @@ class SuperOffloadOptimizer(GradArrival, TailMoves, torch.optim.Optimizer):
                 "differentiable": differentiable,
             }
         )
-        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+        # Not a pair (betas=0.9, say): check_group refuses it with what to pass.
+        pair = tuple(betas) if isinstance(betas, (tuple, list)) else betas
+        defaults = {"lr": lr, "betas": pair, "eps": eps, "weight_decay": weight_decay}
         super().__init__(without_switches(params), defaults)
         if max_grad_norm is not None and max_grad_norm < 0:
             raise ValueError(
