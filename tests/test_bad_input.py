@@ -97,6 +97,8 @@ def _build(params, **kwargs):
         ({"bucket_size": 0}, ValueError, "bucket_size must be a positive number of elements"),
         ({"bucket_size": 1.5}, ValueError, "bucket_size must be an int"),
         ({"speculate": "no"}, ValueError, "speculate must be True or False"),
+        ({"cpu_threads": "2"}, ValueError, r"cpu_threads \(threads of the CPU Adam\).*=8"),
+        ({"cpu_threads": 0}, ValueError, "cpu_threads .* must be a positive int"),
         ({"gpu_buckets": "2"}, ValueError, "gpu_buckets must be a non-negative int or 'auto'"),
     ],
 )

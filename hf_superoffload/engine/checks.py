@@ -25,9 +25,21 @@ def _require_number(name: str, value, example: str) -> None:
 
 
 def check_options(
-    max_grad_norm, gradient_accumulation_steps, bucket_size, speculate, speculate_after_clip
+    max_grad_norm,
+    gradient_accumulation_steps,
+    bucket_size,
+    speculate,
+    speculate_after_clip,
+    cpu_threads=None,
 ) -> None:
     """Types of the constructor's engine options (the values are checked where they are used)."""
+    if cpu_threads is not None and (
+        isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int) or cpu_threads < 1
+    ):
+        raise ValueError(
+            f"cpu_threads (threads of the CPU Adam) must be a positive int, got {cpu_threads!r}; "
+            f"pass e.g. cpu_threads=8, or None for this process's cores less one."
+        )
     if max_grad_norm is not None:
         _require_number("max_grad_norm", max_grad_norm, "1.0 (0 or None: no clipping)")
     for name, value, example in (

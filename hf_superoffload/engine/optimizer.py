@@ -80,7 +80,12 @@ class SuperOffloadOptimizer(GradArrival, TailMoves, torch.optim.Optimizer):
         differentiable: bool = False,
     ):
         check_options(
-            max_grad_norm, gradient_accumulation_steps, bucket_size, speculate, speculate_after_clip
+            max_grad_norm,
+            gradient_accumulation_steps,
+            bucket_size,
+            speculate,
+            speculate_after_clip,
+            cpu_threads,
         )
         # torch.optim.AdamW's switches: no-op values accepted, others refused (adamw_switches.py).
         check_switches(
