@@ -64,11 +64,7 @@ class Replicas:
 
     def any_(self, flags: list[bool]) -> list[bool]:
         """Each flag set on any rank."""
-        if not self.distributed:
-            return flags
-        holder = torch.tensor(flags, dtype=torch.uint8, device=self._scalar_device)
-        dist.all_reduce(holder, op=dist.ReduceOp.MAX, group=self.group)
-        return [bool(v) for v in holder.tolist()]
+        return [bool(v) for v in self.maxima([int(f) for f in flags])]
 
     def maxima(self, counts: list[int]) -> list[int]:
         """Each count's maximum over all ranks."""

@@ -54,6 +54,7 @@ from .options import (
     resolve_options,
     sub_group_size,
 )
+from .sub_groups import SubGroupLayout
 
 logger = logging.getLogger("hf_superoffload")
 
@@ -67,7 +68,9 @@ def deepspeed_clip_coef(total_norm: torch.Tensor, clip: float) -> float:
     return float(1.0 / divisor)
 
 
-class SuperOffloadZero3Optimizer(HostGradientAccessors, DeepSpeedZeroOptimizer_Stage3):
+class SuperOffloadZero3Optimizer(
+    SubGroupLayout, HostGradientAccessors, DeepSpeedZeroOptimizer_Stage3
+):
     def __init__(self, module, init_optimizer, param_names, timers, ds_config, **kwargs):
         check_supported(init_optimizer, ds_config, kwargs)
         device = torch.device(get_accelerator().current_device_name())
@@ -176,27 +179,6 @@ class SuperOffloadZero3Optimizer(HostGradientAccessors, DeepSpeedZeroOptimizer_S
             part = HostPartition(i, group, master, exp_avg, exp_avg_sq, host_grad, None, flat_param)
             parts.append(part)
         return parts
-
-    def _create_fp16_sub_groups(self, params_group):
-        """Sub groups of at most ``sub_group_size`` elements of this rank's partition, with
-        the persistent params (gathered again at every step's end) in sub groups of their
-        own, so that gather waits only for them."""
-        persistent = [p for p in params_group if getattr(p, "ds_persist", False)]
-        others = [p for p in params_group if not getattr(p, "ds_persist", False)]
-        return self._chunks(others) + self._chunks(persistent)
-
-    def _chunks(self, params) -> list[list]:
-        chunks, current, size = [], [], 0
-        for param in params:
-            if current and size + param.partition_numel() > self.sub_group_size:
-                chunks.append(current)
-                current, size = [], 0
-            current.append(param)
-            size += param.partition_numel()
-        return [*chunks, current] if current else chunks
-
-    def _holds_persistent(self, sub_group: int) -> bool:
-        return any(getattr(p, "ds_persist", False) for p in self.fp16_groups[sub_group])
 
     def _wait_for_params(self, params) -> None:
         parts = {id(part): part for p in params if (part := self._part_of_param.get(p.ds_id))}

@@ -1,0 +1,32 @@
+"""How the ZeRO-3 path cuts a rank's partition into sub groups, the unit the STV core
+speculates on: at most ``sub_group_size`` elements each, in DeepSpeed's param order (the
+forward order, so the next forward's first layers settle first), and DeepSpeed's persistent
+params (small ones it gathers again at the end of every step) in sub groups of their own, so
+that this gather waits only for them. Mixed in before DeepSpeedZeroOptimizer_Stage3, whose
+constructor calls ``_create_fp16_sub_groups``.
+"""
+
+from __future__ import annotations
+
+
+class SubGroupLayout:
+    def _create_fp16_sub_groups(self, params_group):
+        """Sub groups of at most ``sub_group_size`` elements of this rank's partition, with
+        the persistent params (gathered again at every step's end) in sub groups of their
+        own, so that gather waits only for them."""
+        persistent = [p for p in params_group if getattr(p, "ds_persist", False)]
+        others = [p for p in params_group if not getattr(p, "ds_persist", False)]
+        return self._chunks(others) + self._chunks(persistent)
+
+    def _chunks(self, params) -> list[list]:
+        chunks, current, size = [], [], 0
+        for param in params:
+            if current and size + param.partition_numel() > self.sub_group_size:
+                chunks.append(current)
+                current, size = [], 0
+            current.append(param)
+            size += param.partition_numel()
+        return [*chunks, current] if current else chunks
+
+    def _holds_persistent(self, sub_group: int) -> bool:
+        return any(getattr(p, "ds_persist", False) for p in self.fp16_groups[sub_group])
