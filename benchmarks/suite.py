@@ -43,7 +43,8 @@ MODEL_FLAGS = ("hidden", "layers", "inter", "vocab", "seq", "batch", "steps", "c
 COLUMNS = [
     "date", "gpu", "torch", "transformers", "system", "status", "params_b", "hidden", "layers",
     "seq", "batch", "clip", "s_per_step", "tokens_per_s", "tflops", "mfu", "peak_gpu_gib",
-    "peak_host_rss_gib", "peak_host_used_gib", "wall_s", "optimizer", "error", "stats", "phases",
+    "peak_host_rss_gib", "peak_host_used_gib", "wall_s", "optimizer", "error", "clip_rate",
+    "clip_first", "clipped_share", "warmup_steps", "tail_moves_timed", "stats", "phases",
     "host_rss_gib", "host_bytes", "config",
 ]  # fmt: skip
 
@@ -150,8 +151,13 @@ def run_system(
         cmd += [f"--{flag}", str(getattr(args, flag))]
     if args.model_config:
         cmd += ["--model-config", str(args.model_config)]
+    if args.clip_rate is not None:
+        cmd += ["--clip-rate", str(args.clip_rate), "--clip-first", str(args.clip_first)]
     if system == "superoffload":
         cmd += ["--gpu-buckets", gpu_buckets, "--warmup", str(args.superoffload_warmup)]
+        cmd += ["--cast", args.cast]
+        if args.gpu_memory_cap is not None:
+            cmd += ["--gpu-memory-cap", str(args.gpu_memory_cap)]
     else:
         cmd += ["--warmup", str(args.warmup)]
     start = time.perf_counter()
@@ -263,6 +269,29 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def plot_speed_memory(rows: list[dict], path: Path, title: str) -> None:
+    """Tokens/s against peak GPU memory, one labelled point per row: offload is worth its
+    speed only at the memory it saves."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r["status"] == "ok"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in ok:
+        ax.scatter(r["peak_gpu_gib"], r["tokens_per_s"], color="#4C72B0")
+        ax.annotate(r["system"], (r["peak_gpu_gib"], r["tokens_per_s"]), fontsize=7,
+                    xytext=(4, 4), textcoords="offset points")  # fmt: skip
+    ax.set_xlabel("peak GPU memory (GiB)")
+    ax.set_ylabel("tokens / s")
+    ax.set_xlim(left=0)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -290,6 +319,23 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--clip", type=float, default=1.0)
     parser.add_argument(
+        "--clip-rate", type=float, default=None,
+        help="make this share of steps clip by scaling the loss (benchmarks/clip_rate.py), "
+        "e.g. 0, 0.1, 0.5, 1; default: the random model's own norms (clip nearly always at 1.0)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--clip-first", type=int, default=0,
+        help="with --clip-rate: the first N steps clip, then the rate applies (clipping that "
+        "stops: gpu_buckets='auto' should give memory back)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--cast", default="auto", help="superoffload's cast ('auto', 'gpu' or 'cpu')"
+    )  # fmt: skip
+    parser.add_argument(
+        "--gpu-memory-cap", type=float, default=None,
+        help="superoffload's gpu_memory_cap in GiB (the tail's optimizer state)",
+    )  # fmt: skip
+    parser.add_argument(
         "--ratio", type=float, default=1.0,
         help="the DeepSpeed systems' offload_optimizer.ratio (1.0: all optimizer state on the host)",
     )  # fmt: skip
@@ -305,7 +351,9 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, default=Path("results"))
     args = parser.parse_args()
 
-    config = {flag: getattr(args, flag) for flag in (*MODEL_FLAGS, "warmup", "superoffload_warmup")}
+    flags = (*MODEL_FLAGS, "warmup", "superoffload_warmup", "clip_rate", "clip_first", "cast",
+             "gpu_memory_cap")  # fmt: skip
+    config = {flag: getattr(args, flag) for flag in flags}
     config["model_config"] = str(args.model_config) if args.model_config else None
     systems = args.systems.split(",")
     unknown = sorted(set(systems) - set(ALL))
@@ -313,6 +361,14 @@ def main() -> None:
         sys.exit(f"unknown --systems {unknown}; choose from {ALL}")
     shape = args.model_config.stem if args.model_config else f"h{args.hidden}-l{args.layers}"
     point = f"{shape}-s{args.seq}-b{args.batch}-clip{args.clip:g}"
+    if args.clip_rate is not None:
+        point += f"-rate{args.clip_rate:g}" + (
+            f"-first{args.clip_first}" if args.clip_first else ""
+        )
+    if args.cast != "auto":
+        point += f"-cast{args.cast}"
+    if args.gpu_memory_cap is not None:
+        point += f"-cap{args.gpu_memory_cap:g}"
     logs = args.out_dir / "logs" / point
     logs.mkdir(parents=True, exist_ok=True)
     csv_path = args.out_dir / "suite.csv"
@@ -328,7 +384,8 @@ def main() -> None:
         run_config = {**config, "system": system}
         if gpu_buckets is not None:
             run_config["gpu_buckets"] = gpu_buckets
-        row = {**where, "clip": args.clip, **row, "config": json.dumps(run_config)}
+        row = {**where, "clip": args.clip, "clip_rate": args.clip_rate, **row,
+               "config": json.dumps(run_config)}  # fmt: skip
         append_rows(csv_path, [row])  # row by row: a later hang loses nothing before it
         rows.append(row)
         keys = ("system", "status", "s_per_step", "wall_s", "optimizer", "error")
@@ -338,6 +395,7 @@ def main() -> None:
     title = f"{where['gpu']}, {first_ok['params_b'] if first_ok else '?'}B params, {point}"
     if first_ok:
         plot(rows, args.out_dir / f"suite_{point}.png", title)
+        plot_speed_memory(rows, args.out_dir / f"suite_{point}_memory.png", title)
     print(title)
     print(ratio_table(rows))
     os.sync()

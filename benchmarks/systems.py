@@ -68,6 +68,10 @@ class TrainingSystem:
     def finish(self):
         return None
 
+    def grad_norm(self) -> float:
+        """The pre-clip global gradient norm of the last step."""
+        raise NotImplementedError
+
 
 class NoOffload(TrainingSystem):
     def __init__(self, config, args):
@@ -81,10 +85,13 @@ class NoOffload(TrainingSystem):
             return self.model(input_ids=batch, labels=batch).loss
 
     def optimizer_step(self):
-        if self.clip:
-            torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+        if self.clip:  # no extra norm pass when the recipe does not clip
+            self.norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def grad_norm(self):
+        return float(self.norm) if self.clip else float("nan")
 
 
 class SuperOffload(TrainingSystem):
@@ -96,6 +103,7 @@ class SuperOffload(TrainingSystem):
         self.optimizer = SuperOffloadOptimizer(
             self.model.parameters(), lr=LR, weight_decay=0.0, max_grad_norm=args.clip,
             model=self.model, gpu_buckets=buckets, bucket_size=args.bucket_size, cast=args.cast,
+            gpu_memory_cap=getattr(args, "gpu_memory_cap", None),  # timeline.py has none
         )  # fmt: skip
 
     def forward(self, batch):
@@ -104,6 +112,9 @@ class SuperOffload(TrainingSystem):
     def optimizer_step(self):
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def grad_norm(self):
+        return float(self.optimizer.global_grad_norm)
 
     def still_tuning(self) -> bool:
         """gpu_buckets='auto' may still move buckets (each move synchronizes everything)."""
@@ -176,6 +187,9 @@ class DeepSpeedZeroOffload(TrainingSystem):
     def optimizer_step(self):
         self.engine.step()
 
+    def grad_norm(self):
+        return float(self.engine.get_global_grad_norm())
+
 
 class SuperOffloadZero3(DeepSpeedZeroOffload):
     super_offload = True
@@ -211,10 +225,13 @@ class TorchaoOffload(TrainingSystem):
         return self.model(input_ids=batch, labels=batch).loss
 
     def optimizer_step(self):
-        if self.clip:
-            torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+        if self.clip:  # no extra norm pass when the recipe does not clip
+            self.norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip)
         self.optimizer.step()
         self.optimizer.zero_grad()
+
+    def grad_norm(self):
+        return float(self.norm) if self.clip else float("nan")
 
 
 SYSTEMS = {

@@ -25,6 +25,7 @@ import time
 
 import torch
 import transformers
+from clip_rate import ClipRate
 from systems import SYSTEMS
 
 # hf_superoffload is imported in main(), after the system's environment is set: the import
@@ -89,7 +90,17 @@ def host_rss_gib() -> dict[str, float]:
     return {"now": fields["VmRSS"], "peak": fields["VmHWM"]}
 
 
-def timed_phases(system, batch) -> dict:
+MAX_EXTRA_WARMUP = 40  # steps a still-tuning "auto" may add to the warm-up
+
+
+def _tail_moves(system) -> int | None:
+    """The standalone engine's bucket moves so far (gpu_buckets='auto' or its cap)."""
+    optimizer = getattr(system, "optimizer", None)
+    stats = getattr(optimizer, "stats", None)
+    return stats.get("tail_moves") if isinstance(stats, dict) else None
+
+
+def timed_phases(system, batch, loss_scale: float = 1.0) -> dict:
     """Run one step phase by phase. Host seconds of each call, and CUDA events on the
     compute stream between the phases (read after the step's synchronize: ``gpu`` fills in
     lazily), so that timing adds no synchronization of its own."""
@@ -97,6 +108,8 @@ def timed_phases(system, batch) -> dict:
     marks = [time.perf_counter()]
     events[0].record()
     loss = system.forward(batch)
+    if loss_scale != 1.0:
+        loss = loss * loss_scale
     marks.append(time.perf_counter())
     events[1].record()
     system.backward(loss)
@@ -118,12 +131,25 @@ def main() -> None:
     parser.add_argument("--gpu-buckets", default="auto")
     parser.add_argument("--bucket-size", type=int, default=1 << 25)
     parser.add_argument("--cast", default="auto")
+    parser.add_argument("--gpu-memory-cap", type=float, default=None, help="GiB (superoffload)")
     parser.add_argument(
         "--ratio", type=float, default=1.0,
         help="DeepSpeed systems: offload_optimizer.ratio (share of sub groups on the host)",
     )  # fmt: skip
+    parser.add_argument(
+        "--clip-rate", type=float, default=None,
+        help="share of steps made to clip by scaling the loss (benchmarks/clip_rate.py); "
+        "default: the model's own norms decide",
+    )  # fmt: skip
+    parser.add_argument(
+        "--clip-first", type=int, default=0,
+        help="with --clip-rate: the first N steps clip, then the rate applies",
+    )  # fmt: skip
     parser.add_argument("--jsonl", default=None)
     args = parser.parse_args()
+    control = (
+        ClipRate(args.clip_rate, args.clip, args.clip_first) if args.clip_rate is not None else None
+    )
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     environment = getattr(SYSTEMS[args.system], "environment", {})
     early = [m for m in ("hf_superoffload", "deepspeed") if m in sys.modules]
@@ -139,26 +165,39 @@ def main() -> None:
     n_params, n_matmul = count_params(config)
     batch = torch.randint(0, config.vocab_size, (args.batch, args.seq), device="cuda")
     times, phases = [], []
-    for step in range(args.warmup + args.steps):
-        if step == args.warmup and args.system == "superoffload" and system.still_tuning():
-            sys.exit(
-                f"gpu_buckets='auto' was still placing buckets after {args.warmup} warm-up "
-                "steps, so a move could land in a timed step: raise --warmup (suite.py: "
-                "--superoffload-warmup)."
-            )
+    warmup = args.warmup  # grows while gpu_buckets='auto' is still moving buckets
+    moves_before_timing = _tail_moves(system) if warmup == 0 else None
+    step = 0
+    while step < warmup + args.steps:
+        if step == warmup and args.system == "superoffload" and system.still_tuning():
+            if warmup >= args.warmup + MAX_EXTRA_WARMUP:
+                sys.exit(
+                    f"gpu_buckets='auto' was still placing buckets after {warmup} warm-up "
+                    "steps, so a move could land in a timed step: raise --warmup (suite.py: "
+                    "--superoffload-warmup)."
+                )
+            warmup += 1
         start = time.perf_counter()
-        phases.append(timed_phases(system, batch))
+        scale = control.scale_for(step) if control else 1.0
+        phases.append(timed_phases(system, batch, scale))
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+        if control:
+            control.record(system.grad_norm())
+        if step == warmup - 1:
+            moves_before_timing = _tail_moves(system)
+        step += 1
     stats = system.finish()
     torch.cuda.synchronize()
+    if control:  # the norms that decided each step (the log keeps them)
+        print("clip-rate norms:", [round(n, 3) for n in control.norms], file=sys.stderr)
     for p in phases:
         p["gpu"] = [a.elapsed_time(b) / 1e3 for a, b in itertools.pairwise(p["events"])]
 
     def timed():
-        return phases[args.warmup :]
+        return phases[warmup:]
 
-    seconds = statistics.median(times[args.warmup :])
+    seconds = statistics.median(times[warmup:])
     tokens = args.batch * args.seq
     tflops = model_flops_per_token(config, n_matmul, args.seq) * tokens / seconds / 1e12
     row = {
@@ -181,6 +220,14 @@ def main() -> None:
         "host_rss_gib": {"after_init": rss_after_init, "end": host_rss_gib()},
         "mfu": round(tflops / peak, 4) if (peak := peak_tflops()) else None,
         "clip": args.clip,
+        "warmup_steps": warmup,
+        "clip_rate": args.clip_rate,
+        "clip_first": args.clip_first,
+        # What happened, not what was asked: the share of timed steps whose norm clipped.
+        "clipped_share": round(control.clipped_share(warmup), 3) if control else None,
+        "tail_moves_timed": (
+            stats["tail_moves"] - moves_before_timing if moves_before_timing is not None else None
+        ),
         "ratio": args.ratio,
         "optimizer": getattr(system, "optimizer_name", None),
         "expected_optimizer": getattr(system, "expected_optimizer", None),

@@ -4,11 +4,12 @@ __version__ = "0.1.0"
 
 from .engine import SuperOffloadOptimizer
 from .integrations import (
-    SuperOffloadPlugin,
     SuperOffloadTrainer,
     SuperOffloadTrainerMixin,
     SuperOffloadTrainingArguments,
 )
+from .integrations.plugin import DEPRECATED_NAME_WARNING as _PLUGIN_RENAMED
+from .integrations.plugin import SuperOffloadOptions
 from .zero3 import activate as _activate_deepspeed_superoffload
 
 # DeepSpeed's "super_offload": true builds our ZeRO-3 optimizer from here on (zero3/activation.py).
@@ -28,12 +29,17 @@ def __getattr__(name: str):
         from .integrations import trl
 
         return getattr(trl, name)
+    if name == "SuperOffloadPlugin":  # the first name of SuperOffloadOptions
+        import warnings
+
+        warnings.warn(_PLUGIN_RENAMED, FutureWarning, stacklevel=2)
+        return SuperOffloadOptions
     raise AttributeError(f"module 'hf_superoffload' has no attribute {name!r}")
 
 
 __all__ = [
     "SuperOffloadOptimizer",
-    "SuperOffloadPlugin",
+    "SuperOffloadOptions",
     "SuperOffloadTrainer",
     "SuperOffloadTrainerMixin",
     "SuperOffloadTrainingArguments",

@@ -1,18 +1,34 @@
-"""Every shipped accelerate config is accepted by accelerate and names the command that runs it."""
+"""Every shipped accelerate config is accepted by accelerate, names the command that runs it,
+and says what the script needs. A config named ``*_superoffload.yaml`` trains through
+SuperOffload with a plain TRL ``SFTTrainer`` script (plus ``import hf_superoffload``): it points
+at a DeepSpeed ZeRO-3 JSON with ``"super_offload": true``. The others name no optimizer and say
+so, since a plain script launched with them trains with AdamW."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 from accelerate.commands.config.config_args import load_config_from_file
+
+from hf_superoffload.integrations.arguments import SuperOffloadArgumentsMixin
+from hf_superoffload.integrations.plugin import known_env_names
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "accelerate_configs").glob("*.yaml"))
+# Options the ZeRO-3 path takes from the DeepSpeed JSON instead (refused as arguments there).
+NOT_ON_ZERO3 = {
+    "superoffload_gpu_buckets",
+    "superoffload_bucket_size",
+    "superoffload_gpu_memory_cap",
+}
 
 
 def test_configs_are_shipped():
@@ -34,6 +50,59 @@ def _is_deepspeed(path: Path) -> bool:
         "DEEPSPEED",
         "DistributedType.DEEPSPEED",
     )
+
+
+def _header(path: Path) -> str:
+    return "\n".join(line for line in path.read_text().splitlines() if line.startswith("#"))
+
+
+def _deepspeed_json(path: Path) -> dict:
+    config = load_config_from_file(str(path))
+    return json.loads((REPO / config.deepspeed_config["deepspeed_config_file"]).read_text())
+
+
+SUPEROFFLOAD_NAMED = [p for p in CONFIGS if p.name.endswith("_superoffload.yaml")]
+
+
+@pytest.mark.parametrize("path", SUPEROFFLOAD_NAMED, ids=lambda p: p.name)
+def test_a_config_named_superoffload_carries_the_setting(path):
+    """accelerate passes no optimizer setting of its own: only a DeepSpeed JSON can carry it,
+    so a *_superoffload.yaml launched under a plain SFTTrainer script must not give AdamW."""
+    assert _is_deepspeed(path), f"{path.name} is not a DeepSpeed config"
+    zero = _deepspeed_json(path)["zero_optimization"]
+    assert zero["stage"] == 3
+    assert zero["offload_optimizer"]["device"] == "cpu"
+    assert zero["offload_optimizer"]["super_offload"] is True
+    assert "import hf_superoffload" in _header(path)  # the one line a plain script needs
+
+
+@pytest.mark.parametrize("path", [p for p in CONFIGS if not _is_deepspeed(p)], ids=lambda p: p.name)
+def test_a_config_without_the_setting_says_what_the_script_must_do(path):
+    assert not path.name.endswith("_superoffload.yaml")
+    header = _header(path)
+    assert "SuperOffloadOptimizer" in header and "SuperOffloadSFTTrainer" in header, header
+    assert "AdamW" in header, header  # what a plain script gets instead
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_header_names_only_options_that_exist(path):
+    header = _header(path)
+    arguments = set(re.findall(r"--(superoffload_\w+)", header))
+    fields = {f.name for f in dataclasses.fields(SuperOffloadArgumentsMixin)}
+    assert arguments <= fields, arguments - fields
+    if _is_deepspeed(path):
+        assert not arguments & NOT_ON_ZERO3, arguments & NOT_ON_ZERO3
+    env_names = set(re.findall(r"SUPEROFFLOAD_[A-Z_]*[A-Z]", header))
+    assert env_names <= set(known_env_names()), env_names - set(known_env_names())
+
+
+def test_short_gh200_names_equal_their_zero3_names():
+    """gh200*_superoffload.yaml and gh200*_zero3_superoffload.yaml are one config under two
+    names (the second is the older one); they must not drift apart."""
+    for prefix in ("gh200", "gh200x2", "gh200x4"):
+        short = load_config_from_file(str(REPO / f"accelerate_configs/{prefix}_superoffload.yaml"))
+        old = f"accelerate_configs/{prefix}_zero3_superoffload.yaml"
+        assert short.to_dict() == load_config_from_file(str(REPO / old)).to_dict(), prefix
 
 
 PLAIN = [p for p in CONFIGS if not _is_deepspeed(p)]
@@ -73,7 +142,8 @@ def test_data_parallel_config_launches_the_example_on_cpu_processes(tmp_path, pa
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]  # the loss falls within 6 steps
     assert (tmp_path / "out" / "config.json").exists(), result.stderr[-3000:]
-    assert "optimizer superoffload" in result.stdout
+    # The example's summary has a speculation line only when SuperOffload trained.
+    assert "steps speculated" in result.stdout, result.stdout[-2000:]
 
 
 DEEPSPEED = [p for p in CONFIGS if _is_deepspeed(p)]
@@ -81,17 +151,15 @@ DEEPSPEED = [p for p in CONFIGS if _is_deepspeed(p)]
 # sizes its own gathers for one process, so several CPU processes fail in TRL's metrics gather
 # before our code runs; two ranks of the engine itself are tested in test_zero3.py). The
 # multi-process configs differ from these only in num_processes and their header.
-LAUNCHED_DEEPSPEED = ["x86_zero3_superoffload.yaml", "gh200_zero3_superoffload.yaml"]
+LAUNCHED_DEEPSPEED = ["x86_zero3_superoffload.yaml", "gh200_superoffload.yaml"]
 
 
 def test_deepspeed_configs_name_an_existing_super_offload_config():
     assert DEEPSPEED, "no DeepSpeed ZeRO-3 config shipped"
     for path in DEEPSPEED:
-        config = load_config_from_file(str(path))
-        ds_file = REPO / config.deepspeed_config["deepspeed_config_file"]
-        ds = json.loads(ds_file.read_text())
-        assert ds["zero_optimization"]["stage"] == 3
-        assert ds["zero_optimization"]["offload_optimizer"]["super_offload"] is True
+        ds = _deepspeed_json(path)
+        assert ds["zero_optimization"]["stage"] == 3, path.name
+        assert ds["zero_optimization"]["offload_optimizer"]["super_offload"] is True, path.name
 
 
 @pytest.mark.parametrize("name", LAUNCHED_DEEPSPEED)
@@ -107,4 +175,38 @@ def test_deepspeed_config_launches_the_example_through_our_zero3_optimizer(tmp_p
     assert result.returncode == 0, result.stderr[-3000:]
     output = result.stdout + result.stderr
     assert "SuperOffload on ZeRO-3 runs in place of DeepSpeed's" in output, output[-3000:]
-    assert "superoffload: " in result.stdout and "steps speculated" in result.stdout
+    assert "steps speculated" in result.stdout, result.stdout[-2000:]
+
+
+def _plain_sft_trainer_on_the_shipped_json(rank, port, out_dir, ds_file) -> None:
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before anything imports DeepSpeed
+    os.environ.update(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    from test_zero3_trainer import _sft  # a plain TRL SFTTrainer with a DeepSpeed config
+
+    import hf_superoffload  # noqa: F401  (the README's one line)
+
+    result = _sft(f"{out_dir}/run", "trl", json.loads(Path(ds_file).read_text()))
+    torch.save(result, f"{out_dir}/result.pt")
+
+
+def test_plain_sft_trainer_with_the_one_gpu_config_json_builds_our_optimizer(tmp_path):
+    """The JSON gh200_superoffload.yaml names, given to a plain TRL SFTTrainer (DeepSpeed's CPU
+    accelerator): DeepSpeed builds hf_superoffload's ZeRO-3 optimizer, which trains. The loss
+    against DeepSpeed's plain CPU offload is compared in test_zero3_trainer.py."""
+    from ranks import spawn_ranks
+    from zero3_reference import free_port
+
+    config = load_config_from_file(str(REPO / "accelerate_configs/gh200_superoffload.yaml"))
+    assert config.num_processes == 1
+    ds_file = REPO / config.deepspeed_config["deepspeed_config_file"]
+    spawn_ranks(
+        _plain_sft_trainer_on_the_shipped_json, (free_port(), str(tmp_path), str(ds_file)), 1
+    )
+    result = torch.load(tmp_path / "result.pt", weights_only=False)
+    assert result["optimizer"] == "SuperOffloadZero3Optimizer"
+    assert result["losses"][-1] < result["losses"][0], result["losses"]

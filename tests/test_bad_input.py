@@ -46,6 +46,7 @@ def test_every_env_variable_the_package_reads_is_accepted(monkeypatch):
         "CAST",
         "SAVE_DTYPE",
         "PEAK_TFLOPS",
+        "GPU_MEMORY_CAP",
     }
     assert read - {"DEEPSPEED", "CPU_ADAM_ISA", "CACHE", "VERBOSE_BUILD"} <= fields | {"FIELD"}
     assert set(known_env_names()) == {"SUPEROFFLOAD_" + f for f in fields}
@@ -58,11 +59,13 @@ def test_every_env_variable_the_package_reads_is_accepted(monkeypatch):
         "CAST": "cpu",
         "SAVE_DTYPE": "float32",
         "PEAK_TFLOPS": "1.0",
+        "GPU_MEMORY_CAP": "8",
     }
     for name in fields:
         monkeypatch.setenv("SUPEROFFLOAD_" + name, values[name])
     plugin = SuperOffloadPlugin()
     assert (plugin.gpu_buckets, plugin.bucket_size, plugin.cast) == (1, 64, "cpu")
+    assert plugin.gpu_memory_cap == 8.0
 
 
 def test_variables_of_other_prefixes_are_not_ours(monkeypatch):

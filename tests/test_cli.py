@@ -206,6 +206,79 @@ def test_argparse_errors_exit_2(capsys):
     assert code == 2 and "invalid int value" in err
 
 
+def test_plans_a_recipe_with_its_sequence_length_and_batch(capsys, tmp_path):
+    shipped = ROOT / "examples" / "recipes" / "qwen3-30b-a3b.yaml"
+    _, by_recipe = plan_json(capsys, str(shipped), "--hardware", "gh200", "--gpus", "2")
+    _, by_name = plan_json(capsys, "qwen3-30b-a3b", "--hardware", "gh200", "--gpus", "2")
+    assert by_recipe["gpu_need_bytes"] == by_name["gpu_need_bytes"]
+    assert "planned from the shipped config 'qwen3-30b-a3b'" in " ".join(by_recipe["notes"])
+    recipe = tmp_path / "short.yaml"
+    recipe.write_text(
+        "random_init_from_config: llama-3.1-8b\nmax_length: 1024\nper_device_train_batch_size: 2\n"
+    )
+    _, short = plan_json(capsys, str(recipe), "--hardware", "h100")
+    assert (short["run"]["seq"], short["run"]["batch"]) == (1024, 2)
+    _, overridden = plan_json(capsys, str(recipe), "--hardware", "h100", "--seq", "2048")
+    assert (overridden["run"]["seq"], overridden["run"]["batch"]) == (2048, 2)
+
+
+def test_a_recipe_naming_a_model_plan_cannot_find_exits_2(capsys, tmp_path):
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("model_name_or_path: someone/unknown-7b\n")
+    code, _, err = cli(capsys, "plan", str(recipe), "--hardware", "h100")
+    assert code == 2 and "pass the model's config.json as MODEL instead" in err
+
+
+def test_an_argument_env_does_not_know_exits_2(capsys):
+    code, _, err = cli(capsys, "env", "--max_steps", "3")
+    assert code == 2 and "unrecognized arguments: --max_steps 3" in err
+
+
+# ------------------------------------------------------------------------ demo, bench
+
+
+@pytest.mark.parametrize("command", ["demo", "bench"])
+def test_demo_and_bench_help(capsys, command):
+    code, out, _ = cli(capsys, command, "--help")
+    assert code == 0 and f"usage: hf-superoffload {command}" in out
+    assert ("--dpo" in out) if command == "demo" else ("--suite-help" in out)
+
+
+def test_demo_runs_the_main_job_with_the_jobs_own_arguments(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out_dir = tmp_path / "demo"
+    code, out, _ = cli(capsys, "demo", "--max_steps", "6", "--output_dir", str(out_dir))
+    assert code == 0
+    assert "sft: loss" in out and "over 6 steps" in out and "rollbacks:" in out
+    summary = json.loads((out_dir / "sft_summary.json").read_text())
+    assert summary["steps"] == 6 and summary["optimizer"] == "SuperOffloadOptimizer"
+    assert (out_dir / "loss.png").is_file() and (out_dir / "README.md").is_file()
+
+
+def test_demo_recipe_help_lists_trls_and_superoffload_arguments(capsys):
+    code, out, _ = cli(capsys, "demo", "--dpo", "--recipe-help")
+    assert code == 0
+    for option in ("--beta", "--superoffload_gpu_buckets", "--random_init_from_config"):
+        assert option in out
+
+
+def test_bench_runs_the_checkouts_suite(capfd):
+    code = main(["bench", "--suite-help"])
+    out = capfd.readouterr().out
+    assert code == 0 and "--systems" in out and "suite.csv" in out
+
+
+def test_bench_outside_a_checkout_says_to_run_from_one(capsys, tmp_path, monkeypatch):
+    from hf_superoffload.cli import bench
+
+    monkeypatch.setattr(
+        bench, "__file__", str(tmp_path / "site" / "hf_superoffload" / "cli" / "bench.py")
+    )
+    monkeypatch.chdir(tmp_path)
+    code, _, err = cli(capsys, "bench", "--systems", "no_offload")
+    assert code == 2 and "Run from a checkout" in err
+
+
 # ------------------------------------------------------------------------ entry points
 
 
@@ -218,7 +291,8 @@ def test_python_dash_m_help():
         timeout=120,
     )
     assert result.returncode == 0, result.stderr
-    assert "env" in result.stdout and "plan" in result.stdout
+    for command in ("env", "plan", "demo", "bench"):
+        assert command in result.stdout
 
 
 def test_console_script_points_at_main():

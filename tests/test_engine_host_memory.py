@@ -5,6 +5,7 @@ registration runs in tests/test_engine_gpu.py."""
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
 import torch
@@ -99,3 +100,109 @@ def test_one_failed_unregister_does_not_stop_the_others(cudart):
         buffers.release_all()
     assert set(cudart.registered) == {held[1].data_ptr()}  # only the failed one
     assert buffers.nbytes == 0  # and nothing is left to retry on a dead context
+
+
+# --- refusing a host state that cannot fit ------------------------------------------------------
+
+
+GiB = 2**30
+
+
+@pytest.fixture
+def host_files(tmp_path, monkeypatch):
+    """/proc/meminfo and the cgroup files, as files of the test's."""
+
+    def write(mem_available_kib: int, cgroup_v2=None, cgroup_v1=None):
+        meminfo = tmp_path / "meminfo"
+        meminfo.write_text(f"MemTotal: 99999999 kB\nMemAvailable:   {mem_available_kib} kB\n")
+        monkeypatch.setattr(host_memory, "MEMINFO", str(meminfo))
+        for name, values in (("CGROUP_V2", cgroup_v2), ("CGROUP_V1", cgroup_v1)):
+            paths = (str(tmp_path / f"{name}.limit"), str(tmp_path / f"{name}.usage"))
+            for i, path in enumerate(paths):
+                if values is None:  # no such controller
+                    if os.path.exists(path):
+                        os.unlink(path)
+                else:
+                    with open(path, "w") as f:
+                        f.write(f"{values[i]}\n")
+            monkeypatch.setattr(host_memory, name, paths)
+
+    return write
+
+
+def test_available_is_memavailable_without_a_container_limit(host_files):
+    host_files(64 * 2**20)
+    assert host_memory.host_bytes_available() == 64 * GiB
+    host_files(64 * 2**20, cgroup_v2=("max", 5 * GiB))
+    assert host_memory.host_bytes_available() == 64 * GiB
+    host_files(64 * 2**20, cgroup_v1=(2**63 - 4096, 5 * GiB))  # v1's "no limit"
+    assert host_memory.host_bytes_available() == 64 * GiB
+
+
+def test_a_container_limit_caps_what_is_available(host_files):
+    host_files(64 * 2**20, cgroup_v2=(16 * GiB, 10 * GiB))
+    assert host_memory.host_bytes_available() == 6 * GiB
+    host_files(64 * 2**20, cgroup_v1=(16 * GiB, 4 * GiB))
+    assert host_memory.host_bytes_available() == 12 * GiB
+    host_files(64 * 2**20, cgroup_v2=(16 * GiB, 20 * GiB))  # over the limit already
+    assert host_memory.host_bytes_available() == 0
+
+
+def test_the_other_ranks_of_the_host_count(monkeypatch):
+    """10 GiB per rank fits 40 GiB for 1..4 ranks of the host, and is refused for 5, naming
+    the bytes needed and available and what to change."""
+    monkeypatch.setattr(host_memory, "host_bytes_available", lambda: 40 * GiB)
+    parts = {"master": 4 * GiB, "moments": 6 * GiB, "param_copy_out": 0}
+    for ranks in (1, 4):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
+        host_memory.check_host_memory(parts, "change something")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "5")
+    with pytest.raises(host_memory.HostMemoryError) as err:
+        host_memory.check_host_memory(parts, host_memory.STANDALONE_REMEDIES)
+    assert str(err.value).startswith(
+        "the optimizer's host state needs 10.00 GiB per rank (master 4.00, moments 6.00 GiB) x 5 "
+        "rank(s) on this host (LOCAL_WORLD_SIZE) = 50.00 GiB of host memory (pinned and "
+        "pageable), but only 40.00 GiB is available"
+    )
+    assert "fewer GPUs per host" in str(err.value) and "gpu_buckets" in str(err.value)
+    assert isinstance(err.value, MemoryError)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "grads_on_device", "params_on_device", "accumulating", "per_element"),
+    [
+        (torch.float32, True, True, False, 16),  # master, moments, fp32 gradients
+        (torch.bfloat16, False, False, False, 16),  # bf16 gradients and bf16 copy-out
+        (torch.bfloat16, True, True, False, 16),  # fp32 gradients, the master crosses itself
+        (torch.bfloat16, True, False, True, 22),  # fp32 gradients, copy-out, fp32 sum
+    ],
+)
+def test_standalone_host_parts_follow_the_bucket_layout(
+    dtype, grads_on_device, params_on_device, accumulating, per_element
+):
+    from hf_superoffload.engine.cast_policy import CastPlan
+
+    cast = CastPlan(grads_on_device, params_on_device, "test")
+    parts = host_memory.standalone_host_parts(1000, dtype, cast, accumulating)
+    assert parts["master"] == 4000 and parts["moments"] == 8000
+    assert sum(parts.values()) == per_element * 1000
+
+
+def test_zero3_host_parts_partition_over_the_ranks_and_ratio():
+    import types
+
+    from hf_superoffload.zero3.host_check import zero3_host_parts
+
+    params = [torch.nn.Parameter(torch.zeros(1000, dtype=torch.bfloat16)) for _ in range(4)]
+    frozen = torch.nn.Parameter(torch.zeros(500, dtype=torch.bfloat16), requires_grad=False)
+    optimizer = torch.optim.AdamW([{"params": params[:2]}, {"params": [*params[2:], frozen]}])
+    kwargs = {
+        "offload_optimizer_config": types.SimpleNamespace(ratio=0.5),
+        "gradient_accumulation_dtype": torch.bfloat16,
+        "sub_group_size": 100,
+        "gradient_accumulation_steps": 2,
+    }
+    parts = zero3_host_parts(optimizer, kwargs)  # one process: the partition is all 4000
+    assert parts["master"] == 4 * 2000 and parts["moments"] == 8 * 2000
+    assert parts["gradients"] == 2 * 2000 and parts["accumulation"] == 2 * 4000
+    assert parts["param_copy_out"] == 3 * 1000 * 2  # three slots of the largest param

@@ -229,20 +229,3 @@ def test_reference_is_deterministic():
     for name in a.master:
         assert torch.equal(a.master[name], b.master[name])
         assert torch.equal(a.exp_avg_sq[name], b.exp_avg_sq[name])
-
-
-def test_buckets_moved_to_the_device_mid_training_keep_the_trajectory():
-    """What gpu_buckets='auto' does when the GPU waits for the CPU: between two steps, host
-    buckets next to the tail become device buckets, master and moments included."""
-    cfg = _config("some")
-    moved: list[int] = []
-
-    def probe(phase, step, model, opt):
-        if phase == "after_step" and step in (9, 19):
-            host = [b for b in opt._buckets if not b.on_device]
-            opt._move_buckets_to_device(host[-2:])  # the two nearest the tail
-            moved.append(sum(b.on_device for b in opt._buckets))
-
-    got = run_superoffload(cfg, probe=probe, gpu_buckets=0)
-    assert moved == [2, 4]
-    assert_same_trajectory(got, run_reference(cfg))

@@ -1,4 +1,5 @@
-"""The README's main job, `examples/sft.py`, run end to end on CPU, and its bundled data."""
+"""The README's main job, `examples/sft.py`, run end to end on CPU (progress bar, loss curve,
+model card whose Reproduce command parses, summary), and its bundled data."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import importlib.util
 import json
 import math
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from hf_superoffload.recipes import arguments
 from hf_superoffload.toy import build_tiny_llama, make_char_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -152,7 +156,12 @@ def test_example_sft_learns_and_saves_a_reloadable_model(tmp_path):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "first training loss" in proc.stdout
+    # The summary: loss, tokens/s, rollbacks by cause, where the optimizer state lived.
+    assert re.search(r"^sft: loss [\d.]+ -> [\d.]+ over 20 steps.* tokens/s", proc.stdout, re.M)
+    assert re.search(r"^rollbacks: \d+ for gradient clipping, \d+ for NaN/Inf", proc.stdout, re.M)
+    assert re.search(r"^optimizer state: SuperOffloadOptimizer, host [\d.]+ MiB", proc.stdout, re.M)
+    assert f"{MAX_STEPS}/{MAX_STEPS}" in proc.stderr  # the progress bar reached the end
+    assert (out_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # The loss went down by a real margin: the untrained model scores ln(vocab) ~ 4.65 nats per
     # answer token; learning only the format (digits, answer length, <eos>) brings it to ~2.3.
@@ -186,3 +195,13 @@ def test_example_sft_learns_and_saves_a_reloadable_model(tmp_path):
     trained = _completion_loss(model, tokenizer, rows)
     untrained = _completion_loss(build_tiny_llama(model.config, seed=0), tokenizer, rows)
     assert trained < untrained - 1.5, (trained, untrained)
+
+    # The model card: TRL's, tagged, with a Reproduce command that parses to this run.
+    card = (out_dir / "README.md").read_text()
+    assert "- superoffload" in card and "## Reproduce" in card
+    command = re.search(r"### Command\n\n```bash\n(.+)\n```", card).group(1)
+    argv = shlex.split(command)
+    assert argv[0] == "python" and Path(argv[1]).name == "sft.py"
+    _, args = arguments.parse("sft", argv[2:])
+    assert args.max_steps == MAX_STEPS and args.output_dir == str(out_dir)
+    assert args.learning_rate == 3e-3  # the demo's, as the run used

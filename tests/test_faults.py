@@ -8,6 +8,7 @@ thread and close() stopping the worker are in tests/test_engine_behaviour.py.
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import time
@@ -16,6 +17,9 @@ import weakref
 import pytest
 import torch
 from engine_reference import (
+    EXP_AVG_SQ_TOL,
+    EXP_AVG_TOL,
+    PARAM_TOL,
     RunConfig,
     assert_same_trajectory,
     assert_states_equal,
@@ -108,6 +112,39 @@ def test_nonfinite_storm_leaves_state_bit_identical_then_follows_adamw(gpu_bucke
     # AdamW + clip_grad_norm_ from the same start, skipping the same steps: the same state
     # before the storm (within the harness's tolerances) and the same steps after it.
     assert_same_trajectory(got, run_reference(cfg))
+    # And AdamW started from the engine's own pre-storm state (masters, both moments, step
+    # counts) and run over the steps after the storm lands where the engine did.
+    assert_matches_adamw_from(state_before, cfg, batches, STORM_START + STORM_STEPS, got)
+
+
+def assert_matches_adamw_from(state: dict, cfg, batches, start: int, got) -> None:
+    """torch AdamW + clip_grad_norm_ loaded with the engine snapshot ``state`` (fp32 masters
+    as its params, both moments, step counts) and trained on steps ``start ..`` ends where the
+    engine's result ``got`` ended, within the harness's tolerances."""
+    model = build_model(cfg)
+    optimizer = make_reference_optimizer(model, cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(state[name]["master"])
+            optimizer.state[p] = {
+                "step": torch.tensor(float(state[name]["step"])),
+                "exp_avg": state[name]["exp_avg"].clone(),
+                "exp_avg_sq": state[name]["exp_avg_sq"].clone(),
+            }
+    clean = cfg.replace(inject=())
+    train_loop(
+        clean, model, optimizer, batches, _reference_step(model, optimizer, clean), start=start
+    )
+    want = collect_reference(model, optimizer, ([], [], [], []))
+    for kind, tol in (
+        ("master", PARAM_TOL), ("exp_avg", EXP_AVG_TOL), ("exp_avg_sq", EXP_AVG_SQ_TOL)
+    ):  # fmt: skip
+        for name in want.master:
+            torch.testing.assert_close(
+                getattr(got, kind)[name], getattr(want, kind)[name], **tol,
+                msg=lambda m, k=kind, n=name: f"after the storm, {k} of {n}: {m}",
+            )  # fmt: skip
+    assert got.state_steps == want.state_steps
 
 
 # --- an exception in the CPU worker -----------------------------------------------------------
@@ -154,26 +191,19 @@ def test_worker_exception_is_a_worker_error_then_a_new_optimizer_trains(monkeypa
     with monkeypatch.context() as patch:
         patch.setattr(HostSteps, "_pass", _fail)
         start = time.perf_counter()
-        finished, _, exc = call_with_timeout(lambda: _one_step(model, opt, batches[1]), TIMEOUT_S)
+        finished, _, exc = call_with_timeout(
+            functools.partial(_one_step, model, opt, batches[1]), TIMEOUT_S
+        )
     assert finished, f"the step hung for {TIMEOUT_S} s after the worker failed"
     assert time.perf_counter() - start < TIMEOUT_S
     assert isinstance(exc, WorkerError), repr(exc)
     assert isinstance(exc.__cause__, RuntimeError) and "injected" in str(exc.__cause__)
     assert "close() it and build a new one" in str(exc)
 
-    finished, _, exc = call_with_timeout(opt.close, TIMEOUT_S)
-    assert finished and exc is None, exc
-    deadline = time.monotonic() + 2
-    while [t for t in worker_threads() if t not in before] and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert not [t for t in worker_threads() if t not in before], "worker thread left running"
-    # Nothing keeps the closed optimizer (and its host buffers) alive.
-    gone = weakref.ref(opt)
-    opt = exc = None
-    gc.collect()
-    assert gone() is None, gc.get_referrers(gone())
-
-    _two_steps_match_adamw(cfg, model, batches)
+    exc = None  # its traceback holds the optimizer
+    holder = [opt]
+    del opt
+    _close_release_and_retrain(cfg, model, holder, batches, before)
 
 
 # --- KeyboardInterrupt ------------------------------------------------------------------------
@@ -183,10 +213,21 @@ def _interrupt(grad):
     raise KeyboardInterrupt
 
 
-def _recovers(cfg, model, opt, batches, before) -> None:
+def _close_release_and_retrain(cfg, model, holder: list, batches, before) -> None:
+    """After a fault: close() the optimizer (the caller's only reference, in ``holder``)
+    promptly, see its worker thread end and the optimizer (with its host buffers) freed, then
+    train a new optimizer over the same model as AdamW does."""
+    opt = holder.pop()
     finished, _, exc = call_with_timeout(opt.close, TIMEOUT_S)
     assert finished and exc is None, exc
-    assert not [t for t in worker_threads() if t not in before and t.is_alive()]
+    deadline = time.monotonic() + 2
+    while [t for t in worker_threads() if t not in before] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not [t for t in worker_threads() if t not in before], "worker thread left running"
+    gone = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert gone() is None, gc.get_referrers(gone())
     _two_steps_match_adamw(cfg, model, batches)
 
 
@@ -203,12 +244,15 @@ def test_keyboard_interrupt_in_backward_then_a_new_optimizer_trains():
     handle = model.model.layers[0].mlp.up_proj.weight.register_hook(_interrupt)
     x = batches[1]
     start = time.perf_counter()
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt) as raised:
         model(input_ids=x, labels=x).loss.backward()
     assert time.perf_counter() - start < TIMEOUT_S
+    del raised  # its traceback holds the optimizer
     handle.remove()
     opt.zero_grad()
-    _recovers(cfg, model, opt, batches, before)
+    holder = [opt]
+    del opt
+    _close_release_and_retrain(cfg, model, holder, batches, before)
 
 
 def test_keyboard_interrupt_in_the_worker_task_surfaces_as_keyboard_interrupt(monkeypatch):
@@ -228,8 +272,13 @@ def test_keyboard_interrupt_in_the_worker_task_surfaces_as_keyboard_interrupt(mo
 
     with monkeypatch.context() as patch:
         patch.setattr(HostSteps, "_pass", interrupt)
-        finished, _, exc = call_with_timeout(lambda: _one_step(model, opt, batches[1]), TIMEOUT_S)
+        finished, _, exc = call_with_timeout(
+            functools.partial(_one_step, model, opt, batches[1]), TIMEOUT_S
+        )
     assert finished, "the step hung after a KeyboardInterrupt in the worker"
     assert isinstance(exc, KeyboardInterrupt), repr(exc)
     assert isinstance(exc.__cause__, KeyboardInterrupt)
-    _recovers(cfg, model, opt, batches, before)
+    exc = None  # its traceback holds the optimizer
+    holder = [opt]
+    del opt
+    _close_release_and_retrain(cfg, model, holder, batches, before)

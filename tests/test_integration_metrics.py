@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
 import torch
 from wandb_offline import history
 
-from hf_superoffload.integrations.metrics import matmul_params, model_flops_per_token, peak_tflops
+from hf_superoffload.integrations.metrics import (
+    PEAK_ENV,
+    ThroughputMeter,
+    log_missing_peak,
+    matmul_params,
+    model_flops_per_token,
+    peak_tflops,
+)
 from hf_superoffload.toy import build_tiny_llama, tiny_llama_config
 
 
@@ -17,7 +25,10 @@ from hf_superoffload.toy import build_tiny_llama, tiny_llama_config
     [
         ("NVIDIA H100 80GB HBM3", 989.0),
         ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA H100 NVL", 835.0),
         ("NVIDIA H200", 989.0),
+        ("NVIDIA H200 NVL", 835.0),
+        ("NVIDIA GH200 120GB", 989.0),
         ("NVIDIA GH200 480GB", 989.0),
         ("NVIDIA B200", 2250.0),
         ("NVIDIA GB200", 2500.0),
@@ -36,6 +47,47 @@ def test_peak_override_and_its_errors(monkeypatch):
     monkeypatch.setenv("SUPEROFFLOAD_PEAK_TFLOPS", "fast")
     with pytest.raises(ValueError, match="SUPEROFFLOAD_PEAK_TFLOPS must be a number"):
         peak_tflops("x")
+
+
+def _meter_after_one_batch() -> ThroughputMeter:
+    meter = ThroughputMeter()
+    ids = torch.randint(0, 105, (2, 32), generator=torch.Generator().manual_seed(0))
+    meter.add_batch({"input_ids": ids}, build_tiny_llama(seed=0))
+    return meter
+
+
+def test_mfu_divides_by_the_peak_given():
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    out = _meter_after_one_batch().metrics(accelerator, 2.0)
+    assert out["mfu"] == pytest.approx(out["tflops"] / 2.0)
+
+
+def test_an_unknown_peak_is_said_once_with_how_to_set_it(caplog):
+    """No silent omission: without a peak, mfu is left out and the log says why, once."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    meter = _meter_after_one_batch()
+    with caplog.at_level(logging.INFO, logger="hf_superoffload"):
+        for _ in range(3):
+            out = meter.metrics(accelerator, None)
+            assert "tflops" in out and "mfu" not in out
+            meter.add_batch(
+                {"input_ids": torch.zeros(1, 8, dtype=torch.long)}, build_tiny_llama(seed=0)
+            )
+    told = [r for r in caplog.records if "mfu is not reported" in r.getMessage()]
+    assert len(told) == 1, [r.getMessage() for r in caplog.records]
+    assert PEAK_ENV in told[0].getMessage()
+
+
+def test_an_unknown_gpu_is_a_warning_naming_it_and_the_variable(caplog):
+    with caplog.at_level(logging.INFO, logger="hf_superoffload"):
+        log_missing_peak("NVIDIA L40S")
+    (record,) = caplog.records
+    assert record.levelno == logging.WARNING
+    assert "NVIDIA L40S" in record.getMessage() and PEAK_ENV in record.getMessage()
 
 
 @pytest.mark.parametrize("tied", [False, True])

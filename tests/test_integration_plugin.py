@@ -1,10 +1,12 @@
-"""`SuperOffloadPlugin` and the ``superoffload_*`` training-argument fields.
+"""`SuperOffloadOptions` (first named `SuperOffloadOptions`) and the ``superoffload_*``
+training-argument fields.
 
 Resolution order for every field: explicit argument > ``SUPEROFFLOAD_<FIELD>`` environment
 variable > default. Invalid values (explicit or from the environment) raise ValueError naming
 the field and, where the value came from it, the environment variable. The training-argument
-classes (Transformers and TRL) carry one ``superoffload_<field>`` per plugin field, parse from
-the command line, and build the plugin the trainer hands to the optimizer.
+classes (Transformers and TRL) carry one ``superoffload_<field>`` per option, parse from the
+command line, and build the options the trainer hands to the optimizer. The old name still
+works and warns.
 """
 
 from __future__ import annotations
@@ -12,22 +14,24 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
+import warnings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may touch the network
 
 import pytest
 from transformers import HfArgumentParser
 
+import hf_superoffload
 from hf_superoffload import (
     SuperOffloadOptimizer,
-    SuperOffloadPlugin,
+    SuperOffloadOptions,
     SuperOffloadTrainer,
     SuperOffloadTrainingArguments,
 )
 from hf_superoffload.integrations.arguments import SuperOffloadArgumentsMixin
 from hf_superoffload.toy import build_tiny_llama
 
-FIELDS = [f.name for f in dataclasses.fields(SuperOffloadPlugin)]
+FIELDS = [f.name for f in dataclasses.fields(SuperOffloadOptions)]
 DEFAULTS = {
     "gpu_buckets": "auto",
     "bucket_size": 1 << 25,
@@ -35,6 +39,7 @@ DEFAULTS = {
     "speculate": True,
     "speculate_after_clip": False,
     "cast": "auto",
+    "gpu_memory_cap": None,
 }
 # Per field: (explicit value, env string, what the env string resolves to).
 CASES = {
@@ -44,6 +49,7 @@ CASES = {
     "speculate": (True, "false", False),
     "speculate_after_clip": (False, "yes", True),
     "cast": ("gpu", "cpu", "cpu"),
+    "gpu_memory_cap": (12.5, "40", 40.0),
 }
 
 
@@ -66,27 +72,27 @@ def _training_args(tmp_path, cls=SuperOffloadTrainingArguments, **kwargs):
 # ------------------------------------------------------------------------------- resolution
 
 
-def test_fields_and_cases_cover_every_plugin_field():
+def test_fields_and_cases_cover_every_option():
     assert set(FIELDS) == set(DEFAULTS) == set(CASES)
-    for field in dataclasses.fields(SuperOffloadPlugin):
+    for field in dataclasses.fields(SuperOffloadOptions):
         assert field.default is None, field.name  # None means "not given": env, then default
         assert _env_name(field.name) in field.metadata["help"], field.name  # documented
 
 
 def test_defaults():
-    plugin = SuperOffloadPlugin()
-    assert {name: getattr(plugin, name) for name in FIELDS} == DEFAULTS
+    options = SuperOffloadOptions()
+    assert {name: getattr(options, name) for name in FIELDS} == DEFAULTS
 
 
 @pytest.mark.parametrize("field", list(CASES))
 def test_env_overrides_default(monkeypatch, field):
     _, env_value, resolved = CASES[field]
     monkeypatch.setenv(_env_name(field), env_value)
-    plugin = SuperOffloadPlugin()
-    assert getattr(plugin, field) == resolved
+    options = SuperOffloadOptions()
+    assert getattr(options, field) == resolved
     for other in FIELDS:  # the other fields keep their defaults
         if other != field:
-            assert getattr(plugin, other) == DEFAULTS[other], other
+            assert getattr(options, other) == DEFAULTS[other], other
 
 
 @pytest.mark.parametrize("field", list(CASES))
@@ -94,24 +100,29 @@ def test_explicit_overrides_env(monkeypatch, field):
     explicit, env_value, resolved = CASES[field]
     assert explicit != resolved  # otherwise the test could not tell which one won
     monkeypatch.setenv(_env_name(field), env_value)
-    assert getattr(SuperOffloadPlugin(**{field: explicit}), field) == explicit
+    assert getattr(SuperOffloadOptions(**{field: explicit}), field) == explicit
 
 
 @pytest.mark.parametrize(
     ("field", "falsy"),
-    [("speculate", False), ("speculate_after_clip", False), ("gpu_buckets", 0)],
+    [
+        ("speculate", False),
+        ("speculate_after_clip", False),
+        ("gpu_buckets", 0),
+        ("gpu_memory_cap", 0.0),
+    ],
 )
 def test_explicit_falsy_values_win(monkeypatch, field, falsy):
     """False and 0 are values, not "unset": they must beat the environment."""
     monkeypatch.setenv(_env_name(field), "true" if isinstance(falsy, bool) else "4")
-    assert getattr(SuperOffloadPlugin(**{field: falsy}), field) == falsy
+    assert getattr(SuperOffloadOptions(**{field: falsy}), field) == falsy
 
 
 def test_all_env_vars_at_once(monkeypatch):
     for field, (_, env_value, _) in CASES.items():
         monkeypatch.setenv(_env_name(field), env_value)
-    plugin = SuperOffloadPlugin()
-    assert {name: getattr(plugin, name) for name in FIELDS} == {
+    options = SuperOffloadOptions()
+    assert {name: getattr(options, name) for name in FIELDS} == {
         field: resolved for field, (_, _, resolved) in CASES.items()
     }
 
@@ -119,15 +130,15 @@ def test_all_env_vars_at_once(monkeypatch):
 @pytest.mark.parametrize("raw", ["1", "true", "TRUE", "yes", "on", "0", "false", "No", "OFF"])
 def test_bool_env_spellings(monkeypatch, raw):
     monkeypatch.setenv("SUPEROFFLOAD_SPECULATE", raw)
-    assert SuperOffloadPlugin().speculate is (raw.lower() in ("1", "true", "yes", "on"))
+    assert SuperOffloadOptions().speculate is (raw.lower() in ("1", "true", "yes", "on"))
 
 
 def test_gpu_buckets_auto_and_numeric_strings(monkeypatch):
-    assert SuperOffloadPlugin(gpu_buckets="auto").gpu_buckets == "auto"
-    assert SuperOffloadPlugin(gpu_buckets="3").gpu_buckets == 3
-    assert SuperOffloadPlugin(gpu_buckets=0).gpu_buckets == 0
+    assert SuperOffloadOptions(gpu_buckets="auto").gpu_buckets == "auto"
+    assert SuperOffloadOptions(gpu_buckets="3").gpu_buckets == 3
+    assert SuperOffloadOptions(gpu_buckets=0).gpu_buckets == 0
     monkeypatch.setenv("SUPEROFFLOAD_GPU_BUCKETS", "auto")
-    assert SuperOffloadPlugin().gpu_buckets == "auto"
+    assert SuperOffloadOptions().gpu_buckets == "auto"
 
 
 # ---------------------------------------------------------------------------- invalid values
@@ -151,11 +162,16 @@ def test_gpu_buckets_auto_and_numeric_strings(monkeypatch):
         ({"speculate_after_clip": 1}, "speculate_after_clip"),
         ({"cast": "bf16"}, "cast"),
         ({"cast": "GPU"}, "cast"),
+        ({"gpu_memory_cap": -1}, "gpu_memory_cap"),
+        ({"gpu_memory_cap": "lots"}, "gpu_memory_cap"),
+        ({"gpu_memory_cap": float("nan")}, "gpu_memory_cap"),
+        ({"gpu_memory_cap": float("inf")}, "gpu_memory_cap"),
+        ({"gpu_memory_cap": True}, "gpu_memory_cap"),
     ],
 )
 def test_invalid_explicit_values_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        SuperOffloadPlugin(**kwargs)
+        SuperOffloadOptions(**kwargs)
 
 
 @pytest.mark.parametrize(
@@ -166,15 +182,15 @@ def test_invalid_explicit_values_raise(kwargs, match):
 def test_explicit_falsy_invalid_values_raise(monkeypatch, field, invalid, env_value):
     """An explicit invalid value must raise, not be replaced by the env var or the default.
 
-    Fails at the time of writing: ``SuperOffloadPlugin.__post_init__`` resolves these two
+    Fails at the time of writing: ``SuperOffloadOptions.__post_init__`` resolves these two
     fields with ``self.bucket_size or _env(...)`` / ``self.cast or _env(...)``, so an explicit
     0 (or "") counts as "not given": ``bucket_size=0`` silently becomes 2**25, or the env value.
     """
     with pytest.raises(ValueError, match=field):
-        SuperOffloadPlugin(**{field: invalid})
+        SuperOffloadOptions(**{field: invalid})
     monkeypatch.setenv(_env_name(field), env_value)
     with pytest.raises(ValueError, match=field):
-        SuperOffloadPlugin(**{field: invalid})
+        SuperOffloadOptions(**{field: invalid})
 
 
 @pytest.mark.parametrize(
@@ -191,31 +207,57 @@ def test_explicit_falsy_invalid_values_raise(monkeypatch, field, invalid, env_va
         ("speculate", "maybe"),
         ("speculate_after_clip", "2"),
         ("cast", "fp8"),
+        ("gpu_memory_cap", "-0.5"),
+        ("gpu_memory_cap", "40GiB"),
     ],
 )
 def test_invalid_env_values_raise(monkeypatch, field, raw):
     monkeypatch.setenv(_env_name(field), raw)
     with pytest.raises(ValueError, match=f"(?i){field}") as error:  # field or env var name
-        SuperOffloadPlugin()
+        SuperOffloadOptions()
     if not raw.lstrip("-").isdigit():  # a malformed value: the message says where it came from
         assert _env_name(field) in str(error.value)
 
 
 def test_from_dict():
-    plugin = SuperOffloadPlugin.from_dict({"bucket_size": 2048, "cast": "cpu"})
-    assert plugin.bucket_size == 2048 and plugin.cast == "cpu"
-    assert plugin.speculate is True  # the rest resolved as usual
+    options = SuperOffloadOptions.from_dict({"bucket_size": 2048, "cast": "cpu"})
+    assert options.bucket_size == 2048 and options.cast == "cpu"
+    assert options.speculate is True  # the rest resolved as usual
     with pytest.raises(ValueError, match="bucket_sise") as error:
-        SuperOffloadPlugin.from_dict({"bucket_sise": 2048, "cast": "cpu"})
+        SuperOffloadOptions.from_dict({"bucket_sise": 2048, "cast": "cpu"})
     assert "bucket_size" in str(error.value)  # and lists the valid names
 
 
 def test_optimizer_kwargs_match_the_optimizer_signature():
-    kwargs = SuperOffloadPlugin().optimizer_kwargs()
+    kwargs = SuperOffloadOptions().optimizer_kwargs()
     assert set(kwargs) == set(FIELDS)
     params = inspect.signature(SuperOffloadOptimizer.__init__).parameters
     for name in kwargs:
         assert params[name].kind is inspect.Parameter.KEYWORD_ONLY, name
+    # None (the default) means no cap, on both sides.
+    assert kwargs["gpu_memory_cap"] is None and params["gpu_memory_cap"].default is None
+    assert SuperOffloadOptions(gpu_memory_cap=20).optimizer_kwargs()["gpu_memory_cap"] == 20.0
+
+
+# ------------------------------------------------------------------------------- the old name
+
+
+def test_the_old_name_still_works_and_warns():
+    with pytest.warns(FutureWarning, match="SuperOffloadPlugin is now SuperOffloadOptions"):
+        old = hf_superoffload.SuperOffloadPlugin
+    assert old is SuperOffloadOptions
+    with pytest.warns(FutureWarning, match="SuperOffloadOptions"):
+        from hf_superoffload import SuperOffloadPlugin  # noqa: F401
+    assert "SuperOffloadPlugin" not in hf_superoffload.__all__
+
+
+def test_the_new_name_does_not_warn(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        options = SuperOffloadOptions(cast="cpu")
+        args = _training_args(tmp_path, superoffload_cast="cpu")
+        assert args.superoffload_options() == options
+        assert args.superoffload_plugin() == options  # the old name, which the trainer calls
 
 
 # ------------------------------------------------------------------------ training arguments
@@ -225,7 +267,7 @@ def _argument_fields(cls) -> set[str]:
     return {f.name for f in dataclasses.fields(cls) if f.name.startswith("superoffload_")}
 
 
-def test_arguments_mirror_the_plugin_fields():
+def test_arguments_mirror_the_option_fields():
     expected = {"superoffload_" + name for name in FIELDS} | {"superoffload_save_dtype"}
     assert _argument_fields(SuperOffloadArgumentsMixin) == expected
     assert _argument_fields(SuperOffloadTrainingArguments) == expected
@@ -233,23 +275,23 @@ def test_arguments_mirror_the_plugin_fields():
         assert field.default is None and field.metadata["help"], field.name
 
 
-def test_training_arguments_build_the_plugin(tmp_path, monkeypatch):
+def test_training_arguments_build_the_options(tmp_path, monkeypatch):
     args = _training_args(tmp_path, superoffload_gpu_buckets="3")
-    plugin = args.superoffload_plugin()
-    assert isinstance(plugin, SuperOffloadPlugin)
-    assert plugin.gpu_buckets == 3
-    assert {name: getattr(plugin, name) for name in FIELDS if name != "gpu_buckets"} == {
+    options = args.superoffload_options()
+    assert isinstance(options, SuperOffloadOptions)
+    assert options.gpu_buckets == 3
+    assert {name: getattr(options, name) for name in FIELDS if name != "gpu_buckets"} == {
         name: value for name, value in DEFAULTS.items() if name != "gpu_buckets"
     }
 
     # Unset arguments fall back to the environment; set ones beat it.
     monkeypatch.setenv("SUPEROFFLOAD_CAST", "cpu")
     monkeypatch.setenv("SUPEROFFLOAD_BUCKET_SIZE", "777")
-    plugin = _training_args(tmp_path, superoffload_bucket_size=4096).superoffload_plugin()
-    assert plugin.cast == "cpu" and plugin.bucket_size == 4096
+    options = _training_args(tmp_path, superoffload_bucket_size=4096).superoffload_options()
+    assert options.cast == "cpu" and options.bucket_size == 4096
 
     with pytest.raises(ValueError, match="gpu_buckets"):
-        _training_args(tmp_path, superoffload_gpu_buckets="-1").superoffload_plugin()
+        _training_args(tmp_path, superoffload_gpu_buckets="-1").superoffload_options()
 
 
 def test_hf_argument_parser(tmp_path):
@@ -274,9 +316,9 @@ def test_hf_argument_parser(tmp_path):
     assert args.superoffload_bucket_size == 1000
     assert args.superoffload_speculate is False
     assert args.superoffload_gpu_buckets is None
-    plugin = args.superoffload_plugin()
-    assert (plugin.cast, plugin.bucket_size, plugin.speculate) == ("cpu", 1000, False)
-    assert plugin.gpu_buckets == "auto"
+    options = args.superoffload_options()
+    assert (options.cast, options.bucket_size, options.speculate) == ("cpu", 1000, False)
+    assert options.gpu_buckets == "auto"
 
 
 # TRL's configs default the deprecated `gradient_checkpointing` to True (TRL's own business).
@@ -292,8 +334,8 @@ def test_trl_configs_carry_the_same_fields(tmp_path, config_name):
     assert issubclass(cls, base)
     assert _argument_fields(cls) == _argument_fields(SuperOffloadTrainingArguments)
     args = _training_args(tmp_path, cls, superoffload_gpu_buckets="2", superoffload_cast="gpu")
-    plugin = args.superoffload_plugin()
-    assert (plugin.gpu_buckets, plugin.cast) == (2, "gpu")
+    options = args.superoffload_options()
+    assert (options.gpu_buckets, options.cast) == (2, "gpu")
 
     parser = HfArgumentParser(cls)
     (parsed,) = parser.parse_args_into_dataclasses(
@@ -302,15 +344,47 @@ def test_trl_configs_carry_the_same_fields(tmp_path, config_name):
             *("--superoffload_bucket_size", "1000", "--superoffload_cpu_threads", "2"),
         ]
     )
-    assert parsed.superoffload_plugin().bucket_size == 1000
-    assert parsed.superoffload_plugin().cpu_threads == 2
+    assert parsed.superoffload_options().bucket_size == 1000
+    assert parsed.superoffload_options().cpu_threads == 2
 
 
-def test_trainer_prefers_an_explicit_plugin(tmp_path):
-    """A plugin given to the trainer beats the one the arguments describe."""
+def test_gpu_memory_cap_argument(tmp_path, monkeypatch):
+    parser = HfArgumentParser(SuperOffloadTrainingArguments)
+    (args,) = parser.parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--use_cpu", "--superoffload_gpu_memory_cap", "12.5"]
+    )
+    assert args.superoffload_options().gpu_memory_cap == 12.5
+    with pytest.raises(ValueError, match="gpu_memory_cap must be a number of GiB >= 0"):
+        _training_args(tmp_path, superoffload_gpu_memory_cap=-1.0)
+    # DeepSpeed ZeRO-3 takes the GPU's share from its config: the argument is refused there,
+    # whether the config comes as an argument or from `accelerate launch`.
+    with pytest.raises(ValueError, match=r"offload_optimizer\.ratio"):
+        _training_args(tmp_path, superoffload_gpu_memory_cap=8.0, deepspeed={"train_batch_size": 1})
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with pytest.raises(ValueError, match=r"offload_optimizer\.ratio"):
+        _training_args(tmp_path, superoffload_gpu_memory_cap=8.0)
+
+
+def test_the_trainer_hands_the_gpu_memory_cap_to_the_optimizer(tmp_path):
+    args = _training_args(tmp_path, superoffload_gpu_memory_cap=3.5, superoffload_bucket_size=4096)
+    trainer = SuperOffloadTrainer(model=build_tiny_llama(), args=args)
+    trainer.create_optimizer()
+    try:
+        assert trainer.superoffload_optimizer.gpu_memory_cap == 3.5
+    finally:
+        trainer.superoffload_optimizer.close()
+
+
+def test_trainer_prefers_explicit_options(tmp_path):
+    """Options given to the trainer beat the ones the arguments describe."""
     args = _training_args(tmp_path, superoffload_bucket_size=1 << 20, superoffload_cast="cpu")
     model = build_tiny_llama()
-    assert SuperOffloadTrainer(model=model, args=args)._resolved_plugin().bucket_size == 1 << 20
-    plugin = SuperOffloadPlugin(bucket_size=512, cast="gpu")
-    trainer = SuperOffloadTrainer(model=model, args=args, superoffload_plugin=plugin)
-    assert trainer._resolved_plugin() is plugin
+    assert SuperOffloadTrainer(model=model, args=args)._resolved_options().bucket_size == 1 << 20
+    options = SuperOffloadOptions(bucket_size=512, cast="gpu")
+    trainer = SuperOffloadTrainer(model=model, args=args, superoffload_options=options)
+    assert trainer._resolved_options() is options
+    old_name = SuperOffloadTrainer(model=model, args=args, superoffload_plugin=options)
+    assert old_name._resolved_options() is options
+    with pytest.raises(ValueError, match="superoffload_options only"):
+        SuperOffloadTrainer(model=model, args=args, superoffload_options=options,
+                            superoffload_plugin=options)  # fmt: skip

@@ -46,6 +46,22 @@ def process_figures() -> dict[str, int]:
     }
 
 
+def run_and_sample(one_step, optimizer) -> dict:
+    """``one_step(step)`` for every step, sampling the process after ``WARMUP`` steps and at
+    the end (once ``optimizer``'s work in flight is done); also the wall time and its stats."""
+    started = time.perf_counter()
+    figures = {}
+    for step in range(STEPS):
+        one_step(step)
+        if step + 1 == WARMUP:
+            figures["warm"] = process_figures()
+    optimizer.synchronize()
+    figures["end"] = process_figures()
+    figures["seconds"] = time.perf_counter() - started
+    figures["stats"] = dict(optimizer.stats)
+    return figures
+
+
 def nan_steps() -> int:
     return len(range(0, STEPS, NAN_EVERY))
 
@@ -87,18 +103,13 @@ def _standalone_soak(rank: int, out_path: str) -> None:
     case = SOAK_CASE.replace(max_grad_norm=2 * NORMAL_NORM)
     model = ParamBag(case.shapes, seed=0)
     opt = make_engine(case, model)
-    started = time.perf_counter()
-    figures = {}
-    for step in range(STEPS):
+
+    def one_step(step: int) -> None:
         backward(case, model, _step_targets(step), 0)
         opt.step()
         opt.zero_grad()
-        if step + 1 == WARMUP:
-            figures["warm"] = process_figures()
-    opt.synchronize()
-    figures["end"] = process_figures()
-    figures["seconds"] = time.perf_counter() - started
-    figures["stats"] = dict(opt.stats)
+
+    figures = run_and_sample(one_step, opt)
     figures["finite"] = all(bool(p.isfinite().all()) for p in model.parameters())
     opt.close()
     figures["workers_after_close"] = len(worker_threads())
@@ -156,9 +167,8 @@ def _zero3_soak(rank: int, port: int, out_path: str) -> None:
     case = Zero3Case(steps=STEPS, max_grad_norm=ZERO3_CLIP, lr=1e-3, schedule=False)
     engine, optimizer = make_engine(case, True, 1)
     assert type(optimizer).__name__ == "SuperOffloadZero3Optimizer"
-    started = time.perf_counter()
-    figures = {}
-    for step in range(STEPS):
+
+    def one_step(step: int) -> None:
         ids = batch(case, step, 0, rank, engine.device)
         loss = engine(input_ids=ids, labels=ids).loss
         if step % NAN_EVERY == 0:
@@ -167,12 +177,8 @@ def _zero3_soak(rank: int, port: int, out_path: str) -> None:
             loss = loss * ZERO3_CLIP_LOSS_SCALE
         engine.backward(loss)
         engine.step()
-        if step + 1 == WARMUP:
-            figures["warm"] = process_figures()
-    optimizer.synchronize()
-    figures["end"] = process_figures()
-    figures["seconds"] = time.perf_counter() - started
-    figures["stats"] = dict(optimizer.stats)
+
+    figures = run_and_sample(one_step, optimizer)
     engine.destroy()
     with open(out_path, "w") as f:
         json.dump(figures, f)

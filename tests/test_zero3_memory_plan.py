@@ -63,3 +63,26 @@ def test_says_why_a_run_does_not_fit():
 def test_refuses_a_ratio_outside_zero_to_one():
     with pytest.raises(ValueError, match="ratio must be within"):
         zero3_memory_plan(_config("3b"), Zero3Run(seq=16, batch=1, ratio=1.5))
+
+
+def _shipped(name: str):
+    values = json.loads((ROOT / f"hf_superoffload/model_configs/{name}.json").read_text())
+    values = {k: v for k, v in values.items() if not k.startswith("_")}
+    values.pop("quantization_config", None)
+    return transformers.AutoConfig.for_model(values.pop("model_type"), **values)
+
+
+@pytest.mark.parametrize(
+    ("name", "width"),
+    [
+        ("gpt-oss-20b", 4 * 2880),  # top-4 experts, each intermediate_size wide
+        ("qwen3-30b-a3b", 8 * 768),  # top-8 experts of moe_intermediate_size (not the dense 6144)
+        ("llama-3.1-8b", 14336),  # dense: intermediate_size
+    ],
+)
+def test_recomputed_mlp_is_as_wide_as_the_experts_a_token_goes_through(name, width):
+    config = _shipped(name)
+    plan = zero3_memory_plan(config, Zero3Run(seq=4096, batch=4))
+    assert plan.shape.active_intermediate == width
+    # Three activations of that width (gate, up and their product) per token, in bf16.
+    assert plan.gpu["layer_recompute"] == 3 * 2 * 4096 * 4 * width

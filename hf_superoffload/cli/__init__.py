@@ -1,8 +1,10 @@
 """The ``hf-superoffload`` command line (also ``python -m hf_superoffload``).
 
-Subcommands: ``env`` (what this machine offers SuperOffload, like DeepSpeed's ``ds_report``)
-and ``plan`` (whether a model's full fine-tuning fits given GPUs and host memory, part by
-part). Each lives in its own module and registers itself through ``add_parser``.
+Subcommands: ``env`` (what this machine offers SuperOffload, like DeepSpeed's ``ds_report``),
+``plan`` (whether a model's full fine-tuning fits given GPUs and host memory, part by part),
+``demo`` (the main job) and ``bench`` (the benchmark suite of a checkout). Each lives in its own
+module and registers itself through ``add_parser``; ``demo`` and ``bench`` hand the arguments
+they do not know to the job they run.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import argparse
 import sys
 
 from .. import __version__
-from . import env, plan
+from . import bench, demo, env, plan
 from .errors import EXIT_BAD_INPUT, UsageError
 
 PROG = "hf-superoffload"
@@ -20,20 +22,25 @@ PROG = "hf-superoffload"
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
-        description="SuperOffload for Hugging Face: check this machine and plan a run before "
-        "renting one.",
+        description="SuperOffload for Hugging Face: check this machine, plan a run before "
+        "renting one, run the demo or the benchmark suite.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     env.add_parser(commands)
     plan.add_parser(commands)
+    demo.add_parser(commands)
+    bench.add_parser(commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; returns its exit code (argparse itself exits 2 on bad syntax)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "passes_through", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra = extra
     if args.command is None:
         parser.print_help()
         return EXIT_BAD_INPUT

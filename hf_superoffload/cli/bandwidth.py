@@ -1,7 +1,7 @@
 """Host <-> GPU copy bandwidth each way, from page-locked host memory, timed with CUDA events.
 
 A short probe (a 256 MiB buffer, a few copies): enough to tell NVLink-C2C (hundreds of GB/s)
-from PCIe (tens), which is what the cast cost model and the user need to know.
+from PCIe (tens), which is what the user needs to know (e.g. to compare cast='gpu' there).
 """
 
 from __future__ import annotations

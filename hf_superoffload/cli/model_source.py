@@ -1,8 +1,10 @@
 """Turn ``plan``'s MODEL argument into a transformers config, without downloading anything.
 
-MODEL is a local model directory (its ``config.json`` is read), a ``config.json`` path, or the
-short name of an architecture config shipped in ``hf_superoffload/model_configs``. A local
-path wins over a shipped name of the same spelling.
+MODEL is a local model directory (its ``config.json`` is read), a ``config.json`` path, the
+short name of an architecture config shipped in ``hf_superoffload/model_configs``, or a recipe
+YAML (``examples/recipes/``): its ``random_init_from_config`` or a local
+``model_name_or_path``, else the shipped config named like the recipe, and its sequence length
+and batch. A local path wins over a shipped name of the same spelling.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ class ModelSource:
     path: str  # the config.json read
     config: object  # a transformers PretrainedConfig
     notes: tuple[str, ...] = ()
+    seq: int | None = None  # a recipe's max_length
+    batch: int | None = None  # a recipe's per_device_train_batch_size
 
 
 def shipped_configs() -> dict[str, Path]:
@@ -42,8 +46,13 @@ def _json_files(folder) -> list:
     return sorted((e for e in folder.iterdir() if e.name.endswith(".json")), key=lambda e: e.name)
 
 
+RECIPE_SUFFIXES = (".yaml", ".yml")
+
+
 def resolve(spec: str) -> ModelSource:
     path = Path(spec).expanduser()
+    if path.is_file() and path.suffix in RECIPE_SUFFIXES:
+        return _from_recipe(path)
     shipped = shipped_configs()
     if path.is_dir():
         config_file = path / "config.json"
@@ -94,3 +103,33 @@ def _to_config(values: dict, config_file: Path):
             f"from {config_file} ({error}); upgrade transformers, or pass a config of an "
             "architecture it knows (models needing trust_remote_code are not supported)"
         ) from None
+
+
+def _from_recipe(path: Path) -> ModelSource:
+    """The model a recipe trains, and its sequence length and batch."""
+    import yaml
+
+    try:
+        recipe = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
+        raise UsageError(f"cannot read {path} as a YAML recipe: {error}") from None
+    if not isinstance(recipe, dict):
+        raise UsageError(f"{path} is no recipe: a YAML mapping of training arguments")
+    model = recipe.get("random_init_from_config") or recipe.get("model_name_or_path")
+    notes = [f"recipe {path}"]
+    if model and (Path(model).expanduser().exists() or model in shipped_configs()):
+        source = resolve(model)
+    elif path.stem in shipped_configs():  # a Hub id: plan its architecture, shipped here
+        source = resolve(path.stem)
+        notes.append(f"{model!r} is not local: planned from the shipped config {path.stem!r}")
+    else:
+        raise UsageError(
+            f"recipe {path} names the model {model!r}, which is neither a local path nor a "
+            f"shipped config; pass the model's config.json as MODEL instead"
+        )
+    return dataclasses.replace(
+        source,
+        notes=(*notes, *source.notes),
+        seq=recipe.get("max_length"),
+        batch=recipe.get("per_device_train_batch_size"),
+    )

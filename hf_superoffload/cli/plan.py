@@ -26,6 +26,7 @@ from .errors import EXIT_DOES_NOT_FIT, EXIT_FITS, UsageError
 from .hardware import GIB, PRESETS
 
 _MORE_GPUS = (2, 4, 8, 16, 32, 64)  # GPU counts tried when a run does not fit
+DEFAULT_SEQ, DEFAULT_BATCH = 4096, 4  # the paper's examples' settings
 
 
 def add_parser(commands) -> None:
@@ -41,7 +42,9 @@ def add_parser(commands) -> None:
         + "; ".join(f"{h.name}: {h.summary}" for h in PRESETS.values()),
     )
     parser.add_argument(
-        "model", metavar="MODEL", help="a model directory, its config.json, or a shipped name"
+        "model",
+        metavar="MODEL",
+        help="a model directory, its config.json, a shipped name, or a recipe YAML",
     )
     parser.add_argument("--gpus", type=int, default=1, help="data-parallel GPUs (default 1)")
     parser.add_argument("--hardware", metavar="NAME", help=f"preset: {', '.join(PRESETS)}")
@@ -53,8 +56,14 @@ def add_parser(commands) -> None:
         metavar="K",
         help="GPUs sharing one host's memory (default: a preset's, else all on one host)",
     )
-    parser.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
-    parser.add_argument("--batch", type=int, default=4, help="micro-batch per GPU (default 4)")
+    parser.add_argument(
+        "--seq", type=int, help="sequence length (default: a recipe's max_length, else 4096)"
+    )
+    parser.add_argument(
+        "--batch",
+        type=int,
+        help="micro-batch per GPU (default: a recipe's per_device_train_batch_size, else 4)",
+    )
     parser.add_argument(
         "--ratio",
         type=float,
@@ -99,7 +108,7 @@ class Verdict:
 
 def _check(args) -> None:
     for option, value in (("--gpus", args.gpus), ("--seq", args.seq), ("--batch", args.batch)):
-        if value < 1:
+        if value is not None and value < 1:
             raise UsageError(f"{option} must be at least 1, got {value}")
     if args.gradient_accumulation_steps < 1:
         raise UsageError(
@@ -165,8 +174,8 @@ def run(args: argparse.Namespace) -> int:
     source = model_source.resolve(args.model)
     capacity = capacity_options.resolve(args)
     zero3_run = Zero3Run(
-        seq=args.seq,
-        batch=args.batch,
+        seq=args.seq or source.seq or DEFAULT_SEQ,
+        batch=args.batch or source.batch or DEFAULT_BATCH,
         ranks=args.gpus,
         ranks_per_host=capacity.ranks_per_host(args.gpus),
         ratio=args.ratio,

@@ -68,6 +68,7 @@ class Bucket(HostPartition):
         # arrivals (made on first need, kept: accumulation usually goes on).
         self.grad_sum: torch.Tensor | None = None
         self._link = link
+        self._cast = cast
         if on_device:
             self._hold_state_on_device(master, exp_avg, exp_avg_sq)
         self.reset_for_next_step()
@@ -83,6 +84,20 @@ class Bucket(HostPartition):
             self.exp_avg_sq.to(link.device),
         )
         link.release(*host_buffers)
+
+    def move_to_host(self) -> None:
+        """Make a tail bucket a host bucket again: master and moments come back to host memory
+        (page-locked master, as at construction), its host transfer buffers are made, and the
+        device state is dropped (the caller empties the allocator's cache if it must)."""
+        master = self._link.host_empty(self.plan.numel, torch.float32)
+        master.copy_(self.master)  # a blocking copy: the tail's last step has finished
+        exp_avg, exp_avg_sq = self.exp_avg.cpu(), self.exp_avg_sq.cpu()
+        dtype = self.plan.params[0].dtype
+        host_grad, param_low = host_transfer_buffers(self._link, self.plan.numel, dtype, self._cast)
+        self.master, self.exp_avg, self.exp_avg_sq = master, exp_avg, exp_avg_sq
+        self.host_grad, self.param_low = host_grad, param_low
+        self.grad = self.device_group = None
+        self.on_device = False
 
     def _hold_state_on_device(self, master, exp_avg, exp_avg_sq) -> None:
         self.master, self.exp_avg, self.exp_avg_sq = master, exp_avg, exp_avg_sq

@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import difflib
+import logging
 import numbers
 import os
+from collections.abc import Iterable, Mapping
 
 import torch
 
 HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+logger = logging.getLogger("hf_superoffload")
+
+FP16_WARNING = (
+    "hf_superoffload: the params are float16 and SuperOffloadOptimizer has no loss scaler: "
+    "gradients above 65504 become inf and skip the step (counted and logged), and gradients "
+    "below 6e-8 flush to zero without a word. Train in bf16 (model.to(torch.bfloat16)), or "
+    "scale the loss yourself and divide the gradients back before step()."
+)
 
 
 def _is_number(value) -> bool:
@@ -21,6 +33,31 @@ def _require_number(name: str, value, example: str) -> None:
         raise ValueError(
             f"{name} must be a number, got {value!r} ({type(value).__name__}); pass e.g. "
             f"{name}={example}."
+        )
+
+
+def refuse_unknown_kwargs(kwargs: Mapping, known_names: Iterable[str], owner: str) -> None:
+    """A TypeError for the first keyword argument of ``kwargs`` not in ``known_names``, as
+    Python's own for an unexpected keyword, with the closest known name when one is near
+    (``gpu_bucket=3`` -> ``gpu_buckets``) and the known names otherwise."""
+    known = sorted(known_names)
+    for name in kwargs:
+        if name in known:
+            continue
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}?" if close else f"it takes {', '.join(known)}."
+        raise TypeError(f"{owner}() got an unexpected keyword argument {name!r}; {hint}")
+
+
+def check_option_values(max_grad_norm, gradient_accumulation_steps) -> None:
+    """Values the constructor's types (check_options) allow but the engine cannot use."""
+    if max_grad_norm is not None and max_grad_norm < 0:
+        raise ValueError(
+            f"max_grad_norm must be >= 0 (0 or None: no clipping), got {max_grad_norm}."
+        )
+    if gradient_accumulation_steps < 1:
+        raise ValueError(
+            f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}."
         )
 
 
@@ -134,6 +171,8 @@ def common_device_and_dtype(params: list[torch.nn.Parameter]) -> tuple[torch.dev
             f"params must be on a CUDA device or the CPU, got {device}. Move the model there "
             f"(model.to('cuda')); meta params must be materialised first (load the weights)."
         )
+    if dtype == torch.float16:
+        logger.warning(FP16_WARNING)
     return device, dtype
 
 
@@ -148,10 +187,14 @@ def cores_of_this_rank(bound: bool) -> int:
 
 
 def default_cpu_threads(device: torch.device) -> int:
-    if device.type != "cuda":
-        return torch.get_num_threads()
     # Ranks accelerate bound each to its GPU's NUMA node keep their cores; others share them
     # (set cpu_threads to override, e.g. after binding ranks yourself with numactl).
     cores = cores_of_this_rank(bound=os.environ.get("ACCELERATE_CPU_AFFINITY") == "1")
+    if device.type != "cuda":
+        # Without a GPU, forward and backward run on torch's intra-op threads while the CPU
+        # Adam runs on the worker during backward: give it only the cores those threads leave
+        # (at least one), not a second team as large, which oversubscribes the cores (on 2
+        # cores, the default team of 2 plus 2 CPU Adam threads).
+        return max(1, cores - torch.get_num_threads())
     # Leave one core to the training thread that feeds the GPU.
     return max(1, cores - 1)

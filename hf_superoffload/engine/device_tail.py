@@ -37,6 +37,14 @@ class DeviceTail:
                 "exp_avg_sq": bucket.views(bucket.exp_avg_sq, i),
             }
 
+    def unregister(self, bucket: Bucket) -> None:
+        """The bucket goes back to the host: drop its group and state (found by identity:
+        comparing groups by value would compare tensors)."""
+        groups = self.adamw.param_groups
+        del groups[next(i for i, g in enumerate(groups) if g is bucket.device_group)]
+        for view in self._views.pop(bucket.index):
+            del self.adamw.state[view]
+
     def set_step(self, bucket: Bucket) -> None:
         for i, view in enumerate(self._views[bucket.index]):
             self.adamw.state[view]["step"] = self._step_tensor(bucket.param_step(i))

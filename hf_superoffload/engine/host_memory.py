@@ -8,11 +8,15 @@ benchmark). Here each buffer is ordinary host memory, page-aligned and page-lock
 asynchronous DMA: on an H100, 55 GB/s each way like torch's pinned blocks (pageable: 4.5 D2H,
 8.7 H2D), with the copy call returning at once. torch's ``Tensor.is_pinned()`` says False for
 these buffers, since it only recognises its own allocator's.
+
+``check_host_memory`` refuses, before allocating, a host state that would not fit beside the
+other ranks of the host, with the bytes needed and available and what to change.
 """
 
 from __future__ import annotations
 
 import mmap
+import os
 import weakref
 
 import torch
@@ -72,3 +76,91 @@ def _unpin_all(owned: dict[int, torch.Tensor]) -> None:
             first_error = code
     if first_error is not None:
         torch.cuda.check_error(first_error)
+
+
+# ---------------------------------------------------------------------------------------------
+# Refusing a host state that cannot fit, before allocating it
+
+MEMINFO = "/proc/meminfo"
+CGROUP_V2 = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current")
+CGROUP_V1 = (
+    "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+    "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+)
+
+
+class HostMemoryError(MemoryError):
+    """The optimizer's host state would not fit; raised before any of it is allocated."""
+
+
+def host_bytes_available() -> int:
+    """Bytes of host memory this process can still take, pinned or pageable: the kernel's
+    ``MemAvailable``, or less where a container's memory limit (cgroup v2 or v1) leaves less."""
+    with open(MEMINFO) as f:
+        fields = dict(line.split(":", 1) for line in f)
+    available = int(fields["MemAvailable"].split()[0]) * 1024
+    for limit_file, usage_file in (CGROUP_V2, CGROUP_V1):
+        try:
+            with open(limit_file) as f:
+                limit = f.read().strip()
+            with open(usage_file) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue  # no such controller here
+        if limit != "max" and int(limit) < 2**60:  # v1 writes "no limit" as a huge number
+            available = min(available, max(0, int(limit) - usage))
+        break
+    return available
+
+
+def ranks_on_this_host() -> int:
+    """Processes of this job on this host (the launcher's ``LOCAL_WORLD_SIZE``), each of
+    which allocates its own host state at about the same time."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def check_host_memory(parts: dict[str, int], remedies: str) -> None:
+    """Refuse, before anything is allocated, a host state of ``parts`` (bytes per rank, by
+    what they hold) that this host cannot hold for all of its ranks; the kernel's OOM killer
+    would otherwise end the run part-way. ``remedies`` says what to change."""
+    per_rank = sum(parts.values())
+    ranks = ranks_on_this_host()
+    available = host_bytes_available()
+    if per_rank * ranks <= available:
+        return
+    listed = ", ".join(f"{name} {nbytes / 2**30:.2f}" for name, nbytes in parts.items() if nbytes)
+    raise HostMemoryError(
+        f"the optimizer's host state needs {per_rank / 2**30:.2f} GiB per rank ({listed} GiB) "
+        f"x {ranks} rank(s) on this host (LOCAL_WORLD_SIZE) = {per_rank * ranks / 2**30:.2f} "
+        f"GiB of host memory (pinned and pageable), but only {available / 2**30:.2f} GiB is "
+        f"available (MemAvailable, or the container's limit); the kernel would kill the run "
+        f"part-way. {remedies}"
+    )
+
+
+def standalone_host_parts(
+    host_numel: int, model_dtype: torch.dtype, cast, accumulating: bool
+) -> dict[str, int]:
+    """Host bytes SuperOffloadOptimizer allocates for ``host_numel`` elements of host buckets
+    (``bucket.py``, ``cast`` its CastPlan): fp32 master and moments, the gradient buffer
+    (model dtype, or fp32 when gradients are cast on the device), the rounded param copy-out
+    (16-bit models whose params do not cross in fp32), and the fp32 gradient sum kept while
+    micro-batches accumulate. Without a GPU, tail buckets live in host memory too: count them."""
+    low = model_dtype.itemsize if model_dtype != torch.float32 else 0
+    grad_bytes = 4 if not low or cast.grads_on_device else low
+    copy_out = low if not cast.params_on_device else 0
+    return {
+        "master": 4 * host_numel,
+        "moments": 8 * host_numel,
+        "gradients": grad_bytes * host_numel,
+        "param_copy_out": copy_out * host_numel,
+        "accumulation": 4 * host_numel if accumulating else 0,
+    }
+
+
+STANDALONE_REMEDIES = (
+    "Use fewer GPUs per host (fewer processes per host), keep more buckets on the GPU "
+    "(gpu_buckets), train a smaller model, or free host memory; with several GPUs, DeepSpeed "
+    'ZeRO-3 ("super_offload": true) partitions this state over the ranks instead of '
+    "replicating it."
+)

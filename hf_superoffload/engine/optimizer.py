@@ -21,6 +21,7 @@ within the rollback's rounding for buckets speculated before the bad one arrived
 
 from __future__ import annotations
 
+import inspect
 import logging
 import weakref
 from collections.abc import Iterable
@@ -36,15 +37,19 @@ from .cast_policy import CastPlan, choose_cast_plan
 from .checks import (
     check_group,
     check_no_duplicates,
+    check_option_values,
     check_options,
     common_device_and_dtype,
     default_cpu_threads,
+    refuse_unknown_kwargs,
 )
 from .device_tail import DeviceTail
+from .forward_waits import ForwardWaits
 from .grad_arrival import GradArrival
+from .host_memory import STANDALONE_REMEDIES, check_host_memory, standalone_host_parts
 from .link import Link
 from .placement import choose_device_buckets, make_tail_tuner
-from .replicas import Replicas
+from .replicas import Replicas, shares_failures
 from .stv import Stv, Verdict, validate
 from .tail_moves import TailMoves
 
@@ -53,7 +58,8 @@ logger = logging.getLogger("hf_superoffload")
 DEFAULT_BUCKET_SIZE = 1 << 25  # 33.5M elements: ~7 ms of CPU Adam on 16 cores
 
 
-class SuperOffloadOptimizer(GradArrival, TailMoves, torch.optim.Optimizer):
+class SuperOffloadOptimizer(GradArrival, TailMoves, ForwardWaits, torch.optim.Optimizer):
+    @shares_failures  # with replicas, an error here ends the other ranks at once
     def __init__(
         self,
         params: Iterable,
@@ -64,6 +70,7 @@ class SuperOffloadOptimizer(GradArrival, TailMoves, torch.optim.Optimizer):
         *,
         max_grad_norm: float | None = 1.0,
         gpu_buckets: int | str = "auto",
+        gpu_memory_cap: float | None = None,
         bucket_size: int = DEFAULT_BUCKET_SIZE,
         cpu_threads: int | None = None,
         speculate: bool = True,
@@ -78,7 +85,9 @@ class SuperOffloadOptimizer(GradArrival, TailMoves, torch.optim.Optimizer):
         fused: bool | None = None,
         capturable: bool = False,
         differentiable: bool = False,
+        **unknown,
     ):
+        refuse_unknown_kwargs(unknown, _KEYWORDS, "SuperOffloadOptimizer")  # gpu_bucket=3: say so
         check_options(
             max_grad_norm,
             gradient_accumulation_steps,
@@ -102,14 +111,7 @@ class SuperOffloadOptimizer(GradArrival, TailMoves, torch.optim.Optimizer):
         pair = tuple(betas) if isinstance(betas, (tuple, list)) else betas
         defaults = {"lr": lr, "betas": pair, "eps": eps, "weight_decay": weight_decay}
         super().__init__(without_switches(params), defaults)
-        if max_grad_norm is not None and max_grad_norm < 0:
-            raise ValueError(
-                f"max_grad_norm must be >= 0 (0 or None: no clipping), got {max_grad_norm}."
-            )
-        if gradient_accumulation_steps < 1:
-            raise ValueError(
-                f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}."
-            )
+        check_option_values(max_grad_norm, gradient_accumulation_steps)
         check_no_duplicates(self.param_groups)
         for group in self.param_groups:
             check_group(group)
@@ -143,10 +145,18 @@ class SuperOffloadOptimizer(GradArrival, TailMoves, torch.optim.Optimizer):
             self._cast = CastPlan(bool(grads), bool(params), f"rank 0's: {self._cast.reason}")
         order = {id(p): i for i, p in enumerate(model.parameters())} if model is not None else None
         plans = plan_buckets(self.param_groups, bucket_size, order)
+        self.gpu_memory_cap = gpu_memory_cap
         n_device = int(
-            self._replicas.agree(choose_device_buckets(gpu_buckets, plans, device), "min")
+            self._replicas.agree(
+                choose_device_buckets(gpu_buckets, plans, device, self.gpu_memory_cap_bytes),
+                "min",
+            )
         )
         first_device = len(plans) - n_device
+        host_numel = sum(p.numel for p in plans if p.index < first_device or not self._link.is_cuda)
+        accumulating = gradient_accumulation_steps > 1
+        parts = standalone_host_parts(host_numel, dtype, self._cast, accumulating)
+        check_host_memory(parts, STANDALONE_REMEDIES)  # before allocating, not OOM-killed later
         self._buckets = [
             Bucket(plan, self._link, plan.index >= first_device, self._cast) for plan in plans
         ]
@@ -196,7 +206,8 @@ class SuperOffloadOptimizer(GradArrival, TailMoves, torch.optim.Optimizer):
     def stats(self) -> dict[str, float]:
         """The STV counters, plus where the buckets are now (``gpu_buckets="auto"`` moves
         them): ``device_buckets`` of ``buckets``, ``device_params`` elements, and
-        ``tail_tuning`` (1 while ``auto`` may still move buckets)."""
+        ``tail_tuning`` (1 while ``auto`` is growing the tail or probing a smaller one; 0 once
+        settled, when it only watches)."""
         on_device = [b for b in self._buckets if b.on_device]
         return {
             **self.stats_counters.as_dict(),
@@ -261,7 +272,7 @@ class SuperOffloadOptimizer(GradArrival, TailMoves, torch.optim.Optimizer):
         self._sq_norms.zero_()
         if not self._waits_in_forward:
             self.synchronize()
-        if self._tuner is not None:
+        if self._tuner is not None or self.gpu_memory_cap_bytes is not None:
             self._tune_device_tail()
         return loss
 
@@ -351,33 +362,6 @@ class SuperOffloadOptimizer(GradArrival, TailMoves, torch.optim.Optimizer):
         if self._link.is_cuda:
             torch.cuda.current_stream(self._link.device).wait_stream(self._link.d2h_stream)
 
-    # ------------------------------------------------------------------------ forward side
-
-    def _install_forward_waits(self, model: torch.nn.Module) -> list:
-        handles = []
-        for module in model.modules():
-            indices = sorted(
-                {
-                    self._slot[id(p)][0].index
-                    for p in module.parameters(recurse=False)
-                    if id(p) in self._slot
-                }
-            )
-            host = [self._buckets[i] for i in indices if not self._buckets[i].on_device]
-            if host:
-                handles.append(module.register_forward_pre_hook(self._forward_wait(host)))
-        return handles
-
-    def _forward_wait(self, buckets: list[Bucket]):
-        this = weakref.ref(self)  # the model's hooks must not keep the optimizer alive
-
-        def hook(module, args):
-            optimizer = this()
-            if optimizer is not None:
-                optimizer._before_forward(buckets)
-
-        return hook
-
     def _check_params_attached(self) -> None:
         moved = [b for b in self._buckets if b.plan.params[0].data_ptr() != b.first_param_ptr]
         if moved:
@@ -388,6 +372,13 @@ class SuperOffloadOptimizer(GradArrival, TailMoves, torch.optim.Optimizer):
                 f"reach the model. Move or wrap the model first, then build the optimizer."
             )
 
+
+# The constructor's keyword names (a misspelled one gets the closest of these).
+_KEYWORDS = [
+    name
+    for name in inspect.signature(SuperOffloadOptimizer.__init__).parameters
+    if name not in ("self", "params", "unknown")
+]
 
 _NOT_COPYABLE = (
     "SuperOffloadOptimizer cannot be copied or pickled: it owns a worker thread, page-locked "

@@ -14,7 +14,8 @@ to the bit. So which buckets are on the device is part of the arithmetic, and:
   values and are bit-identical, on the CPU and, as far as the model's own kernels are
   deterministic (``torch.use_deterministic_algorithms``), on a GPU.
 - ``gpu_buckets="auto"`` on a GPU starts from a memory-bounded tail and then moves buckets
-  onto the device by *measured* timings (``TailTuner``): how many move, and after which step,
+  onto the device and back by *measured* timings (``tail_tuner.TailTuner``), within the
+  device memory the training leaves and ``gpu_memory_cap``: how many move, and after which step,
   varies from run to run, and so does the rounding; a resumed run starts the tuning over. Such
   runs agree to fp32 rounding (the tolerances of tests/engine_reference.py), not bit for bit.
   For bit-identical GPU runs or resumes, pass an integer, e.g. the ``stats["device_buckets"]``
@@ -31,29 +32,34 @@ import logging
 import torch
 
 from .buckets import BucketPlan
+from .tail_tuner import TailTuner
 
 logger = logging.getLogger("hf_superoffload")
 
 DEVICE_BYTES_PER_ELEMENT = 16
 # "auto": at most this share of the free device memory goes to tail-bucket state ...
 _AUTO_MEMORY_SHARE = 0.25
-# ... and the tail covers about this share of the params: enough forward work to hide the last
-# CPU buckets, while the CPU keeps the bulk of the optimizer work off the device.
-_AUTO_PARAM_SHARE = 0.10
+# ... and the tail starts at about this share of the params: enough to hide the last CPU
+# buckets when speculation hides the rest (3.4B on an H100: 4 buckets sufficed), little enough
+# that the peak stays low; the tuner grows it when the GPU waits (clipping).
+_AUTO_PARAM_SHARE = 0.05
 
 
 def choose_device_buckets(
-    requested: int | str, plans: list[BucketPlan], device: torch.device
+    requested: int | str,
+    plans: list[BucketPlan],
+    device: torch.device,
+    cap_bytes: float | None = None,
 ) -> int:
     """Number of tail buckets to step on the device (ints above the bucket count mean all;
-    "auto" on the CPU: none, see the module docstring)."""
+    "auto" on the CPU: none, see the module docstring), within ``cap_bytes`` of tail state."""
     if isinstance(requested, bool) or not (requested == "auto" or isinstance(requested, int)):
         raise ValueError(f"gpu_buckets must be a non-negative int or 'auto', got {requested!r}.")
     if requested != "auto":
         if requested < 0:
             raise ValueError(f"gpu_buckets must be >= 0, got {requested}.")
         chosen = min(requested, len(plans))
-        _check_fits(plans, chosen, device)
+        _check_fits(plans, chosen, device, cap_bytes)
         logger.info(
             "hf_superoffload: %d of %d buckets on the device (requested)", chosen, len(plans)
         )
@@ -64,6 +70,8 @@ def choose_device_buckets(
         return 0
     total = sum(p.numel for p in plans)
     budget = _free_device_bytes(device) * _AUTO_MEMORY_SHARE
+    if cap_bytes is not None:
+        budget = min(budget, cap_bytes)
     chosen, numel = 0, 0
     for plan in reversed(plans):  # the tail: last to get gradients
         grown = numel + plan.numel
@@ -91,8 +99,16 @@ def _free_device_bytes(device: torch.device) -> float:
     return float("inf")  # CPU mode: the "device" is host memory
 
 
-def _check_fits(plans: list[BucketPlan], chosen: int, device: torch.device) -> None:
+def _check_fits(
+    plans: list[BucketPlan], chosen: int, device: torch.device, cap_bytes: float | None
+) -> None:
     need = sum(p.numel for p in plans[len(plans) - chosen :]) * DEVICE_BYTES_PER_ELEMENT
+    if cap_bytes is not None and need > cap_bytes:
+        raise ValueError(
+            f"gpu_buckets={chosen} needs {need / 2**30:.2f} GiB of device memory for the tail "
+            f"buckets' optimizer state, above gpu_memory_cap={cap_bytes / 2**30:.2f} GiB; lower "
+            f"gpu_buckets (or bucket_size), raise the cap, or use gpu_buckets='auto'."
+        )
     free = _free_device_bytes(device)
     if need > free:
         raise ValueError(
@@ -121,68 +137,3 @@ def make_tail_tuner(requested: int | str, device: torch.device) -> TailTuner | N
     if requested != "auto" or device.type != "cuda":
         return None
     return TailTuner()
-
-
-class TailTuner:
-    """Measures, for gpu_buckets='auto', how long each step's GPU work waited for the CPU Adam
-    and proposes how many more parameters to step on the device instead: the CPU work that was
-    exposed, i.e. exposed seconds times the CPU Adam rate measured so far (elements over kernel
-    seconds since the start, since one step's tasks straddle step boundaries), at most
-    ``max_share`` of the params still on the host per move. It measures up to ``tuning_steps``
-    steps after warm-up (the step right after a move is a new baseline, not a measurement) and
-    stops once a step waits less than ``threshold`` of its time."""
-
-    def __init__(
-        self,
-        warmup_steps: int = 2,
-        tuning_steps: int = 8,
-        threshold: float = 0.02,
-        max_share: float = 0.5,
-    ):
-        self.warmup_steps = warmup_steps
-        self.max_share = max_share
-        self.tuning_steps = tuning_steps
-        self.threshold = threshold
-        self.steps_seen = 0
-        self.measurements = 0
-        self.active = True
-        self.last_exposed = 0.0
-        self._last: tuple[float, float] | None = None  # (time, exposed seconds)
-
-    def elements_to_move(
-        self,
-        now: float,
-        exposed_total: float,
-        cpu_seconds_total: float,
-        cpu_elements_total: int,
-        host_elements: int,
-    ) -> int:
-        """Totals are cumulative since the optimizer started; ``host_elements`` is what the
-        CPU still owns."""
-        last, self._last = self._last, (now, exposed_total)
-        self.steps_seen += 1
-        if not self.active or last is None or self.steps_seen <= self.warmup_steps:
-            return 0
-        self.measurements += 1
-        if self.measurements > self.tuning_steps:
-            self.stop(f"{self.tuning_steps} steps measured")
-            return 0
-        wall, exposed = now - last[0], exposed_total - last[1]
-        self.last_exposed = exposed
-        if wall <= 0 or exposed < self.threshold * wall:
-            self.stop(f"the GPU waits {exposed:.3f} s of a {wall:.3f} s step")
-            return 0
-        if cpu_seconds_total <= 0 or host_elements == 0:
-            return 0
-        cpu_rate = cpu_elements_total / cpu_seconds_total  # elements per kernel second
-        return min(round(exposed * cpu_rate), round(self.max_share * host_elements))
-
-    def moved(self) -> None:
-        """A move waited for all CPU work, so the next step shows no wait: measure from the
-        one after it."""
-        self._last = None
-
-    def stop(self, reason: str) -> None:
-        if self.active:
-            logger.info("hf_superoffload: gpu_buckets='auto' settled (%s)", reason)
-        self.active = False

@@ -8,12 +8,102 @@ launch, and under replicas they launch in bucket order (the optimizer holds back
 completes before an earlier one); decisions taken from local measurements (the cast plan, how
 many buckets ``auto`` moves to the GPU) are agreed on first, so all ranks keep the same
 placement, and with it the same arithmetic for every bucket.
+
+One rank's failure ends every rank promptly, with that error. A rank that fails publishes its
+error in torch.distributed's store (``publish_failure``: the worker does it for its tasks,
+``shares_failures`` for the methods it wraps) before its exception ends the process; the
+collective the other ranks wait in then breaks (gloo: at once, when the process's connections
+close), and ``Replicas`` raises ``PeerRankError`` with the published error instead of the
+backend's "connection reset". With NCCL a collective does not break when a peer exits: the
+launcher (torchrun, ``accelerate launch``) ends the other processes when one fails.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
 import torch.distributed as dist
+
+FAILURE_KEY = "hf_superoffload/failed/rank{}"
+MESSAGE_LIMIT = 2000  # characters of a published error
+
+
+class PeerRankError(RuntimeError):
+    """Another rank failed and the collective this rank waited in broke with it."""
+
+
+def _store():
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    # NOTE: torch has no public accessor of the default group's store (the one every rank of
+    # the job reached at init_process_group); this private one has been stable since 1.x.
+    return dist.distributed_c10d._get_default_store()
+
+
+def publish_failure(error: BaseException) -> None:
+    """Tell the other ranks why this one is about to stop (nothing without other ranks). A
+    PeerRankError is not published: its cause is another rank's, already there."""
+    store = _store()
+    if store is None or isinstance(error, PeerRankError):
+        return
+    message = f"{type(error).__name__}: {error}"[:MESSAGE_LIMIT]
+    # A store whose host (rank 0, or the launcher) is gone: the others see that anyway.
+    with contextlib.suppress(RuntimeError):
+        store.set(FAILURE_KEY.format(dist.get_rank()), message)
+
+
+def published_failures() -> dict[int, str]:
+    """The errors other ranks published, by rank (empty when none did, or the store is
+    gone with its host)."""
+    store = _store()
+    if store is None:
+        return {}
+    failures = {}
+    try:
+        for rank in range(dist.get_world_size()):
+            key = FAILURE_KEY.format(rank)
+            if rank != dist.get_rank() and store.check([key]):
+                failures[rank] = store.get(key).decode(errors="replace")
+    except RuntimeError:
+        pass  # as in publish_failure
+    return failures
+
+
+def peer_error(broken: BaseException) -> PeerRankError | None:
+    """For ``broken``, an error of a collective: a PeerRankError naming the ranks that
+    published a failure and their errors; None when no other rank published one."""
+    failures = published_failures()
+    if not failures:
+        return None
+    causes = "; ".join(f"rank {rank} failed with {text}" for rank, text in sorted(failures.items()))
+    return PeerRankError(
+        f"{causes}. Rank {dist.get_rank()} stopped with it: the collective it waited in broke "
+        f"when that rank ended ({type(broken).__name__}). Fix that error and restart every rank "
+        f"(resume from the last checkpoint)."
+    )
+
+
+def shares_failures(method):
+    """Wrap a method that takes part in collectives (a constructor, ``step``): a failure in it
+    is published for the other ranks, and an error caused by another rank's published failure
+    becomes a PeerRankError with that rank's error."""
+
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except PeerRankError:
+            raise
+        except BaseException as error:
+            peer = peer_error(error) if isinstance(error, RuntimeError) else None
+            if peer is not None:
+                raise peer from error
+            publish_failure(error)
+            raise
+
+    return wrapper
 
 
 class Replicas:
@@ -36,11 +126,26 @@ class Replicas:
     def distributed(self) -> bool:
         return self.group is not None
 
+    @staticmethod
+    def _run(collective, *args, **kwargs) -> None:
+        """A collective; broken by another rank's end, it raises PeerRankError."""
+        try:
+            collective(*args, **kwargs)
+        except RuntimeError as broken:
+            peer = peer_error(broken)
+            if peer is None:
+                peer = PeerRankError(
+                    f"a collective of the SuperOffload replicas broke ({broken}). Another rank "
+                    f"most likely failed or was stopped before it could say why: its own error "
+                    f"is in its log. Fix it and restart every rank."
+                )
+            raise peer from broken
+
     def broadcast_(self, tensors: list[torch.Tensor]) -> None:
         """Make every rank start from rank 0's values (as DDP does at construction)."""
         if self.distributed:
             for tensor in tensors:
-                dist.broadcast(tensor, src=self._source, group=self.group)
+                self._run(dist.broadcast, tensor, src=self._source, group=self.group)
 
     def average_(self, tensor: torch.Tensor) -> None:
         """In place: the mean over ranks (sum, then divide: not every backend has AVG). 16-bit
@@ -48,7 +153,7 @@ class Replicas:
         if not self.distributed:
             return
         wide = tensor.float() if tensor.dtype != torch.float32 else tensor
-        dist.all_reduce(wide, op=dist.ReduceOp.SUM, group=self.group)
+        self._run(dist.all_reduce, wide, op=dist.ReduceOp.SUM, group=self.group)
         wide.div_(self.size)
         if wide is not tensor:
             tensor.copy_(wide)
@@ -59,7 +164,7 @@ class Replicas:
             return value
         reduce_op = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op]
         holder = torch.tensor([float(value)], dtype=torch.float64, device=self._scalar_device)
-        dist.all_reduce(holder, op=reduce_op, group=self.group)
+        self._run(dist.all_reduce, holder, op=reduce_op, group=self.group)
         return holder.item()
 
     def any_(self, flags: list[bool]) -> list[bool]:
@@ -71,7 +176,7 @@ class Replicas:
         if not self.distributed:
             return counts
         holder = torch.tensor(counts, dtype=torch.int64, device=self._scalar_device)
-        dist.all_reduce(holder, op=dist.ReduceOp.MAX, group=self.group)
+        self._run(dist.all_reduce, holder, op=dist.ReduceOp.MAX, group=self.group)
         return [int(v) for v in holder.tolist()]
 
     def from_rank0(self, values: list[float]) -> list[float]:
@@ -79,5 +184,5 @@ class Replicas:
         if not self.distributed:
             return values
         holder = torch.tensor(values, dtype=torch.float64, device=self._scalar_device)
-        dist.broadcast(holder, src=self._source, group=self.group)
+        self._run(dist.broadcast, holder, src=self._source, group=self.group)
         return holder.tolist()

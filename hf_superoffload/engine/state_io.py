@@ -22,6 +22,9 @@ bucket's own flat buffer, so the file holds each bucket once: 12 B/param, and sa
 extra host memory. Only buckets kept on the device (the tail) are copied to the host, once per
 bucket. ``master_state()`` (``param_state``) still returns copies.
 
+``save_atomically(opt.state_dict(), path)`` writes the file so that an interrupted write (a
+crash, Ctrl-C, a full disk, a preempted machine) leaves the file already at ``path`` whole.
+
 Loading (``load_state_dict``) copies entry by entry into the buckets, so a file opened with
 ``torch.load(f, mmap=True)`` is read page by page and never held in memory twice. Everything
 is checked before anything is written: group count and sizes, that each entry belongs to a
@@ -39,6 +42,8 @@ those this optimizer cannot honour (``amsgrad=True``, ``maximize=True``, Adam's 
 from __future__ import annotations
 
 import math
+import os
+import secrets
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -342,3 +347,33 @@ def _loaded_predicted_coef(state_dict: Mapping) -> float:
             f"clipped."
         )
     return float(coef)
+
+
+def save_atomically(state: object, path: str | os.PathLike) -> None:
+    """``torch.save(state, path)``, so that an interrupted write leaves whatever ``path`` held
+    before loadable: the bytes go to a temporary file beside it, reach the disk (fsync), and
+    only then replace ``path`` by a rename, which POSIX makes atomic within one filesystem.
+    On failure the temporary file is removed and the error raised as it was."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    partial = os.path.join(
+        directory, f".{os.path.basename(path)}.{os.getpid()}.{secrets.token_hex(4)}.partial"
+    )
+    # 0o666 under the umask, as torch.save's own open() would create the file.
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, path)
+    except BaseException:
+        if os.path.exists(partial):
+            os.unlink(partial)
+        raise
+    # The rename is durable only once the directory entry is on disk too.
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)

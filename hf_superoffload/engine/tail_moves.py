@@ -1,18 +1,21 @@
-"""Moving host buckets into the device tail while training runs (``gpu_buckets="auto"`` on a
-GPU): a mixin of SuperOffloadOptimizer, which owns the buckets, the tail, the tuner and the
-replicas.
+"""Moving buckets between the host and the device tail while training runs: a mixin of
+SuperOffloadOptimizer, which owns the buckets, the tail, the tuner and the replicas.
 
-After each step the tuner (placement.TailTuner) says how many more elements the device should
-step, from how long the GPU waited for the CPU; the buckets nearest the tail that fit in the
-device memory the training's peak leaves free are then turned into tail buckets, state and all.
-With replicas every rank moves the same buckets (agreed first), so that every bucket keeps one
-arithmetic on all ranks.
+After each step the tuner (tail_tuner.TailTuner, ``gpu_buckets="auto"`` on a GPU) says how
+many elements the device should step more (the GPU waited for the CPU) or fewer (a smaller
+tail measured as fast, or the wait vanished); ``gpu_memory_cap`` is honoured at every step,
+whatever the tuner says. Growth takes the host buckets nearest the tail, within the device
+memory the training's peak leaves free; giving back returns the device buckets farthest from
+the tail, so the tail stays one run of buckets. With replicas every rank moves the same
+buckets (agreed first), so that every bucket keeps one arithmetic on all ranks.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+
+import torch
 
 from .bucket import Bucket
 from .placement import DEVICE_BYTES_PER_ELEMENT, device_headroom_bytes
@@ -21,45 +24,85 @@ logger = logging.getLogger("hf_superoffload")
 
 
 class TailMoves:
+    @property
+    def gpu_memory_cap(self) -> float | None:
+        """Most GPU memory (GiB) the tail buckets' optimizer state may hold, or None. Lowering
+        it between steps gives buckets back at the next step()."""
+        cap = self.gpu_memory_cap_bytes
+        return None if cap is None else cap / 2**30
+
+    @gpu_memory_cap.setter
+    def gpu_memory_cap(self, gib: float | None) -> None:
+        if gib is not None and (
+            isinstance(gib, bool) or not isinstance(gib, (int, float)) or gib < 0
+        ):
+            raise ValueError(
+                f"gpu_memory_cap must be a number of GiB >= 0 or None (no cap), got {gib!r}."
+            )
+        self.gpu_memory_cap_bytes = None if gib is None else int(gib * 2**30)
+
     def _tune_device_tail(self) -> None:
-        """Move host buckets next to the tail onto the device while the GPU measurably waits
-        for the CPU and device memory allows."""
-        stats = self.stats_counters
-        want = self._tuner.elements_to_move(
-            time.perf_counter(),
-            stats.exposed_cpu_seconds,
-            stats.cpu_step_seconds,
-            self._stv.host.elements_stepped,
-            sum(b.plan.numel for b in self._buckets if not b.on_device),
-        )
+        """Apply the cap, then the tuner's verdict on the step just taken."""
+        want = self._cap_excess_elements()
+        if want == 0 and self._tuner is not None:
+            stats = self.stats_counters
+            want = self._tuner.decide(
+                time.perf_counter(),
+                stats.exposed_cpu_seconds,
+                stats.cpu_step_seconds,
+                self._stv.host.elements_stepped,
+                sum(b.plan.numel for b in self._buckets if not b.on_device),
+                self._device_elements(),
+            )
         if self._replicas.distributed:
             # Every rank moves the same buckets: one placement, so one arithmetic per bucket.
             want = int(self._replicas.agree(want, "max"))
-            if not want and not self._replicas.agree(self._tuner.active, "max"):
-                self._tuner = None  # all ranks have settled: no more agreement rounds
-        if not want:
-            return
-        chosen = self._buckets_to_move(want)
-        if not chosen:
-            self._tuner.stop("device memory is full")
-            return
-        self._move_buckets_to_device(chosen)
-        self._tuner.moved()
-        logger.info(
-            "hf_superoffload: gpu_buckets='auto' moved %d buckets (%.1fM params) to the device "
-            "after step %d (GPU waited %.3f s for the CPU last step); n' = %d of %d",
-            len(chosen),
-            sum(b.plan.numel for b in chosen) / 1e6,
-            stats.steps,
-            self._tuner.last_exposed,
-            sum(b.on_device for b in self._buckets),
-            len(self._buckets),
-        )
+        if want > 0:
+            chosen = self._buckets_to_grow(want)
+            if not chosen:
+                self._tuner.settle("device memory or gpu_memory_cap is full")
+                return
+            self._move_buckets(chosen, to_device=True, why="the GPU waited for the CPU")
+        elif want < 0:
+            why = "over gpu_memory_cap" if self._cap_excess_elements() else "measured as fast"
+            self._move_buckets(self._buckets_to_give_back(-want), to_device=False, why=why)
 
-    def _buckets_to_move(self, want: int) -> list[Bucket]:
+    def release_device_tail(self, reason: str) -> int:
+        """Move every tail bucket that ``auto`` may move back to the host and return the
+        allocator's cached blocks to the driver (the CUDA out-of-memory recovery); later
+        growth stays below what the tail held before. Returns the elements moved."""
+        moved = [b for b in self._buckets if b.on_device]
+        if self._tuner is None or not moved:
+            return 0
+        held = sum(b.plan.numel for b in moved) * DEVICE_BYTES_PER_ELEMENT
+        cap = self.gpu_memory_cap_bytes
+        self.gpu_memory_cap_bytes = held // 2 if cap is None else min(cap, held // 2)
+        self._move_buckets(moved, to_device=False, why=reason)
+        self._tuner.settle(reason)
+        if self._link.is_cuda:
+            torch.cuda.empty_cache()
+        return sum(b.plan.numel for b in moved)
+
+    # ------------------------------------------------------------------------ choosing
+
+    def _device_elements(self) -> int:
+        return sum(b.plan.numel for b in self._buckets if b.on_device)
+
+    def _cap_excess_elements(self) -> int:
+        """Minus the elements to give back to get under the cap (0 when under it)."""
+        cap = self.gpu_memory_cap_bytes
+        held = self._device_elements() * DEVICE_BYTES_PER_ELEMENT
+        if cap is None or held <= cap:
+            return 0
+        return -((held - cap + DEVICE_BYTES_PER_ELEMENT - 1) // DEVICE_BYTES_PER_ELEMENT)
+
+    def _buckets_to_grow(self, want: int) -> list[Bucket]:
         """Host buckets nearest the tail, about ``want`` elements, within the device headroom
-        (the smallest over ranks)."""
+        (the smallest over ranks) and the cap."""
         headroom = self._replicas.agree(device_headroom_bytes(self._link.device), "min")
+        if self.gpu_memory_cap_bytes is not None:
+            held = self._device_elements() * DEVICE_BYTES_PER_ELEMENT
+            headroom = min(headroom, self.gpu_memory_cap_bytes - held)
         chosen, numel = [], 0
         for bucket in reversed(self._buckets):
             if numel >= want:
@@ -72,9 +115,43 @@ class TailMoves:
             numel += bucket.plan.numel
         return chosen
 
-    def _move_buckets_to_device(self, buckets: list[Bucket]) -> None:
-        """Between steps: turn host buckets into tail buckets, state and all."""
+    def _buckets_to_give_back(self, want: int) -> list[Bucket]:
+        """Device buckets farthest from the tail first, at least ``want`` elements (whole
+        buckets: a cap is never left exceeded)."""
+        chosen, numel = [], 0
+        for bucket in self._buckets:
+            if numel >= want:
+                break
+            if bucket.on_device:
+                chosen.append(bucket)
+                numel += bucket.plan.numel
+        return chosen
+
+    # ------------------------------------------------------------------------ moving
+
+    def _move_buckets(self, buckets: list[Bucket], to_device: bool, why: str) -> None:
+        """Between steps: turn host buckets into tail buckets or back, state and all."""
+        if not buckets:
+            return
         self._stv.worker.wait([b.index for b in buckets])  # their settled updates are done
         for bucket in buckets:
-            bucket.move_to_device(self._link)
-            self._tail.register(bucket)
+            if to_device:
+                bucket.move_to_device(self._link)
+                self._tail.register(bucket)
+            else:
+                self._tail.unregister(bucket)
+                bucket.move_to_host()
+        self.stats_counters.tail_moves += 1
+        logger.info(
+            "hf_superoffload: gpu_buckets='auto' moved %d buckets (%.1fM params) to the %s after "
+            "step %d (%s; the GPU waited %.3f s for the CPU last step); n' = %d of %d, %.2f GiB",
+            len(buckets),
+            sum(b.plan.numel for b in buckets) / 1e6,
+            "device" if to_device else "host",
+            self.stats_counters.steps,
+            why,
+            self._tuner.last_exposed if self._tuner is not None else 0.0,
+            sum(b.on_device for b in self._buckets),
+            len(self._buckets),
+            self._device_elements() * DEVICE_BYTES_PER_ELEMENT / 2**30,
+        )

@@ -3,7 +3,8 @@
 Threads, not processes: tasks share tensors with the training thread (no pickling, pinned
 buffers stay pinned), and the kernels release the GIL. Each task names the buckets it touches;
 ``wait`` blocks until those buckets have no queued or running task. An exception in a task
-stops the worker and is re-raised, promptly, in whichever thread waits next.
+stops the worker and is re-raised, promptly, in whichever thread waits next; with other
+data-parallel ranks it is also published for them (``replicas.publish_failure``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import threading
 from collections.abc import Callable, Iterable
 
 import torch
+
+from .replicas import publish_failure
 
 _STOP = object()
 
@@ -98,6 +101,7 @@ class Worker:
             try:
                 task()
             except BaseException as error:  # surfaced to the training thread by wait()/submit()
+                publish_failure(error)  # first: the other ranks' collectives break when it ends
                 with self._cond:
                     self._error = error
                     self._cond.notify_all()

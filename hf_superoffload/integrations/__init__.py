@@ -1,11 +1,12 @@
-"""Hugging Face integrations: the plugin, training arguments and the Trainer mixin."""
+"""Hugging Face integrations: the options, training arguments and the Trainer mixin."""
 
 from .arguments import SuperOffloadArgumentsMixin, SuperOffloadTrainingArguments
-from .plugin import SuperOffloadPlugin
+from .plugin import SuperOffloadOptions, SuperOffloadPlugin
 from .trainer import SuperOffloadTrainer, SuperOffloadTrainerMixin
 
 __all__ = [
     "SuperOffloadArgumentsMixin",
+    "SuperOffloadOptions",
     "SuperOffloadPlugin",
     "SuperOffloadTrainer",
     "SuperOffloadTrainerMixin",

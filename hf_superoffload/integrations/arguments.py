@@ -1,9 +1,9 @@
 """SuperOffload options as training-argument fields, for TrainingArguments / SFTConfig / DPOConfig.
 
 Each field left at None falls back to the SUPEROFFLOAD_* environment variable, then to the
-default (see plugin.SuperOffloadPlugin), so the defaults need no tuning. The engine's options
-mirror the plugin's fields; ``superoffload_save_dtype`` is the trainer's own (what
-``save_model`` and checkpoints write), so it is not a plugin field.
+default (see plugin.SuperOffloadOptions), so the defaults need no tuning. The engine's options
+mirror the fields of SuperOffloadOptions; ``superoffload_save_dtype`` is the trainer's own (what
+``save_model`` and checkpoints write), so it is not an optimizer option.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 import torch
 from transformers import TrainingArguments
 
-from .plugin import ENV_PREFIX, SuperOffloadPlugin
+from .plugin import ENV_PREFIX, SuperOffloadOptions
 
 SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SAVE_DTYPE_HELP = (
@@ -43,7 +43,7 @@ def resolve_save_dtype(value: str | None) -> torch.dtype:
 
 
 def _help(field: str) -> str:
-    return next(f for f in dataclasses.fields(SuperOffloadPlugin) if f.name == field).metadata[
+    return next(f for f in dataclasses.fields(SuperOffloadOptions) if f.name == field).metadata[
         "help"
     ]
 
@@ -68,23 +68,44 @@ class SuperOffloadArgumentsMixin:
     superoffload_cast: str | None = dataclasses.field(
         default=None, metadata={"help": _help("cast")}
     )
+    superoffload_gpu_memory_cap: float | None = dataclasses.field(
+        default=None, metadata={"help": _help("gpu_memory_cap")}
+    )
     superoffload_save_dtype: str | None = dataclasses.field(
         default=None, metadata={"help": SAVE_DTYPE_HELP}
     )
 
     def __post_init__(self):
+        if self.superoffload_gpu_memory_cap is not None and _on_deepspeed(self):
+            # NOTE: the ZeRO-3 optimizer does not read it; without this it would be dropped.
+            raise ValueError(
+                "superoffload_gpu_memory_cap applies to the standalone engine; under DeepSpeed "
+                "ZeRO-3 the GPU's share of the optimizer state is offload_optimizer.ratio in "
+                "the DeepSpeed config. Set that and drop the argument."
+            )
         super().__post_init__()
-        self.superoffload_plugin()  # a bad superoffload_* value fails here, not at train()
+        self.superoffload_options()  # a bad superoffload_* value fails here, not at train()
         resolve_save_dtype(self.superoffload_save_dtype)
 
-    def superoffload_plugin(self) -> SuperOffloadPlugin:
+    def superoffload_options(self) -> SuperOffloadOptions:
+        """The SuperOffloadOptions these arguments describe (unset ones from SUPEROFFLOAD_*)."""
         prefix = "superoffload_"
-        return SuperOffloadPlugin(
+        return SuperOffloadOptions(
             **{
                 f.name: getattr(self, prefix + f.name)
-                for f in dataclasses.fields(SuperOffloadPlugin)
+                for f in dataclasses.fields(SuperOffloadOptions)
             }
         )
+
+    # The first name of superoffload_options; SuperOffloadTrainerMixin calls it.
+    superoffload_plugin = superoffload_options
+
+
+def _on_deepspeed(args: TrainingArguments) -> bool:
+    """A DeepSpeed config given as an argument, or by ``accelerate launch`` (which exports
+    ACCELERATE_USE_DEEPSPEED for its DeepSpeed configs)."""
+    launched = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("1", "true")
+    return bool(getattr(args, "deepspeed", None)) or launched
 
 
 @dataclasses.dataclass

@@ -3,6 +3,9 @@ naming an optimizer it would otherwise ignore without a word, and setups it cann
 
 from __future__ import annotations
 
+import os
+
+import torch
 from accelerate.utils import DistributedType
 
 from ..engine import SuperOffloadOptimizer
@@ -54,9 +57,42 @@ def check_optimizer_arguments(trainer) -> None:
         )
 
 
+def check_launch_matches_devices(distributed: DistributedType, processes: int) -> None:
+    """Refuse a launch whose processes do not form the job the launcher started.
+
+    ``accelerate launch`` of a multi-GPU config on a machine without those GPUs still starts
+    every process (``WORLD_SIZE``, ``LOCAL_WORLD_SIZE`` set by torchrun), but accelerate finds
+    no GPU to join them over and each process then trains the whole job alone, all writing
+    one output_dir. ``processes`` is the number accelerate joined."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    gpus = torch.cuda.device_count()
+    if launched > 1 and processes != launched:
+        raise RuntimeError(
+            f"this process is one of {launched} the launcher started (WORLD_SIZE={launched}), "
+            f"but accelerate runs it as one of {processes} ({distributed}; {gpus} CUDA "
+            f"device(s) visible): every process would train the whole job alone and all would "
+            f"write one output_dir. Launch with --num_processes {processes} (num_processes in "
+            f"the accelerate config), run on a machine with a GPU per process, or use a CPU "
+            f"config (use_cpu: true) for data parallelism on CPU."
+        )
+    local = os.environ.get("LOCAL_WORLD_SIZE")  # set by the launcher (torchrun, accelerate)
+    if distributed == DistributedType.MULTI_GPU and local is not None and int(local) > gpus:
+        fix = (
+            f"Launch with --num_processes {gpus} per host (or fewer)"
+            if gpus
+            else "Run on a machine with GPUs, or use a CPU config (use_cpu: true)"
+        )
+        raise RuntimeError(
+            f"{local} processes per host (LOCAL_WORLD_SIZE={local}) but {gpus} CUDA device(s) "
+            f"visible here: SuperOffload runs one process per GPU. {fix}, or check "
+            f"CUDA_VISIBLE_DEVICES."
+        )
+
+
 def check_supported(trainer) -> None:
     """Refuse the distributed setups and precisions the engine cannot run."""
     distributed = trainer.accelerator.distributed_type
+    check_launch_matches_devices(distributed, trainer.accelerator.num_processes)
     if distributed == DistributedType.FSDP:
         raise ValueError(
             "SuperOffload runs its own optimizer offload and cannot combine with FSDP; use a "

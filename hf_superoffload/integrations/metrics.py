@@ -4,7 +4,9 @@ Model FLOPs per token follow the PaLM appendix: 6 N for the weight matmuls forwa
 (N = trainable params less the input embedding, whose lookup does no matmul) plus
 12 x layers x hidden x sequence length for the attention scores and values; recomputation by
 activation checkpointing is not counted. MFU divides achieved model FLOP/s per GPU by the GPU's
-dense bf16 peak, from the table below or ``SUPEROFFLOAD_PEAK_TFLOPS``.
+dense bf16 peak: ``SUPEROFFLOAD_PEAK_TFLOPS`` when set (any GPU, or a CPU), else the table below
+(GH200, H100 SXM/PCIe/NVL, H200 SXM/NVL, B200, GB200, A100). Without either, ``mfu`` is left
+out of the logs and a message says once how to set the peak.
 
 Models the formula does not describe (no ``config`` with ``num_hidden_layers`` and
 ``hidden_size``: a plain ``nn.Module``, say) still get ``tokens_per_second``; ``tflops`` and
@@ -22,15 +24,26 @@ import torch
 
 logger = logging.getLogger("hf_superoffload")
 
-# Dense (no sparsity) bf16 tensor-core peaks, TFLOP/s, from the vendors' datasheets.
+# Dense (no sparsity) bf16 tensor-core peaks per GPU, TFLOP/s, from NVIDIA's datasheets, which
+# list BF16 "with sparsity" (twice the dense rate); halved here:
+# - H100 datasheet (nvidia.com/en-us/data-center/h100): SXM 1,979 -> 989; PCIe 1,513 -> 756;
+#   NVL 1,671 -> 835.
+# - H200 datasheet (nvidia.com/en-us/data-center/h200): SXM 1,979 -> 989; NVL 1,671 -> 835.
+# - GH200 Grace Hopper Superchip datasheet: the Hopper GPU's 1,979 -> 989.
+# - HGX B200: 36 PFLOPS (sparse) FP16/BF16 for 8 GPUs -> 2,250 dense per GPU.
+# - GB200 NVL72: 360 PFLOPS (sparse) FP16/BF16 for 72 GPUs -> 2,500 dense per GPU.
+# - A100 datasheet: 312 dense (624 sparse).
+# The names are matched as substrings of torch.cuda.get_device_name() in this order, so the
+# more specific ones come first ("GH200" holds "H200", "GB200" holds "B200").
 PEAK_BF16_TFLOPS = {
     "GH200": 989.0,
     "GB200": 2500.0,
     "B200": 2250.0,
-    "H200": 989.0,
+    "H200 NVL": 835.0,
+    "H200": 989.0,  # SXM
     "H100 PCIe": 756.0,
     "H100 NVL": 835.0,
-    "H100": 989.0,  # SXM / HBM3
+    "H100": 989.0,  # SXM / HBM3 ("NVIDIA H100 80GB HBM3")
     "A100": 312.0,
 }
 PEAK_ENV = "SUPEROFFLOAD_PEAK_TFLOPS"
@@ -62,6 +75,28 @@ def peak_tflops(device_name: str | None = None) -> float | None:
         if key in device_name:
             return value
     return None
+
+
+def log_missing_peak(device_name: str | None = None) -> None:
+    """Say why ``mfu`` is missing from the logs and how to get it: at WARNING for a GPU the
+    table does not know, at INFO without a GPU (MFU is a GPU figure)."""
+    if device_name is None and torch.cuda.is_available():
+        device_name = torch.cuda.get_device_name()
+    if device_name is None:
+        logger.info(
+            "hf_superoffload: mfu is not reported: no GPU, so no peak to divide by. Set %s to "
+            "a peak in TFLOP/s to log mfu against it.",
+            PEAK_ENV,
+        )
+        return
+    logger.warning(
+        "hf_superoffload: mfu is not reported: the dense bf16 peak of %r is not in the table "
+        "(%s). Set %s to that GPU's dense bf16 TFLOP/s (its datasheet's 'with sparsity' figure "
+        "halved) to log mfu.",
+        device_name,
+        ", ".join(PEAK_BF16_TFLOPS),
+        PEAK_ENV,
+    )
 
 
 def matmul_params(model: torch.nn.Module) -> int:
@@ -113,6 +148,7 @@ class ThroughputMeter:
         self._n_params: int | None = None  # counted once: a walk over every param
         self._config = None
         self._no_flops: str | None = None  # why FLOPs are not counted, once known
+        self._told_no_peak = False  # the "mfu is not reported" message is logged once
         self.reset()
 
     def reset(self) -> None:
@@ -154,6 +190,9 @@ class ThroughputMeter:
             out["tflops"] = tflops
             if peak is not None:
                 out["mfu"] = tflops / peak
+            elif not self._told_no_peak:
+                log_missing_peak()
+                self._told_no_peak = True
         self.reset()
         return out
 

@@ -296,7 +296,7 @@ def superoffload_options(trainer) -> dict:
         return options
     options = {
         name: "default" if value is None else value
-        for name, value in trainer._resolved_plugin().optimizer_kwargs().items()
+        for name, value in trainer._resolved_options().optimizer_kwargs().items()
     }
     options["save_dtype"] = str(trainer._superoffload_save_dtype()).replace("torch.", "")
     return options

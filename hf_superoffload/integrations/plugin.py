@@ -1,15 +1,23 @@
-"""SuperOffloadPlugin: the engine's options, in the style of accelerate's plugin dataclasses.
+"""SuperOffloadOptions: the engine's own options, resolved like accelerate's plugin dataclasses.
 
 Each field is resolved as explicit argument > ``SUPEROFFLOAD_<FIELD>`` environment variable >
-default, so an ``accelerate launch`` config (which passes environment variables through) or a
-shell can set them without code changes. Learning rate, betas, eps, weight decay, clipping and
-accumulation are not here: they come from the training arguments, the single source of truth.
+default, so a shell or a launcher's environment can set them without code changes. Learning
+rate, betas, eps, weight decay, clipping and accumulation are not here: they come from the
+training arguments (or the optimizer's own arguments), the single source of truth.
+
+NOTE: these are options of ``SuperOffloadOptimizer``, not an Accelerate plugin. ``Accelerator``
+builds no optimizer and has no extension point for one: it refuses unknown keywords, and a
+``KwargsHandler`` subclass it does not know fails its ``kwargs_handlers`` lookup. So the options
+go to the optimizer (``SuperOffloadOptimizer(..., **options.optimizer_kwargs())``) or to the
+SuperOffload trainers. ``SuperOffloadPlugin``, the first name of this class, still works;
+``hf_superoffload.SuperOffloadPlugin`` warns (a FutureWarning) that it is deprecated.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 from typing import Any
 
@@ -18,10 +26,15 @@ _CASTS = ("auto", "gpu", "cpu")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 # Variables read elsewhere: SAVE_DTYPE (integrations/arguments.py), PEAK_TFLOPS (metrics.py).
 _OTHER_ENV = ("SAVE_DTYPE", "PEAK_TFLOPS")
+DEPRECATED_NAME_WARNING = (
+    "SuperOffloadPlugin is now SuperOffloadOptions (it holds options of SuperOffloadOptimizer; "
+    "accelerate.Accelerator takes no optimizer plugin). Import SuperOffloadOptions instead; "
+    "the old name will be removed in a later release."
+)
 
 
 @dataclasses.dataclass
-class SuperOffloadPlugin:
+class SuperOffloadOptions:
     gpu_buckets: int | str | None = dataclasses.field(
         default=None,
         metadata={
@@ -61,8 +74,18 @@ class SuperOffloadPlugin:
     cast: str | None = dataclasses.field(
         default=None,
         metadata={
-            "help": "Where to cast between bf16 and fp32: 'auto' (cost model from measured "
-            "bandwidths), 'gpu' or 'cpu'. Env SUPEROFFLOAD_CAST; default 'auto'."
+            "help": "Where to cast between bf16 and fp32: 'auto' (16-bit gradients, fp32 "
+            "params), 'gpu' (fp32 both ways) or 'cpu' (16-bit both ways: 2.5 percent faster "
+            "when every step clips, 2 B/param more host memory). Env SUPEROFFLOAD_CAST; default "
+            "'auto'."
+        },
+    )
+    gpu_memory_cap: float | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "Most GPU memory (GiB) the optimizer's device tail may hold; 'auto' never "
+            "grows past it and gives buckets back to stay under it. Env "
+            "SUPEROFFLOAD_GPU_MEMORY_CAP; default: no cap."
         },
     )
 
@@ -91,9 +114,13 @@ class SuperOffloadPlugin:
             raise ValueError(
                 f"cast must be one of {_CASTS}, got {self.cast!r} (env {ENV_PREFIX}CAST)."
             )
+        cap = (
+            self.gpu_memory_cap if self.gpu_memory_cap is not None else _env("GPU_MEMORY_CAP", None)
+        )
+        self.gpu_memory_cap = None if cap is None else _gib("gpu_memory_cap", cap)
 
     @classmethod
-    def from_dict(cls, options: dict[str, Any]) -> SuperOffloadPlugin:
+    def from_dict(cls, options: dict[str, Any]) -> SuperOffloadOptions:
         """Build from a mapping, refusing keys that are not fields (a typo must not be ignored)."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(options) - names)
@@ -104,12 +131,19 @@ class SuperOffloadPlugin:
         return cls(**options)
 
     def optimizer_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``SuperOffloadOptimizer``, one per field."""
         return dataclasses.asdict(self)
+
+
+# The first name of SuperOffloadOptions. ``hf_superoffload.SuperOffloadPlugin`` warns (the
+# package's module __getattr__); here it stays a plain alias for the package's own modules that
+# still use it (the trainer mixin, the ZeRO-3 options).
+SuperOffloadPlugin = SuperOffloadOptions
 
 
 def known_env_names() -> list[str]:
     """Every ``SUPEROFFLOAD_*`` variable the package reads."""
-    fields = [f.name.upper() for f in dataclasses.fields(SuperOffloadPlugin)]
+    fields = [f.name.upper() for f in dataclasses.fields(SuperOffloadOptions)]
     return sorted(ENV_PREFIX + name for name in (*fields, *_OTHER_ENV))
 
 
@@ -142,6 +176,20 @@ def _int(name: str, value: Any, minimum: int) -> int:
         raise ValueError(
             f"{name} must be an int >= {minimum}, got {value!r} "
             f"(argument or env {ENV_PREFIX}{name.upper()})."
+        )
+    return number
+
+
+def _gib(name: str, value: Any) -> float:
+    """A size in GiB: a number >= 0 (0 keeps no optimizer state on the GPU)."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = None
+    if isinstance(value, bool) or number is None or not math.isfinite(number) or number < 0:
+        raise ValueError(
+            f"{name} must be a number of GiB >= 0 (e.g. 40 or 12.5), got {value!r} "
+            f"(argument or env {ENV_PREFIX}{name.upper()}); leave it unset for no cap."
         )
     return number
 

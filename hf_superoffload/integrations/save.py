@@ -4,6 +4,7 @@ The optimizer's fp32 master weights are what the plain Trainer's fp32 params are
 casts the model to bf16 in place and starts the masters from the exact fp32 values
 (``cast_to_bf16``), saving writes the masters (``weights_to_save``, ``record_saved_dtype``), and
 loading the best checkpoint at the end of training restores them (``masters_from_checkpoint``).
+A save interrupted half-way must not be resumed from: ``last_complete_checkpoint``.
 """
 
 from __future__ import annotations
@@ -11,11 +12,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from transformers import PreTrainedModel
+from transformers.trainer_callback import TrainerState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import (
     SAFE_WEIGHTS_INDEX_NAME,
     SAFE_WEIGHTS_NAME,
@@ -157,3 +161,40 @@ class _SavedFp32Weights:
             if f.get_slice(name).get_dtype() != "F32":
                 return None
             return f.get_tensor(name)
+
+
+TRAINER_STATE_NAME = "trainer_state.json"  # the Trainer's checkpoint file, written last
+
+
+def last_complete_checkpoint(run_dir: str) -> str | None:
+    """The newest ``checkpoint-N`` of ``run_dir`` that the Trainer finished writing, for
+    ``resume_from_checkpoint=True``; None if there is none.
+
+    The Trainer writes a checkpoint's ``trainer_state.json`` after its weights, optimizer,
+    scheduler and RNG states, so a save interrupted half-way (a crash, a preempted machine, a
+    full disk) leaves a ``checkpoint-N`` without a readable one. transformers'
+    ``get_last_checkpoint`` would pick that folder, and resuming from it loses the step count
+    (and, with ``optimizer.pt`` missing, the Adam moments) without an error. Folders skipped
+    for that reason are logged."""
+    pattern = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+    found = sorted(
+        (int(m.group(1)), os.path.join(run_dir, name))
+        for name in os.listdir(run_dir)
+        if (m := pattern.match(name)) and os.path.isdir(os.path.join(run_dir, name))
+    )
+    for _, folder in reversed(found):
+        state_file = os.path.join(folder, TRAINER_STATE_NAME)
+        try:
+            TrainerState.load_from_json(state_file)
+        except (OSError, ValueError, TypeError) as error:
+            logger.warning(
+                "hf_superoffload: skipping %s: its save did not finish (%s is missing or "
+                "unreadable: %s); resuming from the checkpoint before it. Delete the folder "
+                "once you no longer need it.",
+                folder,
+                TRAINER_STATE_NAME,
+                error,
+            )
+            continue
+        return folder
+    return None

@@ -41,15 +41,18 @@ except ImportError:  # transformers < 4.50 checks nothing before torch.load
 
 
 from ..engine import SuperOffloadOptimizer
+from ..engine.state_io import save_atomically
 from ..zero3.config import export_zero3_options, require_super_offload
 from .arguments import resolve_save_dtype
 from .checks import DATA_PARALLEL, check_optimizer_arguments, check_supported
 from .metrics import ThroughputMeter, peak_tflops, stv_metrics
 from .model_card import add_superoffload_section, dataset_names, trainer_kind_tags
-from .plugin import SuperOffloadPlugin
+from .oom_retry import release_for_retry
+from .plugin import SuperOffloadOptions
 from .save import (
     BF16_CAST_WARNING,
     cast_to_bf16,
+    last_complete_checkpoint,
     masters_from_checkpoint,
     record_saved_dtype,
     weights_to_save,
@@ -59,11 +62,22 @@ logger = logging.getLogger("hf_superoffload")
 
 
 class SuperOffloadTrainerMixin:
-    def __init__(self, *args, superoffload_plugin: SuperOffloadPlugin | None = None, **kwargs):
-        self._superoffload_plugin = superoffload_plugin
+    def __init__(
+        self,
+        *args,
+        superoffload_options: SuperOffloadOptions | None = None,
+        superoffload_plugin: SuperOffloadOptions | None = None,
+        **kwargs,
+    ):
+        if superoffload_options is not None and superoffload_plugin is not None:
+            raise ValueError(
+                "pass superoffload_options only (superoffload_plugin is its former name)."
+            )
+        self._superoffload_options = superoffload_options or superoffload_plugin
         self._throughput = ThroughputMeter()
         self._superoffload_built: SuperOffloadOptimizer | None = None
         self._superoffload_warned_bf16 = False
+        self._micro_batches_in_window = 0  # done since the last optimizer step (OOM retry)
         super().__init__(*args, **kwargs)
         if self._on_deepspeed:  # DeepSpeed builds our ZeRO-3 optimizer when train() starts
             require_super_offload(self.accelerator.state.deepspeed_plugin.deepspeed_config)
@@ -102,22 +116,42 @@ class SuperOffloadTrainerMixin:
 
     def _explicit_options(self) -> dict:
         """The engine options given as arguments (a plugin, or superoffload_* fields)."""
-        if self._superoffload_plugin is not None:
-            return self._superoffload_plugin.optimizer_kwargs()
+        if self._superoffload_options is not None:
+            return self._superoffload_options.optimizer_kwargs()
         prefix = "superoffload_"
-        names = [f.name for f in dataclasses.fields(SuperOffloadPlugin)]
+        names = [f.name for f in dataclasses.fields(SuperOffloadOptions)]
         options = {name: getattr(self.args, prefix + name, None) for name in names}
         return {name: value for name, value in options.items() if value is not None}
 
     def _superoffload_save_dtype(self) -> torch.dtype:
         return resolve_save_dtype(getattr(self.args, "superoffload_save_dtype", None))
 
-    def train(self, *args, **kwargs):
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        if resume_from_checkpoint is True and not self._on_deepspeed:
+            # transformers would take the newest checkpoint folder, even one whose save was cut
+            # off half-way; the newest complete one is the one to resume from.
+            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(
+                    f"resume_from_checkpoint=True, but {self.args.output_dir} holds no complete "
+                    f"checkpoint-N folder; pass a checkpoint path, or False to start afresh."
+                )
         if getattr(self, "model_init", None) is not None:
             # The Trainer builds a new model and drops the optimizer: release ours (host
             # memory, hooks, worker thread) before the new model and optimizer are built.
             self._close_superoffload_optimizer()
-        return super().train(*args, **kwargs)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """As the Trainer's, but the optimizer state is written atomically (state_io): a save
+        cut off half-way leaves the previous file, never a truncated one."""
+        if self.superoffload_optimizer is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        if self.args.should_save:
+            save_atomically(self.optimizer.state_dict(), os.path.join(output_dir, OPTIMIZER_NAME))
+            with warnings.catch_warnings(record=True) as caught_warnings:
+                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+            reissue_pt_warnings(caught_warnings)
 
     def _close_superoffload_optimizer(self) -> None:
         optimizer = self._superoffload_built
@@ -125,11 +159,11 @@ class SuperOffloadTrainerMixin:
             optimizer.close()
             self._superoffload_built = None
 
-    def _resolved_plugin(self) -> SuperOffloadPlugin:
-        if self._superoffload_plugin is not None:
-            return self._superoffload_plugin
-        from_args = getattr(self.args, "superoffload_plugin", None)
-        return from_args() if callable(from_args) else SuperOffloadPlugin()
+    def _resolved_options(self) -> SuperOffloadOptions:
+        if self._superoffload_options is not None:
+            return self._superoffload_options
+        from_args = getattr(self.args, "superoffload_options", None)
+        return from_args() if callable(from_args) else SuperOffloadOptions()
 
     def create_optimizer(self, model=None):
         if self.optimizer is not None:
@@ -163,7 +197,7 @@ class SuperOffloadTrainerMixin:
             max_grad_norm=self.args.max_grad_norm,
             gradient_accumulation_steps=self.args.gradient_accumulation_steps,
             model=opt_model,
-            **self._resolved_plugin().optimizer_kwargs(),
+            **self._resolved_options().optimizer_kwargs(),
         )
         self._superoffload_built = self.optimizer
         with torch.no_grad():  # the masters start from the fp32 values, not the rounded ones
@@ -202,7 +236,22 @@ class SuperOffloadTrainerMixin:
         if optimizer is not None:  # the Trainer decided before this backward if it syncs
             optimizer.set_accumulation_boundary(self.accelerator.sync_gradients)
         self._throughput.add_batch(inputs, self.accelerator.unwrap_model(model))
-        return super().training_step(model, inputs, num_items_in_batch)
+        earlier = self._micro_batches_in_window
+        try:
+            loss = super().training_step(model, inputs, num_items_in_batch)
+        except torch.OutOfMemoryError as error:
+            if optimizer is None:
+                raise
+            error.__traceback__ = None  # its frames hold the failed pass's activations
+            if not release_for_retry(optimizer, error, earlier, self.state.global_step):
+                raise
+            # Out of the except block: the failed pass's tensors are freed before the retry.
+            loss = None
+        if loss is None:
+            optimizer.set_accumulation_boundary(self.accelerator.sync_gradients)
+            loss = super().training_step(model, inputs, num_items_in_batch)
+        self._micro_batches_in_window = 0 if self.accelerator.sync_gradients else earlier + 1
+        return loss
 
     def log(self, logs, start_time=None):
         """Training logs gain tokens_per_second, tflops, mfu and the stv/ counters (reduced

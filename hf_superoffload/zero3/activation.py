@@ -6,6 +6,11 @@ DeepSpeed's engine imports its SuperOffload class from
 ``SuperOffloadZero3Optimizer``: DeepSpeed (and everything above it: accelerate, the Trainer,
 TRL) then builds ours with the arguments it would have given its own. ``import hf_superoffload``
 activates; ``HF_SUPEROFFLOAD_DEEPSPEED=0`` keeps DeepSpeed's own SuperOffload.
+
+DeepSpeed reads ``super_offload`` only when it builds a stage-3 optimizer; under stage 1 or 2
+(or 0) the flag is dropped without a word and the run is plain ZeRO-Offload. Activation also
+wraps the engine's ``_configure_optimizer`` so that such a config is refused, saying to use
+stage 3 (``config.refuse_super_offload_below_stage3``).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ logger = logging.getLogger("hf_superoffload")
 
 TARGET_MODULE = "deepspeed.runtime.superoffload.superoffload_stage3"
 TARGET_NAME = "SuperOffloadOptimizer_Stage3"
+ENGINE_MODULE = "deepspeed.runtime.engine"
 OPT_OUT_ENV = "HF_SUPEROFFLOAD_DEEPSPEED"
 
 
@@ -35,10 +41,14 @@ def activate() -> None:
     if not enabled():
         logger.info("hf_superoffload: %s=0, DeepSpeed's own SuperOffload stays", OPT_OUT_ENV)
         return
-    module = sys.modules.get(TARGET_MODULE)
-    if module is not None:
-        _rebind(module)
-    elif not any(isinstance(f, _RebindOnImport) for f in sys.meta_path):
+    pending = False
+    for name, patch in _PATCHES.items():
+        module = sys.modules.get(name)
+        if module is not None:
+            patch(module)
+        else:
+            pending = True
+    if pending and not any(isinstance(f, _RebindOnImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _RebindOnImport())
 
 
@@ -55,30 +65,51 @@ def _rebind(module) -> None:
     setattr(module, TARGET_NAME, SuperOffloadZero3Optimizer)
 
 
+def _guard_stage(module) -> None:
+    engine_class = module.DeepSpeedEngine
+    original = engine_class._configure_optimizer
+    if getattr(original, "_hf_superoffload_guard", False):
+        return  # already wrapped
+
+    def configure_optimizer(self, client_optimizer, model_parameters):
+        from .config import refuse_super_offload_below_stage3
+
+        refuse_super_offload_below_stage3(self.zero_optimization_stage(), self.super_offload())
+        return original(self, client_optimizer, model_parameters)
+
+    configure_optimizer._hf_superoffload_guard = True
+    engine_class._configure_optimizer = configure_optimizer
+
+
+# What activation does to each DeepSpeed module, when it is (or has been) imported.
+_PATCHES = {TARGET_MODULE: _rebind, ENGINE_MODULE: _guard_stage}
+
+
 class _RebindOnImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: for the one target module it wraps the real loader so that the
-    rebinding follows the module's own execution."""
+    """Finds nothing itself: for the modules of ``_PATCHES`` it wraps the real loader so that
+    the patch follows the module's own execution."""
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != TARGET_MODULE:
+        if fullname not in _PATCHES:
             return None
         for finder in sys.meta_path:  # the real finders, in their order
             if finder is self or not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None and spec.loader is not None:
-                spec.loader = _RebindingLoader(spec.loader)
+                spec.loader = _RebindingLoader(spec.loader, _PATCHES[fullname])
                 return spec
         return None
 
 
 class _RebindingLoader(importlib.abc.Loader):
-    def __init__(self, loader):
+    def __init__(self, loader, patch):
         self._loader = loader
+        self._patch = patch
 
     def create_module(self, spec):
         return self._loader.create_module(spec)
 
     def exec_module(self, module):
         self._loader.exec_module(module)
-        _rebind(module)
+        self._patch(module)

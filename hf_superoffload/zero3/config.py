@@ -16,6 +16,7 @@ from ..integrations.plugin import ENV_PREFIX
 REPLACED_BY_DEEPSPEED = {
     "gpu_buckets": "offload_optimizer.ratio",
     "bucket_size": "zero_optimization.sub_group_size",
+    "gpu_memory_cap": "offload_optimizer.ratio",
 }
 
 logger = logging.getLogger("hf_superoffload")
@@ -40,11 +41,22 @@ def require_super_offload(config: dict) -> None:
         offload["super_offload"] = True
 
 
+def refuse_super_offload_below_stage3(stage: int, super_offload: bool) -> None:
+    """DeepSpeed honours ``super_offload`` on stage 3 only and drops it silently elsewhere."""
+    if super_offload and stage != 3:
+        raise ValueError(
+            f'"super_offload": true runs on ZeRO stage 3 only, and this DeepSpeed config has '
+            f"stage {stage}, where DeepSpeed would ignore it and run plain ZeRO-Offload. Set "
+            f'"zero_optimization": {{"stage": 3, ...}}, or remove "super_offload" from '
+            f'"offload_optimizer" to run ZeRO-Offload on stage {stage} knowingly.'
+        )
+
+
 def export_zero3_options(options: dict) -> None:
     """Hand the trainer's SuperOffload options to the ZeRO-3 optimizer DeepSpeed will build
     (it reads SUPEROFFLOAD_* when it is constructed); refuse those DeepSpeed's config replaces."""
     replaced = {k: REPLACED_BY_DEEPSPEED[k] for k in options if k in REPLACED_BY_DEEPSPEED}
-    defaults = {"gpu_buckets": "auto", "bucket_size": DEFAULT_BUCKET_SIZE}
+    defaults = {"gpu_buckets": "auto", "bucket_size": DEFAULT_BUCKET_SIZE, "gpu_memory_cap": None}
     replaced = {k: v for k, v in replaced.items() if options[k] != defaults[k]}
     if replaced:
         raise ValueError(

@@ -70,9 +70,6 @@ class ModelShape:
             model = transformers.AutoModelForCausalLM.from_config(config)
         sizes = [p.numel() for p in model.parameters()]
         layers = _decoder_layers(model)
-        experts = getattr(config, "num_experts_per_tok", 0) or 0
-        moe_width = getattr(config, "moe_intermediate_size", 0) or 0
-        width = experts * moe_width if experts and moe_width else config.intermediate_size
         return cls(
             params=sum(sizes),
             largest_param=max(sizes),
@@ -80,8 +77,23 @@ class ModelShape:
             hidden=config.hidden_size,
             vocab=config.vocab_size,
             layer_params=max(sum(p.numel() for p in layer.parameters()) for layer in layers),
-            active_intermediate=width,
+            active_intermediate=active_intermediate(config),
         )
+
+
+def active_intermediate(config) -> int:
+    """The MLP width one token goes through: its top-k experts' in an MoE.
+
+    An expert's width is ``moe_intermediate_size`` where the config has one (Qwen3-MoE, whose
+    ``intermediate_size`` is its dense layers'), else ``intermediate_size`` (GPT-OSS, whose
+    experts are all of it). Counting a single expert there planned GPT-OSS-20B's recomputed
+    layer 4x too narrow (0.8 GiB low at seq 4096 x batch 4)."""
+    experts = getattr(config, "num_local_experts", 0) or getattr(config, "num_experts", 0) or 0
+    top_k = getattr(config, "num_experts_per_tok", 0) or 0
+    if not (experts and top_k):
+        return config.intermediate_size
+    expert_width = getattr(config, "moe_intermediate_size", 0) or config.intermediate_size
+    return top_k * expert_width
 
 
 def _decoder_layers(model) -> list[torch.nn.Module]:

@@ -54,6 +54,7 @@ from .options import (
     resolve_options,
     sub_group_size,
 )
+from .rank_failures import share_failures
 from .sub_groups import SubGroupLayout
 
 logger = logging.getLogger("hf_superoffload")
@@ -68,6 +69,7 @@ def deepspeed_clip_coef(total_norm: torch.Tensor, clip: float) -> float:
     return float(1.0 / divisor)
 
 
+@share_failures  # one rank's failure ends the others promptly, with its error
 class SuperOffloadZero3Optimizer(
     SubGroupLayout, HostGradientAccessors, DeepSpeedZeroOptimizer_Stage3
 ):

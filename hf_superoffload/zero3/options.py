@@ -17,16 +17,23 @@ from SUPEROFFLOAD_* variables as on the standalone path.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 
 import torch
 
 from ..engine.checks import cores_of_this_rank, default_cpu_threads
 from ..engine.optimizer import DEFAULT_BUCKET_SIZE
-from ..integrations.plugin import ENV_PREFIX, SuperOffloadPlugin
+from ..integrations.plugin import ENV_PREFIX, SuperOffloadOptions
 from .config import REPLACED_BY_DEEPSPEED
+from .host_check import check_zero3_host_memory
+
+logger = logging.getLogger("hf_superoffload")
 
 DEEPSPEED_DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
+# Keys of "offload_optimizer" this path acts on (device must be cpu); the others configure
+# NVMe offload, which DeepSpeed ignores with a CPU device too (unknown keys it refuses itself).
+OFFLOAD_KEYS_ACTED_ON = ("device", "pin_memory", "ratio", "super_offload", "cpuadam_cores_perc")
 DEEPSPEED_DEFAULT_REDUCE_BUCKET_SIZE = 500_000_000
 
 
@@ -54,7 +61,7 @@ def resolve_options(cpuadam_cores_perc: float | None, device: torch.device) -> Z
                 f"{name} does not apply under DeepSpeed ZeRO-3; set {key} in the DeepSpeed "
                 f"config instead (and unset {name})."
             )
-    plugin = SuperOffloadPlugin()  # resolves SUPEROFFLOAD_* (and refuses bad values)
+    plugin = SuperOffloadOptions()  # resolves SUPEROFFLOAD_* (and refuses bad values)
     threads = plugin.cpu_threads
     if threads is None and cpuadam_cores_perc is None:
         # As on the standalone path: the rank's cores less one for the training thread, whose
@@ -89,6 +96,7 @@ def check_supported(init_optimizer, ds_config, kwargs: dict) -> None:
             f'"super_offload": true needs "offload_optimizer": {{"device": "cpu"}} under ZeRO '
             f"stage 3, got device {device!r}; NVMe offload is not supported with super_offload."
         )
+    warn_unused_offload_keys(offload)
     if (ds_config.get("fp16") or {}).get("enabled") is True:
         raise ValueError(
             'hf_superoffload under ZeRO-3 does not run fp16 with loss scaling; use "bf16": '
@@ -112,6 +120,23 @@ def check_supported(init_optimizer, ds_config, kwargs: dict) -> None:
             '"zero_optimization", or "super_offload" from "offload_optimizer".'
         )
     check_adamw(init_optimizer)
+    check_zero3_host_memory(init_optimizer, kwargs)  # last: the cheap refusals come first
+
+
+def warn_unused_offload_keys(offload_optimizer_config) -> None:
+    """Warn, by name, about ``offload_optimizer`` keys set in the config that nothing here
+    reads (NVMe settings such as ``buffer_count``): a warning, not a refusal, since configs
+    copied from DeepSpeed's examples carry them and they change nothing with a CPU device."""
+    unused = sorted(
+        set(getattr(offload_optimizer_config, "model_fields_set", ())) - set(OFFLOAD_KEYS_ACTED_ON)
+    )
+    if unused:
+        logger.warning(
+            "hf_superoffload: offload_optimizer keys %s have no effect with super_offload (they "
+            "configure NVMe offload); it acts on %s. Remove them from the DeepSpeed config.",
+            unused,
+            list(OFFLOAD_KEYS_ACTED_ON),
+        )
 
 
 def check_adamw(optimizer) -> None:

@@ -1,0 +1,104 @@
+# Shared body of examples/finetune_<model>.sh (sourced; each sets MODEL_NAME and GPUS first).
+#
+#   bash examples/finetune_<model>.sh superoffload|zerooffload [batch_size] [script args...]
+#
+# superoffload: DeepSpeed ZeRO-3 with "super_offload": true (hf_superoffload's engine), through
+#   accelerate_configs/{gh200,x86}[xN]_zero3_superoffload.yaml.
+# zerooffload:  the same ZeRO-3 settings with DeepSpeed's plain CPU offload
+#   (accelerate_configs/deepspeed/zero3_offload.json) and TRL's own trainer, the baseline.
+# batch_size: per GPU (default 4). Further arguments go to examples/sft.py (TRL's parser).
+#
+# Environment:
+#   RANDOM_INIT=1    random weights from hf_superoffload/model_configs/<model>.json and the
+#                    bundled arithmetic data packed into max_length sequences: nothing is
+#                    downloaded (for throughput and memory checks)
+#   MODEL_PATH=DIR   local weights instead of the recipe's Hub id
+#   RUNS_DIR=DIR     where runs go (default: examples/runs)
+#   DRY_RUN=1        write the run directory and print the command, launch nothing
+#
+# Each run writes examples/runs/<model>_<mode>_b<batch>_<date>/: recipe.yaml, accelerate.yaml
+# and deepspeed.json (the configs actually used), command.sh (the exact launch), train.log, and
+# output/ (the model, its README.md model card with a Reproduce section, loss.png, summary).
+set -euo pipefail
+: "${MODEL_NAME:?run examples/finetune_<model>.sh, which sets MODEL_NAME and GPUS}"
+: "${GPUS:?run examples/finetune_<model>.sh, which sets MODEL_NAME and GPUS}"
+
+usage() {
+  echo "usage: bash $0 superoffload|zerooffload [batch_size] [examples/sft.py args...]" >&2
+  exit 2
+}
+
+MODE="${1:-}"
+case "$MODE" in superoffload | zerooffload) ;; *) usage ;; esac
+BATCH="${2:-4}"
+[[ "$BATCH" =~ ^[1-9][0-9]*$ ]] || { echo "batch_size must be a positive integer, got '$BATCH'" >&2; usage; }
+shift $(($# < 2 ? $# : 2))
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO="$(dirname "$HERE")"
+PYTHON="${PYTHON:-python}"
+RECIPE="$HERE/recipes/$MODEL_NAME.yaml"
+
+# GH200 nodes are aarch64 (Grace); anything else gets the x86 configs (H100/H200 over PCIe).
+if [[ "$(uname -m)" == "aarch64" ]]; then PLATFORM=gh200; else PLATFORM=x86; fi
+SCALE=""
+[[ "$GPUS" == 1 ]] || SCALE="x$GPUS"
+ACCELERATE_BASE="$REPO/accelerate_configs/${PLATFORM}${SCALE}_zero3_superoffload.yaml"
+if [[ "$MODE" == superoffload ]]; then
+  DEEPSPEED_BASE="$REPO/accelerate_configs/deepspeed/zero3_superoffload.json"
+else
+  DEEPSPEED_BASE="$REPO/accelerate_configs/deepspeed/zero3_offload.json"
+fi
+for f in "$RECIPE" "$ACCELERATE_BASE" "$DEEPSPEED_BASE"; do
+  [[ -f "$f" ]] || { echo "missing $f (run from a repository checkout)" >&2; exit 2; }
+done
+
+RUN_DIR="${RUNS_DIR:-$HERE/runs}/${MODEL_NAME}_${MODE}_b${BATCH}_$(date +%Y%m%d-%H%M%S)"
+mkdir -p "$RUN_DIR"
+cp "$RECIPE" "$RUN_DIR/recipe.yaml"
+cp "$DEEPSPEED_BASE" "$RUN_DIR/deepspeed.json"
+# The accelerate config actually used: the package's, pointed at this run's DeepSpeed JSON.
+"$PYTHON" - "$ACCELERATE_BASE" "$RUN_DIR/deepspeed.json" "$RUN_DIR/accelerate.yaml" <<'PY'
+import sys, yaml
+base, ds_json, out = sys.argv[1:]
+config = yaml.safe_load(open(base))
+config["deepspeed_config"]["deepspeed_config_file"] = ds_json
+with open(out, "w") as f:
+    f.write(f"# Resolved by examples/finetune_common.sh from {base}\n")
+    yaml.safe_dump(config, f, sort_keys=False)
+PY
+
+ARGS=(--config "$RUN_DIR/recipe.yaml" --output_dir "$RUN_DIR/output" --per_device_train_batch_size "$BATCH")
+[[ "$MODE" == zerooffload ]] && ARGS+=(--optimizer adamw)  # DeepSpeed's CPU Adam, not ours
+if [[ "${RANDOM_INIT:-0}" == 1 ]]; then
+  ARGS+=(--random_init_from_config "$MODEL_NAME" --dataset_path "$REPO/examples/data/arithmetic_sft.jsonl"
+    --packing true --packing_strategy wrapped)
+  export HF_HUB_OFFLINE=1
+elif [[ -n "${MODEL_PATH:-}" ]]; then
+  ARGS+=(--model_name_or_path "$MODEL_PATH")
+else
+  export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-0}"  # the recipe's Hub model and dataset
+fi
+ARGS+=("$@")
+
+CMD=(accelerate launch --config_file "$RUN_DIR/accelerate.yaml" "$REPO/examples/sft.py" "${ARGS[@]}")
+{
+  echo "# $MODEL_NAME, $MODE, batch $BATCH per GPU, $GPUS GPU(s), $(date -u +%FT%TZ)"
+  [[ "${RANDOM_INIT:-0}" == 1 ]] && echo "export HF_HUB_OFFLINE=1"
+  printf '%q ' "${CMD[@]}"
+  echo
+} >"$RUN_DIR/command.sh"
+echo "run directory: $RUN_DIR"
+if [[ "${DRY_RUN:-0}" == 1 ]]; then
+  cat "$RUN_DIR/command.sh"
+  exit 0
+fi
+
+FOUND="$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')"
+if ((FOUND < GPUS)); then
+  echo "$MODEL_NAME needs $GPUS GPU(s); this machine has $FOUND." \
+    "'hf-superoffload plan $MODEL_NAME --gpus $GPUS --hardware gh200' shows why." >&2
+  exit 1
+fi
+cd "$REPO"
+"${CMD[@]}" 2>&1 | tee "$RUN_DIR/train.log"

@@ -1,0 +1,150 @@
+"""The recipe scripts' command line: TRL's parser over the script's own arguments and the
+SuperOffload SFT/DPO config (every TrainingArguments, SFTConfig/DPOConfig and ``superoffload_*``
+argument), read from ``--config recipe.yaml`` and then from the command line, which wins.
+
+With no model named (neither ``--model_name_or_path`` nor ``--random_init_from_config``) the
+script is the demo: a tiny Llama on the bundled arithmetic data, and ``DEMO_DEFAULTS`` replace
+TRL's defaults, which suit pretrained models (a learning rate of 2e-5 teaches a random model
+nothing in 50 steps). A recipe YAML or the command line still override each of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+from trl import TrlParser
+
+from ..integrations.trl import SuperOffloadDPOConfig, SuperOffloadSFTConfig
+
+KINDS = {"sft": SuperOffloadSFTConfig, "dpo": SuperOffloadDPOConfig}
+
+
+@dataclasses.dataclass
+class RecipeArguments:
+    """What the recipe trains and on what; the training arguments are TRL's."""
+
+    model_name_or_path: str | None = dataclasses.field(
+        default=None,
+        metadata={"help": "Hub id or local directory of a pretrained model (from_pretrained; "
+                  "offline, it must be cached or local)."},
+    )  # fmt: skip
+    random_init_from_config: str | None = dataclasses.field(
+        default=None,
+        metadata={"help": "Build the model with random weights from a config.json (or a model "
+                  "directory holding one, or a shipped name such as qwen3-14b: "
+                  "hf_superoffload/model_configs); nothing is downloaded. Takes the place of "
+                  "--model_name_or_path's weights."},
+    )  # fmt: skip
+    tokenizer_name_or_path: str | None = dataclasses.field(
+        default=None,
+        metadata={"help": "Tokenizer to load. Default: the model's; with "
+                  "--random_init_from_config or the demo, the download-free character "
+                  "tokenizer of hf_superoffload.toy."},
+    )  # fmt: skip
+    shrink_model: bool = dataclasses.field(
+        default=False,
+        metadata={"help": "Shrink the config before building (hidden 64, 2 layers, at most 16 "
+                  "experts, the tokenizer's vocabulary): the recipe's architecture, code path "
+                  "and arguments in seconds on a CPU, for smoke tests."},
+    )  # fmt: skip
+    attn_implementation: str | None = dataclasses.field(
+        default=None,
+        metadata={"help": "transformers' attention implementation (eager, sdpa, "
+                  "flash_attention_2, ...); default: transformers' choice for the model."},
+    )  # fmt: skip
+    dataset_name: str | None = dataclasses.field(
+        default=None, metadata={"help": "Hub dataset id (load_dataset); needs network or cache."}
+    )
+    dataset_path: str | None = dataclasses.field(
+        default=None,
+        metadata={"help": "A local data file (.jsonl/.json/.csv/.parquet) in TRL's format; it "
+                  "takes the place of dataset_name, so a recipe's Hub dataset can be swapped "
+                  "for a local file on the command line. With neither: the bundled arithmetic "
+                  "data (examples/data/arithmetic_{sft,dpo}.jsonl's rows)."},
+    )  # fmt: skip
+    dataset_split: str = dataclasses.field(default="train", metadata={"help": "split to train on"})
+    optimizer: str = dataclasses.field(
+        default="superoffload",
+        metadata={"help": "superoffload: fp32 master and Adam state on the CPU, stepped during "
+                  "backward; adamw: TRL's trainer with the Trainer's own AdamW, to compare.",
+                  "choices": ["superoffload", "adamw"]},
+    )  # fmt: skip
+    loss_plot: bool = dataclasses.field(
+        default=True, metadata={"help": "save the training loss curve as output_dir/loss.png"}
+    )
+    require_loss_decrease: bool = dataclasses.field(
+        default=True,
+        metadata={
+            "help": "exit non-zero when the mean of the last quarter of the logged losses "
+            "is not below the first"
+        },
+    )
+
+    @property
+    def demo(self) -> bool:
+        return self.model_name_or_path is None and self.random_init_from_config is None
+
+
+def _no_checkpointing(config_cls) -> dict:
+    # transformers 5.x renamed gradient_checkpointing to activation_checkpointing and warns on
+    # the old name, which TRL sets (to True) by default; older versions lack the new name.
+    names = {f.name for f in dataclasses.fields(config_cls)}
+    name = (
+        "activation_checkpointing"
+        if "activation_checkpointing" in names
+        else "gradient_checkpointing"
+    )
+    return {name: False}
+
+
+def demo_defaults(kind: str) -> dict:
+    """Training arguments of the demo, chosen for a 0.1M-param random model on 2 CPU cores or
+    one GPU (each can still be overridden)."""
+    cuda = torch.cuda.is_available()
+    defaults = {
+        "output_dir": f"outputs/{kind}-tiny-llama",
+        "max_steps": 50 if kind == "sft" else 30,
+        "per_device_train_batch_size": 32 if kind == "sft" else 16,
+        "learning_rate": 3e-3,
+        "lr_scheduler_type": "cosine",
+        "warmup_steps": 0.1,  # below 1: a fraction of max_steps
+        "seed": 0,
+        # TRL turns bf16 on everywhere; on a CPU that means slow bf16 autocast.
+        "bf16": cuda and torch.cuda.is_bf16_supported(),
+        "dataloader_pin_memory": cuda,  # pinning on a CPU only warns
+        "max_length": 64,  # the longest arithmetic row is 14 tokens with <bos> and <eos>
+        "logging_steps": 1,  # every step's loss, so the first one is the untrained model's
+        "save_strategy": "no",  # the final model is saved by the script
+        "report_to": "none",
+        "dataloader_num_workers": 0,
+        "optim": "adamw_torch",  # the --optimizer adamw comparison uses torch's own AdamW
+        **_no_checkpointing(KINDS[kind]),  # a model this small needs no memory saving
+    }
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED") != "true":
+        # One default bucket would hold the whole model; small ones exercise the pipeline.
+        # (Under a DeepSpeed config the partition is its sub_group_size.)
+        defaults["superoffload_bucket_size"] = 1 << 14
+    return defaults
+
+
+def build_parser(kind: str, prog: str | None = None) -> TrlParser:
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {sorted(KINDS)}, got {kind!r}")
+    # No abbreviations: among hundreds of options a prefix is ambiguous, and the script's own
+    # arguments are parsed alone first, where "--optim" would pass for "--optimizer".
+    return TrlParser((RecipeArguments, KINDS[kind]), allow_abbrev=False, prog=prog)
+
+
+def parse(kind: str, argv: list[str] | None = None, prog: str | None = None):
+    """(RecipeArguments, SuperOffloadSFTConfig or SuperOffloadDPOConfig) from ``argv``
+    (``--config recipe.yaml`` and overrides); the demo's defaults when no model is named."""
+    parser = build_parser(kind, prog)
+    # The script's own arguments first: whether this is the demo decides the defaults (and a
+    # config built with TRL's defaults fails on a CPU: bf16).
+    script_only = TrlParser(RecipeArguments, allow_abbrev=False, add_help=False)  # --help: all
+    recipe, _ = script_only.parse_args_and_config(argv, return_remaining_strings=True)
+    if recipe.demo:
+        parser.set_defaults_with_config(**demo_defaults(kind))
+    return parser.parse_args_and_config(argv)

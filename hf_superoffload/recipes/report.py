@@ -1,0 +1,144 @@
+"""What a recipe run shows and leaves behind: a progress bar with the loss on it, the loss curve
+as a PNG, and a short summary (tokens/s, rollbacks by cause, where the optimizer state lived)."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from transformers.trainer_callback import ProgressCallback
+
+GIB = 2**30
+STATE_BYTES = 12  # per param: fp32 master and the two fp32 Adam moments
+
+
+class LossBar(ProgressCallback):
+    """The Trainer's tqdm bar, with the latest loss and tokens/s on it instead of one printed
+    dict per log (the demo logs every step)."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not (state.is_world_process_zero and self.training_bar is not None and logs):
+            return
+        shown = {k: f"{logs[k]:.4g}" for k in ("loss", "tokens_per_second") if k in logs}
+        if shown:
+            self.training_bar.set_postfix(shown, refresh=False)
+
+
+def use_loss_bar(trainer) -> None:
+    """Swap the Trainer's progress bar for ``LossBar`` (when it shows one at all)."""
+    if trainer.pop_callback(ProgressCallback) is not None:
+        trainer.add_callback(LossBar())
+
+
+def losses(log_history: list[dict]) -> list[tuple[int, float]]:
+    return [(log["step"], log["loss"]) for log in log_history if "loss" in log and "step" in log]
+
+
+def plot_losses(log_history: list[dict], path: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    points = losses(log_history)
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+    ax.plot([s for s, _ in points], [v for _, v in points], marker="." if len(points) < 60 else "")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("training loss")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def optimizer_placement(trainer, model) -> dict:
+    """Where the fp32 master and the Adam moments lived at the end (bytes on the host and on
+    the GPU), as far as the optimizer that ran can tell."""
+    stats = getattr(trainer, "superoffload_stats", None)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if stats is None:  # TRL's own trainer: torch's AdamW, or DeepSpeed's optimizer
+        inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+        where = (
+            f"DeepSpeed's {type(inner).__name__} (its offload_optimizer settings)"
+            if getattr(trainer, "is_deepspeed_enabled", False)
+            else f"torch {type(inner).__name__} on {trainer.args.device}"
+        )
+        return {"where": where, "host_bytes": None, "device_bytes": None}
+    if "device_params" in stats:  # the standalone engine
+        on_device = int(stats["device_params"])
+        return {
+            "where": "SuperOffloadOptimizer",
+            "host_bytes": STATE_BYTES * (trainable - on_device),
+            "device_bytes": STATE_BYTES * on_device,
+            "device_buckets": int(stats["device_buckets"]),
+            "buckets": int(stats["buckets"]),
+        }
+    # DeepSpeed ZeRO-3: this rank's partition; ratio < 1 keeps DeepSpeed's sub groups on the GPU.
+    engine_optimizer = getattr(getattr(trainer, "deepspeed", None), "optimizer", None)
+    held = engine_optimizer.host_bytes() if hasattr(engine_optimizer, "host_bytes") else {}
+    return {
+        "where": "SuperOffload on DeepSpeed ZeRO-3 (this rank's partition)",
+        "host_bytes": held.get("master", 0) + held.get("moments", 0) if held else None,
+        "device_bytes": None,
+        "buckets": int(stats.get("buckets", 0)),
+    }
+
+
+def summarize(trainer, model, kind: str, train_metrics: dict) -> dict:
+    history = trainer.state.log_history
+    points = losses(history)
+    tokens = [log["tokens_per_second"] for log in history if "tokens_per_second" in log]
+    stats = getattr(trainer, "superoffload_stats", None) or {}
+    return {
+        "kind": kind,
+        "losses": [v for _, v in points],
+        "first_loss": points[0][1] if points else None,
+        "last_loss": points[-1][1] if points else None,
+        "steps": trainer.state.global_step,
+        "train_runtime_s": train_metrics.get("train_runtime"),
+        "tokens_per_second": statistics.median(tokens) if tokens else None,
+        "device": str(trainer.args.device),
+        "bf16": bool(trainer.args.bf16),
+        "optimizer": type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)).__name__,
+        "superoffload_stats": stats or None,
+        "optimizer_state": optimizer_placement(trainer, model),
+        "output_dir": str(Path(trainer.args.output_dir).resolve()),
+    }
+
+
+def _gib(nbytes) -> str:
+    if nbytes is None:
+        return "?"
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB // 10 else f"{nbytes / 2**20:.2f} MiB"
+
+
+def format_summary(summary: dict) -> str:
+    first, last = summary["first_loss"], summary["last_loss"]
+    runtime = summary["train_runtime_s"] or 0.0
+    tokens = summary["tokens_per_second"]
+    lines = [
+        f"{summary['kind']}: loss {first:.4f} -> {last:.4f} over {summary['steps']} steps, "
+        f"{runtime:.1f} s on {summary['device']} (bf16={summary['bf16']}), "
+        + (f"{tokens:,.0f} tokens/s (median)" if tokens else "tokens/s not logged"),
+    ]
+    stats = summary["superoffload_stats"]
+    if stats:
+        lines.append(
+            f"rollbacks: {stats['rollbacks_clip']:.0f} for gradient clipping, "
+            f"{stats['rollbacks_nonfinite']:.0f} for NaN/Inf; {stats['speculative_steps']:.0f} "
+            f"of {stats['steps']:.0f} steps speculated"
+        )
+    state = summary["optimizer_state"]
+    where = f"optimizer state: {state['where']}"
+    if state["host_bytes"] is not None:
+        where += f", host {_gib(state['host_bytes'])}"
+    if state["device_bytes"] is not None:
+        where += f", device {_gib(state['device_bytes'])}"
+    if "device_buckets" in state:
+        where += f", {state['device_buckets']} of {state['buckets']} buckets on the device"
+    lines.append(where + " (fp32 master + moments)")
+    written = ", ".join(["model", *summary.get("written", [])])
+    lines.append(f"output: {summary['output_dir']} ({written})")
+    return "\n".join(lines)

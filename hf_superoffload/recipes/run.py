@@ -1,0 +1,109 @@
+"""One recipe run, SFT or DPO, from the command line to the saved model and its summary.
+
+``examples/sft.py``, ``examples/dpo.py`` and ``hf-superoffload demo`` all end up in ``main``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from transformers import set_seed
+
+from . import report
+from .arguments import parse
+from .data import load_train_dataset
+from .model import build_model, load_tokenizer
+
+
+def _trainer_class(kind: str, optimizer: str):
+    from trl import DPOTrainer, SFTTrainer
+
+    from ..integrations.trl import SuperOffloadDPOTrainer, SuperOffloadSFTTrainer
+
+    ours = optimizer == "superoffload"
+    if kind == "sft":
+        return SuperOffloadSFTTrainer if ours else SFTTrainer
+    return SuperOffloadDPOTrainer if ours else DPOTrainer
+
+
+def _pick_threads(recipe) -> None:
+    """The demo's model is far too small to gain from several intra-op threads; on a small,
+    busy CPU their spin-waiting made it several times slower. An explicit OMP_NUM_THREADS wins."""
+    if recipe.demo and not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+
+
+def build_trainer(kind: str, argv: list[str] | None = None, prog: str | None = None):
+    """(recipe arguments, trainer, model) ready to train, from a command line."""
+    recipe, args = parse(kind, argv, prog)
+    _pick_threads(recipe)
+    set_seed(args.seed)
+    tokenizer = load_tokenizer(recipe)
+    model = build_model(recipe, tokenizer, args.seed)
+    extra = {}
+    if kind == "dpo" and (recipe.demo or recipe.random_init_from_config):
+        # TRL loads the reference model from the policy's path, which random weights lack: the
+        # reference is the policy as built, before any step.
+        extra["ref_model"] = copy.deepcopy(model)
+    trainer = _trainer_class(kind, recipe.optimizer)(
+        model=model,
+        args=args,
+        train_dataset=load_train_dataset(recipe, kind),
+        processing_class=tokenizer,
+        **extra,
+    )
+    report.use_loss_bar(trainer)
+    return recipe, trainer, model
+
+
+def train(kind: str, argv: list[str] | None = None, prog: str | None = None) -> dict:
+    """Train, save the model, its state, the loss curve and ``<kind>_summary.json`` to the
+    output directory; return the summary."""
+    recipe, trainer, model = build_trainer(kind, argv, prog)
+    result = trainer.train()
+    out = Path(trainer.args.output_dir)
+    trainer.save_model(str(out))  # model, config and tokenizer (the model card is written)
+    trainer.save_state()  # trainer_state.json, with every logged loss
+    summary = report.summarize(trainer, model, kind, result.metrics)
+    summary["require_loss_decrease"] = recipe.require_loss_decrease
+    summary["main_process"] = trainer.is_world_process_zero()
+    if summary["main_process"]:
+        if recipe.loss_plot and summary["losses"]:
+            report.plot_losses(trainer.state.log_history, out / "loss.png", f"{kind}: {out.name}")
+        summary["written"] = _written(out)
+        (out / f"{kind}_summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _written(out: Path) -> list[str]:
+    """What the run left beside the model: the model card (the SuperOffload trainers write it;
+    TRL's own only on a checkpoint or push) and the loss curve."""
+    labels = {"README.md": "README.md model card", "loss.png": "loss.png"}
+    return [label for name, label in labels.items() if (out / name).is_file()]
+
+
+def main(kind: str, argv: list[str] | None = None, prog: str | None = None) -> int:
+    """Run a recipe; exit code 1 when the loss did not go down (``loss_went_down``; unless
+    ``--require_loss_decrease false``)."""
+    summary = train(kind, argv, prog)
+    if summary["main_process"]:  # one summary, not one a rank
+        print(report.format_summary(summary))
+    if len(summary["losses"]) < 2:
+        print("note: fewer than 2 logged losses, so no loss trend to check", file=sys.stderr)
+        return 0
+    if summary["require_loss_decrease"] and not loss_went_down(summary["losses"]):
+        print("error: the training loss did not go down", file=sys.stderr)
+        return 1
+    return 0
+
+
+def loss_went_down(losses: list[float]) -> bool:
+    """The mean of the last quarter of the losses is below the first (one step's loss is too
+    noisy a witness, DPO's especially)."""
+    tail = losses[-max(1, len(losses) // 4) :]
+    return sum(tail) / len(tail) < losses[0]

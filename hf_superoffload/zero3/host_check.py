@@ -1,0 +1,64 @@
+"""Refuse, before DeepSpeed allocates it, a ZeRO-3 optimizer state this host cannot hold.
+
+Each rank holds its partition of the trainable params (``1 / data-parallel ranks`` of them) and,
+for the share ``ratio`` offloads, the host state ``optimizer.py`` describes: fp32 master (4
+B/param), both moments (8), the gradient buffer in DeepSpeed's accumulation dtype, DeepSpeed's
+accumulation buffer when micro-batches accumulate, and the copy-out ring. DeepSpeed's own fp32
+gradient buffers exist only until ours replace them, one sub group at a time, so they add no
+more than a sub group to the peak. Params that ``offload_param`` keeps on the host were
+partitioned before the optimizer is built and are no longer in the available memory.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from ..engine.copy_out import COPY_OUT_PIECE, COPY_OUT_SLOTS
+from ..engine.host_memory import check_host_memory
+from ..engine.replicas import Replicas
+
+REMEDIES = (
+    "Use fewer GPUs per host (or more hosts: the state is partitioned over all ranks), keep "
+    'part of the optimizer state on the GPU ("ratio" below 1 in "offload_optimizer"), drop '
+    '"offload_param" if it is set (it puts the 16-bit params on the host too), train a '
+    "smaller model, or free host memory."
+)
+
+
+def zero3_host_parts(init_optimizer, kwargs: dict) -> dict[str, int]:
+    """Host bytes per rank of the optimizer DeepSpeed is about to build (its constructor's
+    ``kwargs``). Params not yet partitioned count whole (``ds_numel`` is set once they are)."""
+    params = [p for g in init_optimizer.param_groups for p in g["params"] if p.requires_grad]
+    numel = sum(getattr(p, "ds_numel", p.numel()) for p in params)
+    largest = max((getattr(p, "ds_numel", p.numel()) for p in params), default=0)
+    group = kwargs.get("dp_process_group")
+    ranks = dist.get_world_size(group=group) if dist.is_initialized() else 1
+    partition = math.ceil(numel / ranks)
+    ratio = getattr(kwargs.get("offload_optimizer_config"), "ratio", 1.0)
+    on_host = int(partition * ratio)
+    grad = kwargs.get("gradient_accumulation_dtype", torch.float32).itemsize
+    low = params[0].dtype.itemsize if params and params[0].dtype != torch.float32 else 0
+    piece = min(max(kwargs.get("sub_group_size", 0), math.ceil(largest / ranks)), COPY_OUT_PIECE)
+    accumulating = kwargs.get("gradient_accumulation_steps", 1) > 1
+    return {
+        "master": 4 * on_host,
+        "moments": 8 * on_host,
+        "gradients": grad * on_host,
+        "accumulation": grad * partition if accumulating else 0,
+        "param_copy_out": COPY_OUT_SLOTS * piece * low if on_host else 0,
+    }
+
+
+def check_zero3_host_memory(init_optimizer, kwargs: dict) -> None:
+    """Refuse this rank's host state if the host cannot hold it for all of its ranks, then
+    wait for the other ranks' checks: each measures the available memory before any of them
+    allocates (else a late rank would count an early one's buffers twice), and a rank that
+    refused ends the others' wait at once, with its error (``Replicas``)."""
+    from deepspeed.accelerator import get_accelerator
+
+    check_host_memory(zero3_host_parts(init_optimizer, kwargs), REMEDIES)
+    device = torch.device(get_accelerator().current_device_name())
+    Replicas(kwargs.get("dp_process_group"), device).agree(0.0, "max")

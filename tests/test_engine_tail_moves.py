@@ -1,0 +1,98 @@
+"""Buckets moving between the host and the device tail mid-training (gpu_buckets='auto''s
+growth and give-back, gpu_memory_cap) leave the trajectory AdamW + clip_grad_norm_'s.
+
+On the CPU the "device" tail is CPU memory stepped by torch's AdamW, the same code path as on a
+GPU; a scripted tuner stands in for the measuring one (which has tests/test_engine_tail_tuner.py)
+so that the moves happen at known steps.
+"""
+
+from __future__ import annotations
+
+import pytest
+from engine_reference import (
+    RunConfig,
+    assert_same_trajectory,
+    clip_threshold,
+    run_reference,
+    run_superoffload,
+)
+
+from hf_superoffload.engine import tail_moves
+
+STEPS = 14
+
+
+class ScriptedTuner:
+    """Moves by step number (the step() that just ran, counted from 1)."""
+
+    def __init__(self, moves: dict[int, int]):
+        self.moves, self.steps = moves, 0
+        self.last_exposed, self.active, self.settled = 0.0, True, []
+
+    def decide(self, *totals) -> int:
+        self.steps += 1
+        return self.moves.get(self.steps, 0)
+
+    def settle(self, reason: str) -> None:
+        self.settled.append(reason)
+
+
+def _install(tuner):
+    def probe(when, step, model, opt):
+        if when == "before_step" and step == 0:
+            opt._tuner = tuner
+
+    return probe
+
+
+@pytest.fixture
+def unbounded_device(monkeypatch):
+    # The CPU has no device headroom to grow into; this stands in for a roomy GPU.
+    monkeypatch.setattr(tail_moves, "device_headroom_bytes", lambda device: float("inf"))
+
+
+def _config(**changes) -> RunConfig:
+    cfg = RunConfig(steps=STEPS, two_groups=True, schedule="warmup_decay", **changes)
+    return cfg.replace(max_grad_norm=clip_threshold(cfg, "some"))
+
+
+@pytest.mark.usefixtures("unbounded_device")
+def test_growing_and_giving_back_keeps_the_adamw_trajectory():
+    cfg = _config(inject=((7, "model.layers.0.mlp.up_proj.weight", "nan"),))
+    # Grow by ~3 buckets, give 2 back, give all back, take everything: every bucket crosses.
+    tuner = ScriptedTuner({3: 5_000, 5: -4_000, 9: -(10**9), 11: 10**9})
+    got = run_superoffload(cfg, gpu_buckets=1, probe=_install(tuner))
+    assert_same_trajectory(got, run_reference(cfg))
+    assert got.stats["tail_moves"] == 4
+    assert got.stats["device_buckets"] == got.stats["buckets"]  # the last move took them all
+    assert got.skipped[7]
+
+
+def test_lowering_the_cap_between_steps_gives_buckets_back_at_the_next_step():
+    cfg = _config()
+    seen, cap = [], []
+
+    def probe(when, step, model, opt):
+        if when == "after_step":
+            seen.append((opt.stats["device_buckets"], opt.stats["device_params"]))
+        if when == "after_step" and step == 4:
+            # Room for the tail-most bucket only: the three before it must go back.
+            cap.append(opt._buckets[-1].plan.numel * 16 + 8)
+            opt.gpu_memory_cap = cap[0] / 2**30
+
+    got = run_superoffload(cfg, gpu_buckets=4, probe=probe)
+    assert_same_trajectory(got, run_reference(cfg))
+    assert seen[4][0] == 4 and seen[5][0] == 1  # step 5's step() honoured the new cap
+    assert all(params * 16 <= cap[0] for _, params in seen[5:])
+    assert got.stats["tail_moves"] == 1
+
+
+@pytest.mark.parametrize("bad", [-1.0, "8GiB", True])
+def test_a_bad_cap_says_what_to_pass(bad):
+    with pytest.raises(ValueError, match="gpu_memory_cap must be a number of GiB"):
+        run_superoffload(RunConfig(steps=1), gpu_memory_cap=bad)
+
+
+def test_a_fixed_count_above_the_cap_is_refused_with_what_to_change():
+    with pytest.raises(ValueError, match="above gpu_memory_cap"):
+        run_superoffload(RunConfig(steps=1), gpu_buckets=3, gpu_memory_cap=1e-6)
