@@ -29,6 +29,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import psutil
+from tqdm import tqdm
 
 HERE = Path(__file__).resolve().parent
 ALL = [
@@ -376,7 +377,11 @@ def main() -> None:
     where = environment()
     build_failures = prebuild(systems, logs / "prebuild.log")
     rows = []
-    for name, system, gpu_buckets in runs(systems, args.gpu_buckets.split(",")):
+    planned = runs(systems, args.gpu_buckets.split(","))
+    # One bar over the system processes (each takes a minute or more); lines go above it.
+    progress = tqdm(planned, desc="suite", unit="system", file=sys.stderr, dynamic_ncols=True)
+    for name, system, gpu_buckets in progress:
+        progress.set_postfix_str(name)
         if system in build_failures:
             row = {"system": name, "status": "failed", "error": build_failures[system]}
         else:
@@ -390,7 +395,7 @@ def main() -> None:
         rows.append(row)
         keys = ("system", "status", "s_per_step", "wall_s", "optimizer", "error")
         summary = {k: row.get(k) for k in keys}
-        print(json.dumps(summary))
+        progress.write(json.dumps(summary), file=sys.stdout)
     first_ok = next((r for r in rows if r["status"] == "ok"), None)
     title = f"{where['gpu']}, {first_ok['params_b'] if first_ok else '?'}B params, {point}"
     if first_ok:

@@ -8,10 +8,13 @@ thread and close() stopping the worker are in tests/test_engine_behaviour.py.
 
 from __future__ import annotations
 
+import _thread
 import functools
 import gc
 import logging
+import threading
 import time
+import traceback
 import weakref
 
 import pytest
@@ -282,3 +285,44 @@ def test_keyboard_interrupt_in_the_worker_task_surfaces_as_keyboard_interrupt(mo
     holder = [opt]
     del opt
     _close_release_and_retrain(cfg, model, holder, batches, before)
+
+
+def test_keyboard_interrupt_while_step_waits_for_the_worker_then_a_new_optimizer_trains(
+    monkeypatch,
+):
+    """Ctrl-C while the training thread waits for the CPU pass (a slow pass, so the wait is
+    long): KeyboardInterrupt at once, not when the pass ends; close() then finishes the queued
+    tasks promptly, and a new optimizer trains as AdamW."""
+    from hf_superoffload.engine.host_steps import HostSteps
+
+    cfg = RunConfig(max_grad_norm=1e6)
+    batches = make_batches(cfg, 3)
+    before = set(worker_threads())
+    model = build_model(cfg)
+    opt = make_engine(model, cfg, gpu_buckets=0)
+    _one_step(model, opt, batches[0])
+    slow_pass = HostSteps._pass
+
+    def slow(self, *args, **kwargs):
+        time.sleep(0.05)
+        slow_pass(self, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(HostSteps, "_pass", slow)
+        x = batches[1]
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        timer = threading.Timer(0.1, _thread.interrupt_main)
+        timer.start()
+        start = time.perf_counter()
+        with pytest.raises(KeyboardInterrupt) as raised:
+            opt.synchronize()  # what the next forward or a save waits in
+            time.sleep(TIMEOUT_S)  # only reached if the wait ended before the interrupt
+        waited = time.perf_counter() - start
+        timer.join()
+        assert waited < 2.0, f"the interrupt took {waited:.2f} s to end the wait"
+        assert "synchronize" in "".join(traceback.format_tb(raised.tb))
+        del raised  # its traceback holds the optimizer
+        holder = [opt]
+        del opt
+        _close_release_and_retrain(cfg, model, holder, batches, before)

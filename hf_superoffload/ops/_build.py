@@ -42,6 +42,8 @@ from types import ModuleType
 import torch
 from torch.utils import cpp_extension
 
+from .build_progress import BuildProgress
+
 try:
     import fcntl
 except ImportError:  # pragma: no cover - not POSIX; torch's file baton alone then
@@ -192,11 +194,12 @@ def _build(folder: Path) -> ModuleType:
     if fcntl is not None and stale.exists():
         logger.info("hf_superoffload: removing the stale build lock %s", stale)
         stale.unlink(missing_ok=True)
-    module = _compile(
-        f"hf_superoffload_cpu_adam_{folder.name}",
-        [sources / name for name in SOURCES],
-        folder,
-    )
+    with BuildProgress(folder, len(SOURCES)):
+        module = _compile(
+            f"hf_superoffload_cpu_adam_{folder.name}",
+            [sources / name for name in SOURCES],
+            folder,
+        )
     library = Path(module.__file__).resolve()
     seconds = time.perf_counter() - start
     _write_atomically(
