@@ -1,5 +1,5 @@
 """The README's main job, `examples/sft.py`, run end to end on CPU (progress bar, loss curve,
-model card whose Reproduce command parses, summary), and its bundled data."""
+model card whose Reproduce command parses and runs, summary), and its bundled data."""
 
 from __future__ import annotations
 
@@ -205,3 +205,19 @@ def test_example_sft_learns_and_saves_a_reloadable_model(tmp_path):
     _, args = arguments.parse("sft", argv[2:])
     assert args.max_steps == MAX_STEPS and args.output_dir == str(out_dir)
     assert args.learning_rate == 3e-3  # the demo's, as the run used
+
+    # ... and runs: the same command, cut to 2 steps into another directory, trains and writes
+    # its own card.
+    rerun = tmp_path / "rerun"
+    overrides = ["--max_steps", "2", "--output_dir", str(rerun), "--require_loss_decrease", "false"]
+    proc = subprocess.run(
+        [sys.executable, *argv[1:], *overrides],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert json.loads((rerun / "sft_summary.json").read_text())["steps"] == 2
+    assert "## Reproduce" in (rerun / "README.md").read_text()
