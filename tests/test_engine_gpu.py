@@ -208,7 +208,9 @@ def test_host_buffers_are_page_locked_at_their_own_size_and_released():
     )
     link, buckets = opt._link, opt._buckets
     buffers = [b.master for b in buckets] + [b.host_grad for b in buckets]
-    buffers += [b.param_low for b in buckets if b.param_low is not None]
+    ring = opt._stv.host.copy_out  # cast="cpu": the rounded params' shared copy-out ring
+    assert ring is not None and all(b.param_low is None for b in buckets)
+    buffers += ring.buffers
     assert all(t.data_ptr() in link._pinned._owned for t in buffers)
     needed = sum(t.numel() * t.element_size() for t in buffers) + 4 * len(buckets)  # + norms
     assert needed <= link.pinned_bytes < needed + (len(buffers) + 1) * PAGE

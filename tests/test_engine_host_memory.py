@@ -169,23 +169,27 @@ def test_the_other_ranks_of_the_host_count(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("dtype", "grads_on_device", "params_on_device", "accumulating", "per_element"),
+    ("dtype", "grads_on_device", "params_on_device", "accumulating", "per_element", "ring"),
     [
-        (torch.float32, True, True, False, 16),  # master, moments, fp32 gradients
-        (torch.bfloat16, False, False, False, 16),  # bf16 gradients and bf16 copy-out
-        (torch.bfloat16, True, True, False, 16),  # fp32 gradients, the master crosses itself
-        (torch.bfloat16, True, False, True, 22),  # fp32 gradients, copy-out, fp32 sum
+        (torch.float32, True, True, False, 16, False),  # master, moments, fp32 gradients
+        (torch.bfloat16, False, False, False, 14, True),  # bf16 gradients, copy-out ring
+        (torch.bfloat16, True, True, False, 16, False),  # fp32 gradients, the master crosses
+        (torch.bfloat16, True, False, True, 20, True),  # fp32 gradients, ring, fp32 sum
     ],
 )
 def test_standalone_host_parts_follow_the_bucket_layout(
-    dtype, grads_on_device, params_on_device, accumulating, per_element
+    dtype, grads_on_device, params_on_device, accumulating, per_element, ring
 ):
     from hf_superoffload.engine.cast_policy import CastPlan
+    from hf_superoffload.engine.copy_out import COPY_OUT_PIECE, COPY_OUT_SLOTS
 
     cast = CastPlan(grads_on_device, params_on_device, "test")
-    parts = host_memory.standalone_host_parts(1000, dtype, cast, accumulating)
-    assert parts["master"] == 4000 and parts["moments"] == 8000
-    assert sum(parts.values()) == per_element * 1000
+    n = 4 * COPY_OUT_PIECE  # a model larger than the ring's buffers
+    parts = host_memory.standalone_host_parts(n, dtype, cast, accumulating)
+    assert parts["master"] == 4 * n and parts["moments"] == 8 * n
+    # The rounded params go through one shared ring of a few pieces, not 2 B/param.
+    assert parts["param_copy_out"] == (COPY_OUT_SLOTS * COPY_OUT_PIECE * 2 if ring else 0)
+    assert sum(parts.values()) - parts["param_copy_out"] == per_element * n
 
 
 def test_zero3_host_parts_partition_over_the_ranks_and_ratio():

@@ -15,19 +15,15 @@ from .link import Link
 from .partition import HostPartition
 
 
-def host_transfer_buffers(
+def host_grad_buffer(
     link: Link, numel: int, model_dtype: torch.dtype, cast: CastPlan
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The host gradient buffer and the optional rounded param copy-out of a host partition.
-
-    Gradients land in the first and the kernel reads them as they are: model dtype when they
-    cross uncast (the kernel upcasts in its own pass), else fp32. The second exists when params
-    cross in the model dtype (the kernel writes it in its pass)."""
-    lowp = model_dtype if model_dtype != torch.float32 else None
-    grad_dtype = lowp if lowp is not None and not cast.grads_on_device else torch.float32
-    host_grad = link.host_empty(numel, grad_dtype)
-    copy_out = lowp is not None and not cast.params_on_device
-    return host_grad, (link.host_empty(numel, lowp) if copy_out else None)
+) -> torch.Tensor:
+    """The host buffer a host bucket's gradients land in; the kernel reads them as they are:
+    model dtype when they cross uncast (the kernel upcasts in its own pass), else fp32. (When
+    params cross in the model dtype, the kernel writes them into the optimizer's shared
+    CopyOutRing, not into a buffer of the bucket's own.)"""
+    lowp = model_dtype != torch.float32 and not cast.grads_on_device
+    return link.host_empty(numel, model_dtype if lowp else torch.float32)
 
 
 class Bucket(HostPartition):
@@ -58,7 +54,7 @@ class Bucket(HostPartition):
             master = link.host_empty(numel, torch.float32)
             master.copy_(flat_param)
             exp_avg, exp_avg_sq = torch.zeros(numel), torch.zeros(numel)
-            host_grad, param_low = host_transfer_buffers(link, numel, dtype, cast)
+            host_grad, param_low = host_grad_buffer(link, numel, dtype, cast), None
         super().__init__(
             plan.index, plan.group_index, master, exp_avg, exp_avg_sq, host_grad, param_low,
             flat_param,
@@ -93,9 +89,9 @@ class Bucket(HostPartition):
         master.copy_(self.master)  # a blocking copy: the tail's last step has finished
         exp_avg, exp_avg_sq = self.exp_avg.cpu(), self.exp_avg_sq.cpu()
         dtype = self.plan.params[0].dtype
-        host_grad, param_low = host_transfer_buffers(self._link, self.plan.numel, dtype, self._cast)
+        host_grad = host_grad_buffer(self._link, self.plan.numel, dtype, self._cast)
         self.master, self.exp_avg, self.exp_avg_sq = master, exp_avg, exp_avg_sq
-        self.host_grad, self.param_low = host_grad, param_low
+        self.host_grad = host_grad
         self.grad = self.device_group = None
         self.on_device = False
 

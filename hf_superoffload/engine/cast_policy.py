@@ -9,13 +9,13 @@ held and time measured end to end, not by link time alone:
   threads). Nothing makes fp32 gradients cheaper.
 - Params: the fp32 master across (4 B of DMA reads from host memory, a cast on the device)
   and the kernel's rounded copy (2 B more of kernel writes, 2 B of DMA reads) cost the same
-  host memory traffic; the copy halves the link time but needs a page-locked 2 B/param
-  buffer per bucket for the whole run. Measured on one H100 (PCIe, 3.4B params, seq 4096,
+  host memory traffic; the copy halves the link time. Measured on one H100 (PCIe, 3.4B params, seq 4096,
   clipping every step so the CPU pass is the critical path, 0 tail buckets): 1.565 s/step
   with the copy (52.0 GiB of host memory used) against 1.606 with fp32 across (45.6 GiB),
-  and without clipping 1.107 against 1.110. 2.5% of speed is not worth 6.3 GiB of host
-  memory, which bounds the model size: auto sends fp32 until the standalone engine shares one
-  small copy-out ring between buckets, as the ZeRO-3 path does (copy_out.py).
+  and without clipping 1.107 against 1.110. Those copies were a buffer per bucket; the
+  standalone engine now shares one small ring between buckets, as the ZeRO-3 path does
+  (copy_out.py), so the copy no longer costs host memory. Auto stays fp32 until the ring's
+  piecewise copies are measured on a GPU as fast as the per-bucket ones were.
 
 ``"gpu"`` (fp32 both ways: 1.534 s/step above) and ``"cpu"`` (16-bit both ways) stay
 available to compare on other machines.

@@ -143,17 +143,21 @@ def standalone_host_parts(
 ) -> dict[str, int]:
     """Host bytes SuperOffloadOptimizer allocates for ``host_numel`` elements of host buckets
     (``bucket.py``, ``cast`` its CastPlan): fp32 master and moments, the gradient buffer
-    (model dtype, or fp32 when gradients are cast on the device), the rounded param copy-out
-    (16-bit models whose params do not cross in fp32), and the fp32 gradient sum kept while
-    micro-batches accumulate. Without a GPU, tail buckets live in host memory too: count them."""
+    (model dtype, or fp32 when gradients are cast on the device), the shared copy-out ring
+    of rounded params (16-bit models whose params do not cross in fp32: a few buffers of at
+    most ``COPY_OUT_PIECE`` elements, not a copy per bucket), and the fp32 gradient sum kept
+    while micro-batches accumulate. Without a GPU, tail buckets live in host memory too: count
+    them."""
+    from .copy_out import COPY_OUT_PIECE, COPY_OUT_SLOTS  # here: copy_out -> link -> this
+
     low = model_dtype.itemsize if model_dtype != torch.float32 else 0
     grad_bytes = 4 if not low or cast.grads_on_device else low
-    copy_out = low if not cast.params_on_device else 0
+    ring = COPY_OUT_SLOTS * min(host_numel, COPY_OUT_PIECE) * low
     return {
         "master": 4 * host_numel,
         "moments": 8 * host_numel,
         "gradients": grad_bytes * host_numel,
-        "param_copy_out": copy_out * host_numel,
+        "param_copy_out": ring if not cast.params_on_device else 0,
         "accumulation": 4 * host_numel if accumulating else 0,
     }
 

@@ -43,6 +43,7 @@ from .checks import (
     default_cpu_threads,
     refuse_unknown_kwargs,
 )
+from .copy_out import CopyOutRing
 from .device_tail import DeviceTail
 from .forward_waits import ForwardWaits
 from .grad_arrival import GradArrival
@@ -183,6 +184,7 @@ class SuperOffloadOptimizer(GradArrival, TailMoves, ForwardWaits, torch.optim.Op
             len(self._buckets),
             speculate=speculate,
             speculate_after_clip=speculate_after_clip,
+            copy_out=self._copy_out_ring(plans, dtype),
         )
         self._stv.clip_threshold = self.max_grad_norm
         self.stats_counters = self._stv.stats
@@ -361,6 +363,13 @@ class SuperOffloadOptimizer(GradArrival, TailMoves, ForwardWaits, torch.optim.Op
     def _device_waits_for_d2h(self) -> None:
         if self._link.is_cuda:
             torch.cuda.current_stream(self._link.device).wait_stream(self._link.d2h_stream)
+
+    def _copy_out_ring(self, plans, dtype: torch.dtype) -> CopyOutRing | None:
+        """Where the kernel writes rounded params when they cross in the model dtype: one
+        small ring for all buckets (any bucket may be on the host; "auto" moves them)."""
+        if dtype == torch.float32 or self._cast.params_on_device:
+            return None
+        return CopyOutRing(self._link, max(p.numel for p in plans), dtype)
 
     def _check_params_attached(self) -> None:
         moved = [b for b in self._buckets if b.plan.params[0].data_ptr() != b.first_param_ptr]

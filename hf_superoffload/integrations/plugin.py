@@ -76,8 +76,8 @@ class SuperOffloadOptions:
         metadata={
             "help": "Where to cast between bf16 and fp32: 'auto' (16-bit gradients, fp32 "
             "params), 'gpu' (fp32 both ways) or 'cpu' (16-bit both ways: 2.5 percent faster "
-            "when every step clips, 2 B/param more host memory). Env SUPEROFFLOAD_CAST; default "
-            "'auto'."
+            "when every step clips, measured before its copy-out ring). Env SUPEROFFLOAD_CAST; "
+            "default 'auto'."
         },
     )
     gpu_memory_cap: float | None = dataclasses.field(
