@@ -11,7 +11,23 @@ share that happened is measured (norm > threshold), not assumed.
 
 from __future__ import annotations
 
+import argparse
 import math
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """--clip-rate and --clip-first, for train_step.py and suite.py alike."""
+    parser.add_argument(
+        "--clip-rate", type=float, default=None,
+        help="make this share of steps clip by scaling the loss (benchmarks/clip_rate.py), "
+        "e.g. 0, 0.1, 0.5, 1; default: the model's own norms decide (a random model's clip "
+        "nearly always at 1.0)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--clip-first", type=int, default=0,
+        help="with --clip-rate: the first N steps clip, then the rate applies (clipping that "
+        "stops: gpu_buckets='auto' should give memory back)",
+    )  # fmt: skip
 
 
 class ClipRate:

@@ -28,6 +28,7 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
+import clip_rate
 import psutil
 from tqdm import tqdm
 
@@ -319,16 +320,7 @@ def main() -> None:
         "train_step.py refuses to time while it still does",
     )  # fmt: skip
     parser.add_argument("--clip", type=float, default=1.0)
-    parser.add_argument(
-        "--clip-rate", type=float, default=None,
-        help="make this share of steps clip by scaling the loss (benchmarks/clip_rate.py), "
-        "e.g. 0, 0.1, 0.5, 1; default: the random model's own norms (clip nearly always at 1.0)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--clip-first", type=int, default=0,
-        help="with --clip-rate: the first N steps clip, then the rate applies (clipping that "
-        "stops: gpu_buckets='auto' should give memory back)",
-    )  # fmt: skip
+    clip_rate.add_arguments(parser)
     parser.add_argument(
         "--cast", default="auto", help="superoffload's cast ('auto', 'gpu' or 'cpu')"
     )  # fmt: skip

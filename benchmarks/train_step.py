@@ -23,6 +23,7 @@ import statistics
 import sys
 import time
 
+import clip_rate
 import torch
 import transformers
 from clip_rate import ClipRate
@@ -136,15 +137,7 @@ def main() -> None:
         "--ratio", type=float, default=1.0,
         help="DeepSpeed systems: offload_optimizer.ratio (share of sub groups on the host)",
     )  # fmt: skip
-    parser.add_argument(
-        "--clip-rate", type=float, default=None,
-        help="share of steps made to clip by scaling the loss (benchmarks/clip_rate.py); "
-        "default: the model's own norms decide",
-    )  # fmt: skip
-    parser.add_argument(
-        "--clip-first", type=int, default=0,
-        help="with --clip-rate: the first N steps clip, then the rate applies",
-    )  # fmt: skip
+    clip_rate.add_arguments(parser)
     parser.add_argument("--jsonl", default=None)
     args = parser.parse_args()
     control = (

@@ -52,6 +52,7 @@ import functools
 import math
 import statistics
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -588,6 +589,18 @@ def assert_states_close(got: dict, want: dict, what: str) -> None:
 
 def worker_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith(WORKER_THREAD_PREFIX)]
+
+
+def assert_workers_gone(before: set, grace_s: float = 2.0) -> None:
+    """Every optimizer worker thread started since ``before`` (a set of worker_threads()) has
+    ended, allowing ``grace_s`` for them to finish."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        left = [t for t in worker_threads() if t not in before and t.is_alive()]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    assert not left, f"worker threads still alive after close(): {[t.name for t in left]}"
 
 
 def call_with_timeout(

@@ -19,6 +19,7 @@ from engine_reference import (
     RunConfig,
     assert_same_trajectory,
     assert_states_equal,
+    assert_workers_gone,
     build_model,
     call_with_timeout,
     clip_threshold,
@@ -285,17 +286,7 @@ def test_worker_exception_reaches_training_thread(monkeypatch):
         finished, _, exc = call_with_timeout(opt.close, TIMEOUT_S)
     assert finished, "close() hung after a worker failure"
     assert exc is None, f"close() raised {exc!r}"
-    _assert_workers_gone(before)
-
-
-def _assert_workers_gone(before: set, grace_s: float = 2.0) -> None:
-    deadline = time.monotonic() + grace_s
-    while True:
-        left = [t for t in worker_threads() if t not in before and t.is_alive()]
-        if not left or time.monotonic() > deadline:
-            break
-        time.sleep(0.02)
-    assert not left, f"worker threads still alive after close(): {[t.name for t in left]}"
+    assert_workers_gone(before)
 
 
 def test_close_is_idempotent_and_context_manager_stops_worker():
@@ -310,7 +301,7 @@ def test_close_is_idempotent_and_context_manager_stops_worker():
         assert [t for t in worker_threads() if t not in before], (
             "no thread named 'hf_superoffload-worker*' while the engine runs"
         )
-    _assert_workers_gone(before)
+    assert_workers_gone(before)
     finished, _, exc = call_with_timeout(opt.close, TIMEOUT_S)  # again: a no-op
     assert finished and exc is None, exc
 
@@ -320,7 +311,7 @@ def test_close_is_idempotent_and_context_manager_stops_worker():
     for _ in range(2):
         finished, _, exc = call_with_timeout(opt.close, TIMEOUT_S)
         assert finished and exc is None, exc
-    _assert_workers_gone(before)
+    assert_workers_gone(before)
 
 
 # --- LR schedulers and clip_grad_norm_ --------------------------------------------------------

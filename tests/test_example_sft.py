@@ -147,15 +147,16 @@ def test_example_sft_learns_and_saves_a_reloadable_model(tmp_path):
     # One intra-op thread: this model is too small to gain from more, and on a loaded CI box
     # OpenMP's spin-waiting threads made the same run up to 30x slower (35 s instead of 1 s).
     env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--max-steps", str(MAX_STEPS), "--output-dir", str(out_dir)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        proc = subprocess.run(
+            [sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+            timeout=300,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return proc
+
+    proc = run(str(EXAMPLE), "--max-steps", str(MAX_STEPS), "--output-dir", str(out_dir))
     # The summary: loss, tokens/s, rollbacks by cause, where the optimizer state lived.
     assert re.search(r"^sft: loss [\d.]+ -> [\d.]+ over 20 steps.* tokens/s", proc.stdout, re.M)
     assert re.search(r"^rollbacks: \d+ for gradient clipping, \d+ for NaN/Inf", proc.stdout, re.M)
@@ -210,14 +211,6 @@ def test_example_sft_learns_and_saves_a_reloadable_model(tmp_path):
     # its own card.
     rerun = tmp_path / "rerun"
     overrides = ["--max_steps", "2", "--output_dir", str(rerun), "--require_loss_decrease", "false"]
-    proc = subprocess.run(
-        [sys.executable, *argv[1:], *overrides],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run(*argv[1:], *overrides)
     assert json.loads((rerun / "sft_summary.json").read_text())["steps"] == 2
     assert "## Reproduce" in (rerun / "README.md").read_text()

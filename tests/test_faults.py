@@ -26,6 +26,7 @@ from engine_reference import (
     RunConfig,
     assert_same_trajectory,
     assert_states_equal,
+    assert_workers_gone,
     build_model,
     call_with_timeout,
     collect_engine_result,
@@ -160,6 +161,17 @@ def _one_step(model, opt, x) -> None:
     opt.synchronize()
 
 
+def _after_one_step(cfg):
+    """A fresh model and host-bucket optimizer one step into training, for a fault test: the
+    config, 3 batches, the worker threads that ran before, the model and the optimizer."""
+    batches = make_batches(cfg, 3)
+    before = set(worker_threads())
+    model = build_model(cfg)
+    opt = make_engine(model, cfg, gpu_buckets=0)
+    _one_step(model, opt, batches[0])
+    return cfg, batches, before, model, opt
+
+
 def _two_steps_match_adamw(cfg, model, batches) -> None:
     """A new optimizer over ``model`` trains 2 steps as AdamW + clip_grad_norm_ does from the
     same weights."""
@@ -185,12 +197,7 @@ def _fail(*args, **kwargs):
 def test_worker_exception_is_a_worker_error_then_a_new_optimizer_trains(monkeypatch):
     from hf_superoffload.engine.host_steps import HostSteps
 
-    cfg = RunConfig(max_grad_norm=1e6)
-    batches = make_batches(cfg, 3)
-    before = set(worker_threads())
-    model = build_model(cfg)
-    opt = make_engine(model, cfg, gpu_buckets=0)
-    _one_step(model, opt, batches[0])
+    cfg, batches, before, model, opt = _after_one_step(RunConfig(max_grad_norm=1e6))
     with monkeypatch.context() as patch:
         patch.setattr(HostSteps, "_pass", _fail)
         start = time.perf_counter()
@@ -223,10 +230,7 @@ def _close_release_and_retrain(cfg, model, holder: list, batches, before) -> Non
     opt = holder.pop()
     finished, _, exc = call_with_timeout(opt.close, TIMEOUT_S)
     assert finished and exc is None, exc
-    deadline = time.monotonic() + 2
-    while [t for t in worker_threads() if t not in before] and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert not [t for t in worker_threads() if t not in before], "worker thread left running"
+    assert_workers_gone(before)
     gone = weakref.ref(opt)
     del opt
     gc.collect()
@@ -238,12 +242,7 @@ def test_keyboard_interrupt_in_backward_then_a_new_optimizer_trains():
     """Ctrl-C while backward runs our gradient hooks (here raised by a tensor hook after some
     buckets were launched): KeyboardInterrupt at once, then close() and a new optimizer over
     the same model train as AdamW."""
-    cfg = RunConfig(max_grad_norm=1.0)
-    batches = make_batches(cfg, 3)
-    before = set(worker_threads())
-    model = build_model(cfg)
-    opt = make_engine(model, cfg, gpu_buckets=0)
-    _one_step(model, opt, batches[0])
+    cfg, batches, before, model, opt = _after_one_step(RunConfig(max_grad_norm=1.0))
     handle = model.model.layers[0].mlp.up_proj.weight.register_hook(_interrupt)
     x = batches[1]
     start = time.perf_counter()
@@ -263,12 +262,7 @@ def test_keyboard_interrupt_in_the_worker_task_surfaces_as_keyboard_interrupt(mo
     (not a WorkerError), promptly; close() and a new optimizer then work."""
     from hf_superoffload.engine.host_steps import HostSteps
 
-    cfg = RunConfig(max_grad_norm=1e6)
-    batches = make_batches(cfg, 3)
-    before = set(worker_threads())
-    model = build_model(cfg)
-    opt = make_engine(model, cfg, gpu_buckets=0)
-    _one_step(model, opt, batches[0])
+    cfg, batches, before, model, opt = _after_one_step(RunConfig(max_grad_norm=1e6))
 
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
@@ -295,12 +289,7 @@ def test_keyboard_interrupt_while_step_waits_for_the_worker_then_a_new_optimizer
     tasks promptly, and a new optimizer trains as AdamW."""
     from hf_superoffload.engine.host_steps import HostSteps
 
-    cfg = RunConfig(max_grad_norm=1e6)
-    batches = make_batches(cfg, 3)
-    before = set(worker_threads())
-    model = build_model(cfg)
-    opt = make_engine(model, cfg, gpu_buckets=0)
-    _one_step(model, opt, batches[0])
+    cfg, batches, before, model, opt = _after_one_step(RunConfig(max_grad_norm=1e6))
     slow_pass = HostSteps._pass
 
     def slow(self, *args, **kwargs):

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from engine_reference import call_with_timeout, worker_threads
+from engine_reference import assert_workers_gone, call_with_timeout, worker_threads
 
 from hf_superoffload import SuperOffloadOptimizer
 from hf_superoffload.toy import build_tiny_llama
@@ -58,10 +58,7 @@ def test_out_of_memory_in_backward_ends_promptly_and_releases_everything():
     finished, _, error = call_with_timeout(opt.close, TIMEOUT_S)
     assert finished and error is None, error
     assert link.pinned_bytes == 0  # every page-locked buffer given back
-    deadline = time.monotonic() + 2
-    while [t for t in worker_threads() if t not in before] and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert not [t for t in worker_threads() if t not in before], "worker thread left running"
+    assert_workers_gone(before)
     del opt
     gc.collect()
     torch.cuda.empty_cache()

@@ -48,16 +48,17 @@ class Bucket(HostPartition):
             master = torch.empty(numel, dtype=torch.float32, device=link.device)
             master.copy_(flat_param)
             exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
-            host_grad = param_low = None
+            host_grad = None
         else:
             # Page-locked master: with cast.params_on_device the H2D reads it directly.
             master = link.host_empty(numel, torch.float32)
             master.copy_(flat_param)
             exp_avg, exp_avg_sq = torch.zeros(numel), torch.zeros(numel)
-            host_grad, param_low = host_grad_buffer(link, numel, dtype, cast), None
+            host_grad = host_grad_buffer(link, numel, dtype, cast)
+        # No copy-out buffer of its own (param_low): rounded params go through the
+        # optimizer's shared CopyOutRing.
         super().__init__(
-            plan.index, plan.group_index, master, exp_avg, exp_avg_sq, host_grad, param_low,
-            flat_param,
+            plan.index, plan.group_index, master, exp_avg, exp_avg_sq, host_grad, None, flat_param
         )  # fmt: skip
         self.param_steps = [0] * len(plan.params)  # committed updates of each param
         # The step's fp32 gradient sum, on the host, while gradients accumulate over several
@@ -72,7 +73,7 @@ class Bucket(HostPartition):
     def move_to_device(self, link: Link) -> None:
         """Make this a tail bucket: master, moments and fp32 gradients on the device (16 B per
         element there), stepped by torch's AdamW; the host buffers are released."""
-        host_buffers = (self.master, self.host_grad, self.param_low, self.grad_sum)
+        host_buffers = (self.master, self.host_grad, self.grad_sum)
         self.grad_sum = None
         self._hold_state_on_device(
             self.master.to(link.device),
@@ -99,7 +100,7 @@ class Bucket(HostPartition):
         self.master, self.exp_avg, self.exp_avg_sq = master, exp_avg, exp_avg_sq
         self.grad = torch.zeros_like(master)
         master.grad = self.grad
-        self.host_grad = self.param_low = None
+        self.host_grad = None
         self.on_device = True
 
     def reset_for_next_step(self) -> None:

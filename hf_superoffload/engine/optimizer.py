@@ -210,12 +210,11 @@ class SuperOffloadOptimizer(GradArrival, TailMoves, ForwardWaits, torch.optim.Op
         them): ``device_buckets`` of ``buckets``, ``device_params`` elements, and
         ``tail_tuning`` (1 while ``auto`` is growing the tail or probing a smaller one; 0 once
         settled, when it only watches)."""
-        on_device = [b for b in self._buckets if b.on_device]
         return {
             **self.stats_counters.as_dict(),
             "buckets": len(self._buckets),
-            "device_buckets": len(on_device),
-            "device_params": sum(b.plan.numel for b in on_device),
+            "device_buckets": sum(b.on_device for b in self._buckets),
+            "device_params": self._device_elements(),
             "tail_tuning": int(self._tuner is not None and self._tuner.active),
         }
 
