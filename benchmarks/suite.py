@@ -47,7 +47,7 @@ COLUMNS = [
     "seq", "batch", "clip", "s_per_step", "tokens_per_s", "tflops", "mfu", "peak_gpu_gib",
     "peak_host_rss_gib", "peak_host_used_gib", "wall_s", "optimizer", "error", "clip_rate",
     "clip_first", "clipped_share", "warmup_steps", "tail_moves_timed", "stats", "phases",
-    "host_rss_gib", "host_bytes", "config",
+    "host_rss_gib", "host_bytes", "world", "tokens_per_s_per_gpu", "ranks", "config",
 ]  # fmt: skip
 
 
@@ -149,6 +149,13 @@ def run_system(
     name: str, system: str, gpu_buckets: str | None, args: argparse.Namespace, logs: Path
 ) -> dict:
     cmd = [sys.executable, str(HERE / "train_step.py"), "--system", system]
+    env = None
+    if args.nproc > 1:  # data parallel on N GPUs; rank 0 prints the row of all ranks
+        cmd[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
+        # torchrun sets OMP_NUM_THREADS=1, which would starve DeepSpeed's OpenMP CPU Adam:
+        # each rank gets its share of the cores, as one process gets all of them.
+        threads = max(1, len(os.sched_getaffinity(0)) // args.nproc)
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
     for flag in MODEL_FLAGS:
         cmd += [f"--{flag}", str(getattr(args, flag))]
     if args.model_config:
@@ -165,7 +172,9 @@ def run_system(
     start = time.perf_counter()
     try:
         with HostMemoryPeak() as host:
-            result = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+            result = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=args.timeout, env=env
+            )
     except subprocess.TimeoutExpired as timeout:
         # What it printed so far (bytes: run() does not decode a partial output).
         partial = [
@@ -238,8 +247,10 @@ def append_rows(csv_path: Path, rows: list[dict]) -> None:
 
 def ratio_table(rows: list[dict]) -> str:
     ok = {r["system"]: r["s_per_step"] for r in rows if r["status"] == "ok"}
-    lines = [f"{'system':<24} {'s/step':>8} {'GiB':>7}  speed-up of superoffload over it"]
-    ours = ok.get("superoffload")
+    # Ours: the standalone engine when it ran, else the ZeRO-3 path (e.g. a multi-GPU suite).
+    reference = "superoffload" if "superoffload" in ok else "superoffload_zero3"
+    lines = [f"{'system':<24} {'s/step':>8} {'GiB':>7}  speed-up of {reference} over it"]
+    ours = ok.get(reference)
     for row in rows:
         if row["status"] != "ok":
             lines.append(f"{row['system']:<24} {row['status']}: {row.get('error', '')[:60]}")
@@ -341,11 +352,16 @@ def main() -> None:
         "--timeout", type=int, default=540,
         help="seconds per system (the device machine stops a call at 600 s)",
     )  # fmt: skip
+    parser.add_argument(
+        "--nproc", type=int, default=1,
+        help="GPUs per system (torchrun; --batch is per GPU): no_offload runs as DDP, "
+        "superoffload as replicas, the DeepSpeed systems as ZeRO-3 data parallelism",
+    )  # fmt: skip
     parser.add_argument("--out-dir", type=Path, default=Path("results"))
     args = parser.parse_args()
 
     flags = (*MODEL_FLAGS, "warmup", "superoffload_warmup", "clip_rate", "clip_first", "cast",
-             "gpu_memory_cap")  # fmt: skip
+             "gpu_memory_cap", "nproc")  # fmt: skip
     config = {flag: getattr(args, flag) for flag in flags}
     config["model_config"] = str(args.model_config) if args.model_config else None
     systems = args.systems.split(",")
@@ -358,6 +374,8 @@ def main() -> None:
         point += f"-rate{args.clip_rate:g}" + (
             f"-first{args.clip_first}" if args.clip_first else ""
         )
+    if args.nproc > 1:
+        point += f"-gpus{args.nproc}"
     if args.cast != "auto":
         point += f"-cast{args.cast}"
     if args.gpu_memory_cap is not None:

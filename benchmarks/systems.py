@@ -2,8 +2,9 @@
 AdamW (lr 1e-5, no weight decay), clip ``--clip``, bf16 compute, activation checkpointing.
 
 - no_offload: fp32 params, bf16 autocast, fused AdamW on the GPU, clip_grad_norm_ (what the
-  HF Trainer does without offload; fp32 master and both moments on the GPU).
-- superoffload: bf16 params on the GPU, fp32 master and moments on the CPU (this package).
+  HF Trainer does without offload; fp32 master and both moments on the GPU); DDP on N GPUs.
+- superoffload: bf16 params on the GPU, fp32 master and moments on the CPU (this package); on N
+  GPUs its replicas (every rank holds and steps all of the host state).
 - deepspeed_zero_offload: DeepSpeed ZeRO-3 with offload_optimizer cpu (DeepSpeedCPUAdam).
 - superoffload_zero3: the same with offload_optimizer.super_offload: true, built as this
   package's SuperOffloadZero3Optimizer (``import hf_superoffload`` rebinds DeepSpeed's class).
@@ -77,6 +78,8 @@ class NoOffload(TrainingSystem):
     def __init__(self, config, args):
         self.model = _model(config, torch.float32)
         self.params = list(self.model.parameters())
+        if torch.distributed.is_initialized():  # under torchrun: plain data parallelism
+            self.model = torch.nn.parallel.DistributedDataParallel(self.model)
         self.optimizer = torch.optim.AdamW(self.params, lr=LR, weight_decay=0.0, fused=True)
         self.clip = args.clip
 

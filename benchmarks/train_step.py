@@ -1,6 +1,8 @@
 # Run (one system per process; the device machine: source scripts/device_env.sh first):
 #   python benchmarks/train_step.py --system superoffload --hidden 3072 --layers 28 --seq 4096
 #   python benchmarks/train_step.py --system no_offload   --hidden 3072 --layers 28 --seq 4096
+# On N GPUs (data parallel, --batch per GPU; rank 0 prints one row for all ranks):
+#   torchrun --standalone --nproc_per_node 2 benchmarks/train_step.py --system superoffload_zero3
 """Seconds per optimizer step of a randomly initialised Llama-style model, one system a run
 (the systems are in benchmarks/systems.py; benchmarks/suite.py runs several and compares).
 
@@ -8,6 +10,11 @@ Prints one JSON line with the median s/step after warm-up, tokens/s, model TFLOP
 GPU memory, peak host RSS, the median seconds of each phase (forward, backward, optimizer step)
 as the host saw its calls and as the GPU's compute stream spent them, and, for the
 SuperOffload systems, the engine's stats; appends it to --jsonl.
+
+Under torchrun each rank trains its own batch (data parallel: DDP for no_offload, replicas for
+superoffload, ZeRO-3 partitions for the DeepSpeed systems). Rank 0 prints the row of the
+slowest rank's s/step, with tokens/s of all GPUs together and per GPU, the largest GPU peak,
+the host RSS summed over the ranks (they share the host), and each rank's own figures.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import time
 
 import clip_rate
 import torch
+import torch.distributed as dist
 import transformers
 from clip_rate import ClipRate
 from systems import SYSTEMS
@@ -101,6 +109,41 @@ def _tail_moves(system) -> int | None:
     return stats.get("tail_moves") if isinstance(stats, dict) else None
 
 
+def start_ranks() -> tuple[int, int]:
+    """(rank, world) of this process; under torchrun, its GPU and the NCCL group (DeepSpeed's
+    init_distributed then finds the group made)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    return dist.get_rank(), world
+
+
+def across_ranks(row: dict, world: int) -> dict | None:
+    """One row for all ranks (on rank 0; None elsewhere): a data-parallel step is as slow as
+    its slowest rank."""
+    if world == 1:
+        return {**row, "world": 1, "tokens_per_s_per_gpu": row["tokens_per_s"]}
+    rows = [None] * world
+    dist.all_gather_object(rows, row)
+    if dist.get_rank() != 0:
+        return None
+    slowest = max(rows, key=lambda r: r["s_per_step"])
+    tokens = row["batch"] * row["seq"] * world
+    per_rank_keys = ("s_per_step", "peak_gpu_gib", "peak_host_rss_gib", "host_rss_gib")
+    return {
+        **slowest,
+        "world": world,
+        "tokens_per_s": round(tokens / slowest["s_per_step"], 1),
+        "tokens_per_s_per_gpu": slowest["tokens_per_s"],
+        "peak_gpu_gib": max(r["peak_gpu_gib"] for r in rows),
+        "peak_host_rss_gib": round(sum(r["peak_host_rss_gib"] for r in rows), 2),
+        "ranks": [{k: r[k] for k in per_rank_keys} for r in rows],
+    }
+
+
 def timed_phases(system, batch, loss_scale: float = 1.0) -> dict:
     """Run one step phase by phase. Host seconds of each call, and CUDA events on the
     compute stream between the phases (read after the step's synchronize: ``gpu`` fills in
@@ -151,11 +194,14 @@ def main() -> None:
     os.environ.update(environment)
     from hf_superoffload.integrations.metrics import model_flops_per_token, peak_tflops
 
+    rank, world = start_ranks()
     torch.manual_seed(0)
     config = model_config(args)
     system = SYSTEMS[args.system](config, args)
     rss_after_init = host_rss_gib()
     n_params, n_matmul = count_params(config)
+    if world > 1:
+        torch.manual_seed(1000 + rank)  # each rank its own data
     batch = torch.randint(0, config.vocab_size, (args.batch, args.seq), device="cuda")
     times, phases = [], []
     warmup = args.warmup  # grows while gpu_buckets='auto' is still moving buckets
@@ -232,8 +278,14 @@ def main() -> None:
         "stats": stats,
         "host_bytes": getattr(system, "host_bytes", lambda: None)(),
     }
+    row = across_ranks(row, world)
+    if row is None:  # not rank 0
+        dist.destroy_process_group()
+        return
     line = json.dumps(row)
     print(line)
+    if world > 1:
+        dist.destroy_process_group()
     if args.jsonl:
         with open(args.jsonl, "a") as handle:
             handle.write(line + "\n")

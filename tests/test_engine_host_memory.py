@@ -148,6 +148,18 @@ def test_a_container_limit_caps_what_is_available(host_files):
     assert host_memory.host_bytes_available() == 0
 
 
+def test_the_user_may_give_the_host_memory_where_memavailable_undercounts(
+    host_files, monkeypatch
+):
+    host_files(31 * 2**20, cgroup_v2=(16 * GiB, 10 * GiB))
+    monkeypatch.setenv(host_memory.HOST_MEMORY_ENV, "240")
+    assert host_memory.host_bytes_available() == 240 * GiB
+    for bad in ("-1", "0", "lots"):
+        monkeypatch.setenv(host_memory.HOST_MEMORY_ENV, bad)
+        with pytest.raises(ValueError, match="a number above 0"):
+            host_memory.host_bytes_available()
+
+
 def test_the_other_ranks_of_the_host_count(monkeypatch):
     """10 GiB per rank fits 40 GiB for 1..4 ranks of the host, and is refused for 5, naming
     the bytes needed and available and what to change."""

@@ -93,9 +93,27 @@ class HostMemoryError(MemoryError):
     """The optimizer's host state would not fit; raised before any of it is allocated."""
 
 
+# Where MemAvailable undercounts: VMs whose memory grows as it is used (a balloon or hotplug
+# starts them at a fraction: one 256 GiB machine here read 31 GiB), the user says the figure.
+HOST_MEMORY_ENV = "SUPEROFFLOAD_HOST_MEMORY_GIB"
+
+
 def host_bytes_available() -> int:
     """Bytes of host memory this process can still take, pinned or pageable: the kernel's
-    ``MemAvailable``, or less where a container's memory limit (cgroup v2 or v1) leaves less."""
+    ``MemAvailable``, or less where a container's memory limit (cgroup v2 or v1) leaves less;
+    ``SUPEROFFLOAD_HOST_MEMORY_GIB`` replaces both where set."""
+    override = os.environ.get(HOST_MEMORY_ENV)
+    if override:
+        try:
+            gib = float(override)
+        except ValueError:
+            gib = -1.0
+        if not gib > 0:
+            raise ValueError(
+                f"{HOST_MEMORY_ENV}={override!r}: give the GiB of host memory this job may "
+                f"use, a number above 0 (e.g. {HOST_MEMORY_ENV}=240), or unset it"
+            )
+        return int(gib * 2**30)
     with open(MEMINFO) as f:
         fields = dict(line.split(":", 1) for line in f)
     available = int(fields["MemAvailable"].split()[0]) * 1024
@@ -134,7 +152,8 @@ def check_host_memory(parts: dict[str, int], remedies: str) -> None:
         f"x {ranks} rank(s) on this host (LOCAL_WORLD_SIZE) = {per_rank * ranks / 2**30:.2f} "
         f"GiB of host memory (pinned and pageable), but only {available / 2**30:.2f} GiB is "
         f"available (MemAvailable, or the container's limit); the kernel would kill the run "
-        f"part-way. {remedies}"
+        f"part-way. {remedies} (Where memory grows as it is used, as on some VMs, and "
+        f"MemAvailable reads low at start, set {HOST_MEMORY_ENV} to the real figure.)"
     )
 
 
