@@ -148,9 +148,7 @@ def test_a_container_limit_caps_what_is_available(host_files):
     assert host_memory.host_bytes_available() == 0
 
 
-def test_the_user_may_give_the_host_memory_where_memavailable_undercounts(
-    host_files, monkeypatch
-):
+def test_the_user_may_give_the_host_memory_where_memavailable_undercounts(host_files, monkeypatch):
     host_files(31 * 2**20, cgroup_v2=(16 * GiB, 10 * GiB))
     monkeypatch.setenv(host_memory.HOST_MEMORY_ENV, "240")
     assert host_memory.host_bytes_available() == 240 * GiB

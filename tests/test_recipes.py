@@ -5,6 +5,7 @@ configs they use; the bundled preference pairs are the generator's output."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -75,9 +76,34 @@ def test_recipe_parses_with_trls_parser_and_the_command_line_wins(recipe, tmp_pa
     assert training.max_length == values["max_length"] == 4096
     assert training.per_device_train_batch_size == 4
     assert training.learning_rate == values["learning_rate"]
-    assert training.activation_checkpointing is True
+    assert getattr(training, arguments.checkpointing_name(type(training))) is True
     assert training.bf16 is False and training.output_dir == str(tmp_path)  # overridden
     assert type(training).__name__ == "SuperOffloadSFTConfig"
+
+
+@dataclasses.dataclass
+class _BeforeTheRename:  # transformers before 5.2x: gradient_checkpointing only
+    gradient_checkpointing: bool = False
+    learning_rate: float = 1.0
+
+
+@dataclasses.dataclass
+class _AfterTheRename:
+    activation_checkpointing: bool = False
+    learning_rate: float = 1.0
+
+
+@pytest.mark.parametrize("config_cls", [_BeforeTheRename, _AfterTheRename])
+@pytest.mark.parametrize("recipe_says", arguments.CHECKPOINTING_NAMES)
+def test_either_checkpointing_name_works_on_either_transformers(config_cls, recipe_says, tmp_path):
+    """The recipes say activation_checkpointing; on a transformers that only knows
+    gradient_checkpointing (the device machine's 5.17) TRL's parser refused it."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"{recipe_says}: true\nlearning_rate: 0.5\n")
+    parser = arguments.RecipeParser((config_cls,), config_cls)
+    (config,) = parser.parse_args_and_config(["--config", str(recipe)])
+    assert getattr(config, arguments.checkpointing_name(config_cls)) is True
+    assert config.learning_rate == 0.5
 
 
 def test_a_recipe_key_the_parser_does_not_know_is_refused(tmp_path):

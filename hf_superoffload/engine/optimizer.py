@@ -198,7 +198,7 @@ class SuperOffloadOptimizer(GradArrival, TailMoves, ForwardWaits, torch.optim.Op
             self._hooks += self._install_forward_waits(model)
         self._waits_in_forward = model is not None
         self._finalizer = weakref.finalize(
-            self, _shutdown, self._stv, self._hooks, self._link, list(self._slot)
+            self, _shutdown, self._stv, self._hooks, self._link, list(self._slot), self._replicas
         )
         clip_routing.install()  # torch's clip_grad_norm_ over our params clips through us
 
@@ -406,7 +406,8 @@ def _grad_hook(this: weakref.ref):
     return hook
 
 
-def _shutdown(stv: Stv, hooks: list, link: Link, param_ids: list[int]) -> None:
+def _shutdown(stv: Stv, hooks: list, link: Link, param_ids: list[int], replicas: Replicas) -> None:
+    replicas.close()
     for handle in hooks:
         handle.remove()
     hooks.clear()

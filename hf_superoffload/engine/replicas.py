@@ -114,9 +114,14 @@ class Replicas:
         initialised = dist.is_available() and dist.is_initialized()
         self.group = group if group is not None else (dist.group.WORLD if initialised else None)
         self.size = dist.get_world_size(self.group) if self.group is not None else 1
+        self.failure_watch = None
         if self.size == 1:
             self.group = None
             return
+        from .failure_watch import watch_failures  # it imports this module
+
+        # NCCL collectives wait through a peer's death: the watch aborts them when one fails.
+        self.failure_watch = watch_failures()
         # NCCL reduces CUDA tensors only (on the model's GPU); gloo takes CPU tensors.
         nccl = dist.get_backend(self.group) == "nccl"
         self._scalar_device = device if nccl else torch.device("cpu")
@@ -125,6 +130,10 @@ class Replicas:
     @property
     def distributed(self) -> bool:
         return self.group is not None
+
+    def close(self) -> None:
+        if self.failure_watch is not None:
+            self.failure_watch.stop()
 
     @staticmethod
     def _run(collective, *args, **kwargs) -> None:
@@ -165,7 +174,7 @@ class Replicas:
         reduce_op = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op]
         holder = torch.tensor([float(value)], dtype=torch.float64, device=self._scalar_device)
         self._run(dist.all_reduce, holder, op=reduce_op, group=self.group)
-        return holder.item()
+        return self._read(holder)[0]
 
     def any_(self, flags: list[bool]) -> list[bool]:
         """Each flag set on any rank."""
@@ -177,7 +186,7 @@ class Replicas:
             return counts
         holder = torch.tensor(counts, dtype=torch.int64, device=self._scalar_device)
         self._run(dist.all_reduce, holder, op=dist.ReduceOp.MAX, group=self.group)
-        return [int(v) for v in holder.tolist()]
+        return [int(v) for v in self._read(holder)]
 
     def from_rank0(self, values: list[float]) -> list[float]:
         """Rank 0's ``values`` on every rank (a decision measured locally, taken once)."""
@@ -185,4 +194,12 @@ class Replicas:
             return values
         holder = torch.tensor(values, dtype=torch.float64, device=self._scalar_device)
         self._run(dist.broadcast, holder, src=self._source, group=self.group)
-        return holder.tolist()
+        return self._read(holder)
+
+    def _read(self, holder: torch.Tensor) -> list:
+        """A collective's result on the host; an NCCL collective the failure watch aborted
+        returns without an error and an undefined result, so it is not used."""
+        values = holder.tolist()
+        if self.failure_watch is not None:
+            self.failure_watch.raise_if_fired()
+        return values

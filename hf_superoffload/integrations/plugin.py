@@ -25,7 +25,7 @@ ENV_PREFIX = "SUPEROFFLOAD_"
 _CASTS = ("auto", "gpu", "cpu")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 # Variables read elsewhere: SAVE_DTYPE (integrations/arguments.py), PEAK_TFLOPS (metrics.py).
-_OTHER_ENV = ("SAVE_DTYPE", "PEAK_TFLOPS")
+_OTHER_ENV = ("SAVE_DTYPE", "PEAK_TFLOPS", "HOST_MEMORY_GIB")  # read outside the options
 DEPRECATED_NAME_WARNING = (
     "SuperOffloadPlugin is now SuperOffloadOptions (it holds options of SuperOffloadOptimizer; "
     "accelerate.Accelerator takes no optimizer plugin). Import SuperOffloadOptions instead; "

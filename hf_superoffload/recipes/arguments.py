@@ -87,16 +87,35 @@ class RecipeArguments:
         return self.model_name_or_path is None and self.random_init_from_config is None
 
 
-def _no_checkpointing(config_cls) -> dict:
-    # transformers 5.x renamed gradient_checkpointing to activation_checkpointing and warns on
-    # the old name, which TRL sets (to True) by default; older versions lack the new name.
+# transformers 5.x renamed gradient_checkpointing to activation_checkpointing and warns on the
+# old name, which TRL sets (to True) by default; versions before the rename (5.17 among them)
+# lack the new name. Recipes say the new one; the parser reads either on any version.
+CHECKPOINTING_NAMES = ("activation_checkpointing", "gradient_checkpointing")
+
+
+def checkpointing_name(config_cls) -> str:
+    """The name this transformers gives activation checkpointing in ``config_cls``."""
     names = {f.name for f in dataclasses.fields(config_cls)}
-    name = (
-        "activation_checkpointing"
-        if "activation_checkpointing" in names
-        else "gradient_checkpointing"
-    )
-    return {name: False}
+    return next(n for n in CHECKPOINTING_NAMES if n in names)
+
+
+def _no_checkpointing(config_cls) -> dict:
+    return {checkpointing_name(config_cls): False}
+
+
+class RecipeParser(TrlParser):
+    """TRL's parser that takes either checkpointing name from a recipe YAML, so one recipe runs
+    on transformers before and after the rename."""
+
+    def __init__(self, dataclass_types, config_cls, **kwargs):
+        super().__init__(dataclass_types, **kwargs)
+        self._checkpointing = checkpointing_name(config_cls)
+
+    def set_defaults_with_config(self, **kwargs) -> list[str]:
+        for name in CHECKPOINTING_NAMES:
+            if name != self._checkpointing and name in kwargs:
+                kwargs.setdefault(self._checkpointing, kwargs.pop(name))
+        return super().set_defaults_with_config(**kwargs)
 
 
 def demo_defaults(kind: str) -> dict:
@@ -134,7 +153,8 @@ def build_parser(kind: str, prog: str | None = None) -> TrlParser:
         raise ValueError(f"kind must be one of {sorted(KINDS)}, got {kind!r}")
     # No abbreviations: among hundreds of options a prefix is ambiguous, and the script's own
     # arguments are parsed alone first, where "--optim" would pass for "--optimizer".
-    return TrlParser((RecipeArguments, KINDS[kind]), allow_abbrev=False, prog=prog)
+    config_cls = KINDS[kind]
+    return RecipeParser((RecipeArguments, config_cls), config_cls, allow_abbrev=False, prog=prog)
 
 
 def parse(kind: str, argv: list[str] | None = None, prog: str | None = None):

@@ -39,6 +39,7 @@ from deepspeed.utils import log_dist
 from .. import ops
 from ..engine.cast_policy import choose_cast_plan
 from ..engine.copy_out import CopyOutRing
+from ..engine.failure_watch import FailureWatch, watch_failures
 from ..engine.link import Link
 from ..engine.partition import HostPartition
 from ..engine.stv import Stv, Verdict, validate
@@ -75,6 +76,8 @@ class SuperOffloadZero3Optimizer(
 ):
     def __init__(self, module, init_optimizer, param_names, timers, ds_config, **kwargs):
         check_supported(init_optimizer, ds_config, kwargs)
+        # From the first collective on: NCCL's wait through a peer's death ends by its abort.
+        failure_watch = watch_failures()
         device = torch.device(get_accelerator().current_device_name())
         perc = cores_perc_if_set(kwargs.get("offload_optimizer_config"))
         options = resolve_options(perc, device)
@@ -132,7 +135,7 @@ class SuperOffloadZero3Optimizer(
             for param in group:
                 wrap_gathers(param, self._wait_for_params)
         self.last_step_skipped = False
-        self._finalizer = weakref.finalize(self, _shutdown, self._stv, self._link)
+        self._finalizer = weakref.finalize(self, _shutdown, self._stv, self._link, failure_watch)
         log_dist(
             f"hf_superoffload: SuperOffload on ZeRO-3 runs in place of DeepSpeed's "
             f"({len(self._host_parts)} of {len(self.fp32_partitioned_groups_flat)} sub groups "
@@ -416,6 +419,8 @@ class SuperOffloadZero3Optimizer(
         super().destroy()
 
 
-def _shutdown(stv: Stv, link: Link) -> None:
+def _shutdown(stv: Stv, link: Link, failure_watch: FailureWatch | None) -> None:
+    if failure_watch is not None:
+        failure_watch.stop()
     stv.close()
     link.close()  # after the worker: its last tasks may still use the host buffers
