@@ -68,6 +68,34 @@ def test_growing_and_giving_back_keeps_the_adamw_trajectory():
     assert got.skipped[7]
 
 
+@pytest.mark.usefixtures("unbounded_device")
+def test_auto_grows_no_further_than_its_lean_budget_unless_a_cap_replaces_it(monkeypatch):
+    budget = []  # elements: the tail-most three buckets
+
+    def lean(device, params, tail_elements):
+        return budget[0]
+
+    monkeypatch.setattr(tail_moves, "lean_tail_elements", lean)
+    cfg = _config()
+    tuner = ScriptedTuner({3: 10**9, 5: 10**9, 8: 10**9})
+    seen = []
+
+    def probe(when, step, model, opt):
+        if when == "before_step" and step == 0:
+            opt._tuner = tuner
+            budget.append(sum(b.plan.numel for b in opt._buckets[-3:]))
+        if when == "after_step":
+            seen.append(opt.stats["device_buckets"])
+        if when == "after_step" and step == 6:
+            opt.gpu_memory_cap = 1e6  # GiB: a cap replaces the lean budget
+
+    got = run_superoffload(cfg, gpu_buckets=1, probe=probe)
+    assert_same_trajectory(got, run_reference(cfg))
+    assert seen[2] == 3 and seen[4] == 3  # asked for everything twice, kept to the budget
+    assert "lean budget" in tuner.settled[0]
+    assert seen[7] == got.stats["buckets"]  # with a cap set, the third request took them all
+
+
 def test_lowering_the_cap_between_steps_gives_buckets_back_at_the_next_step():
     cfg = _config()
     seen, cap = [], []

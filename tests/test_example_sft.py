@@ -115,18 +115,13 @@ def test_toy_tokenizer_gives_trl_the_right_loss_mask(fmt, tmp_path):
         }
     tok = make_char_tokenizer()
     # Newer transformers warn on TRL's default `gradient_checkpointing=True`; set the new name.
-    no_ckpt = (
-        {"activation_checkpointing": False}
-        if "activation_checkpointing" in SFTConfig.__dataclass_fields__
-        else {"gradient_checkpointing": False}
-    )
     config = SFTConfig(
         output_dir=str(tmp_path),
         assistant_only_loss=fmt == "messages",
         bf16=False,
         report_to="none",
         dataloader_pin_memory=False,
-        **no_ckpt,
+        **{arguments.checkpointing_name(SFTConfig): False},
     )
     trainer = SFTTrainer(
         model=build_tiny_llama(),

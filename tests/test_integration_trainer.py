@@ -32,6 +32,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from accelerate.utils import DistributedType
+from cpu_trainer_args import ADAMW_REFERENCE, SEED, cpu_training_args
 from safetensors.torch import load_file
 from transformers import Trainer, TrainerCallback, TrainingArguments, get_scheduler
 
@@ -48,9 +49,8 @@ SEQ_LEN = 16
 BATCH = 4
 N_SAMPLES = 96  # 24 batches: one epoch covers 12 steps of 2 accumulated micro-batches
 STEPS = 12
-SEED = 0
-LR = 1e-3
-WARMUP = 2
+LR = ADAMW_REFERENCE["learning_rate"]
+WARMUP = ADAMW_REFERENCE["warmup_steps"]
 # ~37k params in ~14 buckets: several host buckets plus one "auto" device-tail bucket.
 BUCKET_SIZE = 1 << 12
 WORKER_PREFIX = "hf_superoffload-worker"
@@ -82,28 +82,8 @@ def _dataset(n_samples: int = N_SAMPLES):
 
 
 def _args(output_dir, superoffload: bool, **overrides) -> TrainingArguments:
-    kwargs = {
-        "output_dir": str(output_dir),
-        "max_steps": STEPS,
-        "per_device_train_batch_size": BATCH,
-        "learning_rate": LR,
-        "lr_scheduler_type": "linear",
-        "warmup_steps": WARMUP,
-        "weight_decay": 0.1,
-        "adam_epsilon": 1e-6,
-        "max_grad_norm": 1.0,
-        "logging_steps": 1,
-        "optim": "adamw_torch",
-        "use_cpu": True,
-        "report_to": [],
-        "save_strategy": "no",
-        "dataloader_num_workers": 0,
-        "dataloader_pin_memory": False,
-        "disable_tqdm": True,
-        "seed": SEED,
-        "data_seed": SEED,
-    }
-    kwargs.update(overrides)
+    kwargs = {**ADAMW_REFERENCE, "max_steps": STEPS, "per_device_train_batch_size": BATCH}
+    kwargs = cpu_training_args(output_dir, **{**kwargs, "data_seed": SEED, **overrides})
     if superoffload:
         kwargs.setdefault("superoffload_bucket_size", BUCKET_SIZE)
         return SuperOffloadTrainingArguments(**kwargs)

@@ -20,7 +20,6 @@ that ratio well conditioned, so the comparison tests the integration, not Adam's
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 
@@ -30,6 +29,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cpu_trainer_args import ADAMW_REFERENCE, SEED, cpu_training_args, no_checkpointing
 from datasets import Dataset
 from transformers import TrainerCallback
 from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
@@ -43,15 +43,7 @@ from hf_superoffload import (
 from hf_superoffload.toy import build_tiny_llama, make_char_tokenizer
 
 DATA_FILE = Path(__file__).resolve().parents[1] / "examples" / "data" / "arithmetic_sft.jsonl"
-SEED = 0
 BUCKET_SIZE = 1 << 14  # the 0.14M-param toy model in ~10 buckets
-# Recent transformers renamed `gradient_checkpointing` to `activation_checkpointing` (TRL sets
-# the old name to True by default); older versions lack the new name. Same as examples/sft.py.
-_CHECKPOINTING_ARG = (
-    "activation_checkpointing"
-    if "activation_checkpointing" in {f.name for f in dataclasses.fields(SFTConfig)}
-    else "gradient_checkpointing"
-)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -71,30 +63,10 @@ def _rows(n: int) -> list[dict[str, str]]:
 
 
 def _common_args(output_dir, **overrides) -> dict:
-    kwargs = {
-        "output_dir": str(output_dir),
-        "learning_rate": 1e-3,
-        "lr_scheduler_type": "linear",
-        "warmup_steps": 2,
-        "weight_decay": 0.1,
-        "adam_epsilon": 1e-6,
-        "max_grad_norm": 1.0,
-        "optim": "adamw_torch",
-        "bf16": False,
-        _CHECKPOINTING_ARG: False,
-        "max_length": 64,
-        "logging_steps": 1,
-        "use_cpu": True,
-        "report_to": [],
-        "save_strategy": "no",
-        "dataloader_num_workers": 0,
-        "dataloader_pin_memory": False,
-        "disable_tqdm": True,
-        "seed": SEED,
-        "data_seed": SEED,
-    }
-    kwargs.update(overrides)
-    return kwargs
+    # TRL sets `gradient_checkpointing` to True by default (SFTConfig and DPOConfig share the
+    # name); `no_checkpointing` turns it off under this transformers' name for it.
+    kwargs = {**ADAMW_REFERENCE, **no_checkpointing(SFTConfig), "max_length": 64}
+    return cpu_training_args(output_dir, **{**kwargs, "data_seed": SEED, **overrides})
 
 
 def _step_losses(trainer) -> list[float]:

@@ -19,6 +19,7 @@ import sys
 
 import pytest
 import torch
+from cpu_trainer_args import cpu_training_args
 from datasets import Dataset
 from huggingface_hub import ModelCard
 
@@ -27,19 +28,7 @@ from hf_superoffload.integrations import model_card
 from hf_superoffload.toy import build_tiny_llama, make_char_tokenizer, tiny_llama_config
 
 STEPS = 3
-TRAINING = {
-    "max_steps": STEPS,
-    "per_device_train_batch_size": 4,
-    "learning_rate": 1e-3,
-    "logging_steps": 1,
-    "use_cpu": True,
-    "report_to": [],
-    "save_strategy": "no",
-    "dataloader_num_workers": 0,
-    "dataloader_pin_memory": False,
-    "disable_tqdm": True,
-    "seed": 0,
-}
+TRAINING = {"max_steps": STEPS, "per_device_train_batch_size": 4, "learning_rate": 1e-3}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -89,7 +78,7 @@ def _assert_reproduce_section(section: str) -> None:
 def test_trainer_writes_the_card_at_the_end_of_train(tmp_path):
     output_dir = tmp_path / "run"
     args = SuperOffloadTrainingArguments(
-        output_dir=str(output_dir), superoffload_bucket_size=1 << 12, **TRAINING
+        **cpu_training_args(output_dir, superoffload_bucket_size=1 << 12, **TRAINING)
     )
     trainer = SuperOffloadTrainer(model=_tiny_model(), args=args, train_dataset=_token_rows())
     trainer.train()
@@ -117,11 +106,9 @@ def test_sft_trainer_card_has_the_sft_tag(tmp_path):
 
     rows = [{"prompt": f"{a}+{a}=", "completion": f"{2 * a}"} for a in range(32)]
     config = SuperOffloadSFTConfig(
-        output_dir=str(tmp_path / "sft"),
-        superoffload_bucket_size=1 << 14,
-        bf16=False,
-        max_length=32,
-        **TRAINING,
+        **cpu_training_args(
+            tmp_path / "sft", superoffload_bucket_size=1 << 14, max_length=32, **TRAINING
+        )
     )
     trainer = SuperOffloadSFTTrainer(
         model=build_tiny_llama(seed=0),
@@ -142,7 +129,7 @@ def test_sft_trainer_card_has_the_sft_tag(tmp_path):
 
 def test_no_card_when_the_process_does_not_save(tmp_path):
     args = SuperOffloadTrainingArguments(
-        output_dir=str(tmp_path / "run"), superoffload_bucket_size=1 << 12, **TRAINING
+        **cpu_training_args(tmp_path / "run", superoffload_bucket_size=1 << 12, **TRAINING)
     )
     trainer = SuperOffloadTrainer(model=_tiny_model(), args=args, train_dataset=_token_rows(8))
     trainer.is_world_process_zero = lambda: False  # as on a rank other than 0

@@ -18,12 +18,20 @@ import time
 import torch
 
 from .bucket import Bucket
-from .placement import DEVICE_BYTES_PER_ELEMENT, device_headroom_bytes
+from .placement import (
+    DEVICE_BYTES_PER_ELEMENT,
+    LEAN_SHARE,
+    device_headroom_bytes,
+    lean_tail_elements,
+)
 
 logger = logging.getLogger("hf_superoffload")
 
 
 class TailMoves:
+    # auto's default budget (placement.LEAN_SHARE), measured before its first growth.
+    _lean_elements: float | None = None
+
     @property
     def gpu_memory_cap(self) -> float | None:
         """Most GPU memory (GiB) the tail buckets' optimizer state may hold, or None. Lowering
@@ -60,7 +68,7 @@ class TailMoves:
         if want > 0:
             chosen = self._buckets_to_grow(want)
             if not chosen:
-                self._tuner.settle("device memory or gpu_memory_cap is full")
+                self._tuner.settle("device memory, gpu_memory_cap or the lean budget is full")
                 return
             self._move_buckets(chosen, to_device=True, why="the GPU waited for the CPU")
         elif want < 0:
@@ -103,6 +111,9 @@ class TailMoves:
         if self.gpu_memory_cap_bytes is not None:
             held = self._device_elements() * DEVICE_BYTES_PER_ELEMENT
             headroom = min(headroom, self.gpu_memory_cap_bytes - held)
+        elif self._tuner is not None:
+            lean = self._lean_tail_elements()
+            headroom = min(headroom, (lean - self._device_elements()) * DEVICE_BYTES_PER_ELEMENT)
         chosen, numel = [], 0
         for bucket in reversed(self._buckets):
             if numel >= want:
@@ -114,6 +125,23 @@ class TailMoves:
             chosen.append(bucket)
             numel += bucket.plan.numel
         return chosen
+
+    def _lean_tail_elements(self) -> float:
+        if self._lean_elements is None:  # once: later peaks include the grown tail
+            params = sum(b.plan.numel for b in self._buckets)
+            lean = lean_tail_elements(self._link.device, params, self._device_elements())
+            self._lean_elements = self._replicas.agree(lean, "min")
+            if self._lean_elements != float("inf"):
+                logger.info(
+                    "hf_superoffload: gpu_buckets='auto' grows the tail to at most %.1fM params "
+                    "(%.0f%% of them), so that the GPU peak stays under %.0f%% of what training "
+                    "without offload would need; set gpu_memory_cap (GiB of optimizer state, "
+                    "e.g. the card's size) to let it grow further for speed",
+                    self._lean_elements / 1e6,
+                    100 * self._lean_elements / params,
+                    100 * LEAN_SHARE,
+                )
+        return self._lean_elements
 
     def _buckets_to_give_back(self, want: int) -> list[Bucket]:
         """Device buckets farthest from the tail first, at least ``want`` elements (whole
