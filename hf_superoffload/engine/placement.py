@@ -45,17 +45,14 @@ _AUTO_MEMORY_SHARE = 0.25
 _AUTO_PARAM_SHARE = 0.05
 # Without a gpu_memory_cap, "auto" grows the tail only while the training's GPU peak stays
 # under this share of what the same training would take without offload: offload is for
-# saving memory, so by default it buys speed with at most half of that (a margin below it).
-# At 3.4B, clipping every step, the fastest tail took 51 GiB for 1.07x no offload, 24 GiB
-# gave 0.93x. A cap (e.g. the card's size) replaces this budget.
-LEAN_SHARE = 0.45
+# saving memory, so by default it buys speed with at most half of that. Measured at 3.4B on
+# an H100, clipping every step: 1.07x no offload at 51 GiB with no budget; with a budget of
+# 0.73G elements (what this share gives there) 29 buckets, 26.0 GiB, 0.89x; with 0.45, 22
+# buckets, 23.6 GiB, 0.83x. A cap (e.g. the card's size) replaces this budget.
+LEAN_SHARE = 0.5
 # What training without offload keeps on the GPU per param beyond this engine with no tail:
 # the fp32 master and both moments (measured at 3.4B: 54.6 GiB against 15.2, 12.5 B/param).
 NO_OFFLOAD_EXTRA_BYTES_PER_PARAM = 12
-# What one tail element adds to the peak: master and moments; its fp32 gradient (the other
-# 4 of DEVICE_BYTES_PER_ELEMENT) lives only while its bucket steps (measured: 0.38 GiB per
-# 33.5M-element bucket).
-TAIL_PEAK_BYTES_PER_ELEMENT = 12
 
 
 def choose_device_buckets(
@@ -150,11 +147,13 @@ def lean_tail_elements(device: torch.device, params: int, tail_elements: int) ->
     estimated from that peak and the param count. Unbounded with no GPU."""
     if device.type != "cuda":
         return float("inf")
-    without_tail = torch.cuda.max_memory_allocated(device) - (
-        TAIL_PEAK_BYTES_PER_ELEMENT * tail_elements
+    # A tail element adds all of DEVICE_BYTES_PER_ELEMENT to the peak (measured at 3.4B: 29
+    # buckets of 22.6M elements added 10.1 GiB, 16.5 B each).
+    without_tail = (
+        torch.cuda.max_memory_allocated(device) - DEVICE_BYTES_PER_ELEMENT * tail_elements
     )
     no_offload = without_tail + NO_OFFLOAD_EXTRA_BYTES_PER_PARAM * params
-    return max(0.0, (LEAN_SHARE * no_offload - without_tail) / TAIL_PEAK_BYTES_PER_ELEMENT)
+    return max(0.0, (LEAN_SHARE * no_offload - without_tail) / DEVICE_BYTES_PER_ELEMENT)
 
 
 def make_tail_tuner(requested: int | str, device: torch.device) -> TailTuner | None:
