@@ -47,6 +47,7 @@ def test_every_env_variable_the_package_reads_is_accepted(monkeypatch):
         "SAVE_DTYPE",
         "PEAK_TFLOPS",
         "GPU_MEMORY_CAP",
+        "HOST_MEMORY_GIB",
     }
     assert read - {"DEEPSPEED", "CPU_ADAM_ISA", "CACHE", "VERBOSE_BUILD"} <= fields | {"FIELD"}
     assert set(known_env_names()) == {"SUPEROFFLOAD_" + f for f in fields}
@@ -60,6 +61,7 @@ def test_every_env_variable_the_package_reads_is_accepted(monkeypatch):
         "SAVE_DTYPE": "float32",
         "PEAK_TFLOPS": "1.0",
         "GPU_MEMORY_CAP": "8",
+        "HOST_MEMORY_GIB": "240",
     }
     for name in fields:
         monkeypatch.setenv("SUPEROFFLOAD_" + name, values[name])
