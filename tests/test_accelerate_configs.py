@@ -147,11 +147,15 @@ def test_data_parallel_config_launches_the_example_on_cpu_processes(tmp_path, pa
 
 
 DEEPSPEED = [p for p in CONFIGS if _is_deepspeed(p)]
-# Launched on a CPU process: the single-process ones (accelerate on DeepSpeed's CPU accelerator
-# sizes its own gathers for one process, so several CPU processes fail in TRL's metrics gather
-# before our code runs; two ranks of the engine itself are tested in test_zero3.py). The
-# multi-process configs differ from these only in num_processes and their header.
-LAUNCHED_DEEPSPEED = ["x86_zero3_superoffload.yaml", "gh200_superoffload.yaml"]
+# Launched on CPU processes: the one-GPU configs and a two-GPU one (the others differ from these
+# only in num_processes and their header). On CPU several processes need the script's
+# --use_cpu true: without it accelerate finds no device backend and counts every rank as
+# process 0 of 1 (tests/test_zero3_trainer_two_ranks.py pins that down).
+LAUNCHED_DEEPSPEED = [
+    "x86_zero3_superoffload.yaml",
+    "gh200_superoffload.yaml",
+    "x86x2_zero3_superoffload.yaml",
+]
 
 
 def test_deepspeed_configs_name_an_existing_super_offload_config():
@@ -171,10 +175,17 @@ def test_deepspeed_config_launches_the_example_through_our_zero3_optimizer(tmp_p
         "--config_file", f"accelerate_configs/{name}",
         "examples/sft.py", "--max-steps", "6", "--output-dir", str(tmp_path / "out"),
     ]  # fmt: skip
+    processes = load_config_from_file(str(REPO / "accelerate_configs" / name)).num_processes
+    if processes > 1:
+        cmd += ["--use_cpu", "true"]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     output = result.stdout + result.stderr
     assert "SuperOffload on ZeRO-3 runs in place of DeepSpeed's" in output, output[-3000:]
+    summary = json.loads((tmp_path / "out" / "sft_summary.json").read_text())
+    assert summary["optimizer"] == "SuperOffloadZero3Optimizer"
+    # One job of `processes` ranks, not processes that each train the whole job alone.
+    assert summary["processes"] == processes
     assert "steps speculated" in result.stdout, result.stdout[-2000:]
 
 

@@ -186,7 +186,7 @@ def test_processes_that_each_train_alone_are_refused(monkeypatch):
     two processes finds no group to join (distributed type NO, one process)."""
     _launched(monkeypatch, world=2, local=2, gpus=0)
     with pytest.raises(
-        RuntimeError, match=r"one of 2 .*WORLD_SIZE=2.*one of 1 .*--num_processes 1"
+        RuntimeError, match=r"one of 2 .*WORLD_SIZE=2.*one of 1 .*--num_processes 1.*--use_cpu true"
     ):
         trainer_checks.check_launch_matches_devices(DistributedType.NO, 1)
 

@@ -72,8 +72,10 @@ def check_launch_matches_devices(distributed: DistributedType, processes: int) -
             f"but accelerate runs it as one of {processes} ({distributed}; {gpus} CUDA "
             f"device(s) visible): every process would train the whole job alone and all would "
             f"write one output_dir. Launch with --num_processes {processes} (num_processes in "
-            f"the accelerate config), run on a machine with a GPU per process, or use a CPU "
-            f"config (use_cpu: true) for data parallelism on CPU."
+            f"the accelerate config), run on a machine with a GPU per process, or, for data "
+            f"parallelism on CPU, pass --use_cpu true to the training script "
+            f"(TrainingArguments.use_cpu; with a DeepSpeed config accelerate's own --cpu would "
+            f"skip the DeepSpeed launcher)."
         )
     local = os.environ.get("LOCAL_WORLD_SIZE")  # set by the launcher (torchrun, accelerate)
     if distributed == DistributedType.MULTI_GPU and local is not None and int(local) > gpus:

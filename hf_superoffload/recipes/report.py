@@ -100,6 +100,7 @@ def summarize(trainer, model, kind: str, train_metrics: dict) -> dict:
         "train_runtime_s": train_metrics.get("train_runtime"),
         "tokens_per_second": statistics.median(tokens) if tokens else None,
         "device": str(trainer.args.device),
+        "processes": trainer.args.world_size,  # data-parallel ranks that trained together
         "bf16": bool(trainer.args.bf16),
         "optimizer": type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)).__name__,
         "superoffload_stats": stats or None,
