@@ -46,6 +46,7 @@ from ..engine.stv import Stv, Verdict, validate
 from .accessors import HostGradientAccessors
 from .activation import OPT_OUT_ENV
 from .gather_waits import wrap_gathers
+from .host_state import HostState
 from .norms import sub_group_norms
 from .options import (
     DEEPSPEED_DEFAULT_REDUCE_BUCKET_SIZE,
@@ -72,7 +73,7 @@ def deepspeed_clip_coef(total_norm: torch.Tensor, clip: float) -> float:
 
 @share_failures  # one rank's failure ends the others promptly, with its error
 class SuperOffloadZero3Optimizer(
-    SubGroupLayout, HostGradientAccessors, DeepSpeedZeroOptimizer_Stage3
+    SubGroupLayout, HostState, HostGradientAccessors, DeepSpeedZeroOptimizer_Stage3
 ):
     def __init__(self, module, init_optimizer, param_names, timers, ds_config, **kwargs):
         check_supported(init_optimizer, ds_config, kwargs)
@@ -147,79 +148,10 @@ class SuperOffloadZero3Optimizer(
 
     # ------------------------------------------------------------------------- set-up
 
-    def _configure_offloading(self, offload_optimizer_config, offload_param_config):
-        super()._configure_offloading(offload_optimizer_config, offload_param_config)
-        # ``pin_memory`` page-locks our transfer buffers (exact size); DeepSpeed's own host
-        # buffers are freed or bypassed here, except its accumulation buffer when it is used.
-        self._pin_transfers = self.offload_optimizer_pin_memory
-        self.offload_optimizer_pin_memory = self._pin_transfers and self._accumulates
-
-    def initialize_optimizer_states(self):
-        # DeepSpeed's fp32 gradient buffers, pageable so that dropping them (our gradient
-        # buffers replace them) gives their memory back, not to torch's pinned-block cache.
-        pin, self.offload_optimizer_pin_memory = self.offload_optimizer_pin_memory, False
-        super().initialize_optimizer_states()
-        self.offload_optimizer_pin_memory = pin
-
-    def _build_host_partitions(self, params_on_device: bool) -> list[HostPartition]:
-        """One HostPartition per CPU sub group, over DeepSpeed's fp32 master, with our own
-        gradient buffer (DeepSpeed's accumulation dtype, page-locked, exact size) in place of
-        DeepSpeed's fp32 one; its moments are registered as the base optimizer's state of
-        that master."""
-        parts = []
-        for i, master in enumerate(self.fp32_partitioned_groups_flat):
-            if self.subgroup_to_device[i] != "cpu":
-                continue
-            master.grad = None  # DeepSpeed's fp32 gradient buffer goes
-            if params_on_device and self._link.is_cuda:
-                # The H2D copy reads the master: page-locked, or every copy would block.
-                pinned = self._link.host_empty(master.numel(), master.dtype)
-                master.data = pinned.copy_(master)
-            exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
-            state = self.optimizer.state[master]
-            state.update(exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, step=self._step_value(0))
-            host_grad = self._link.host_empty(master.numel(), self.gradient_accumulation_dtype)
-            flat_param = self.fp16_partitioned_groups_flat[i]
-            group = self.sub_group_to_group_id[i]
-            part = HostPartition(i, group, master, exp_avg, exp_avg_sq, host_grad, None, flat_param)
-            parts.append(part)
-        return parts
-
     def _wait_for_params(self, params) -> None:
         parts = {id(part): part for p in params if (part := self._part_of_param.get(p.ds_id))}
         if parts:
             self._stv.wait_for(parts.values(), consume=False)
-
-    def _drop_accumulation_buffer(self) -> None:
-        """With nothing to accumulate every gradient partition takes our boundary path, and
-        DeepSpeed's host accumulation buffer (model dtype, one element per param of the
-        partition, pinned in a power-of-two block) is never read: free it."""
-        buffer = self.grad_partitions_flat_buffer
-        self.grad_partitions_flat_buffer = torch.empty(0, dtype=buffer.dtype)
-        # NOTE: DeepSpeed's name-mangled views into that buffer, one per param.
-        self._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition.clear()
-
-    def host_bytes(self) -> dict[str, int]:
-        """Host memory this rank's optimizer holds, by what it holds."""
-
-        def nbytes(tensors) -> int:
-            return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-        parts = self._host_parts
-        return {
-            "master": nbytes(p.master for p in parts),
-            "gradients": nbytes(p.host_grad for p in parts),
-            "moments": nbytes([p.exp_avg for p in parts] + [p.exp_avg_sq for p in parts]),
-            "param_copy_out": nbytes(self._copy_out.buffers if self._copy_out else []),
-            "accumulation": nbytes([self.grad_partitions_flat_buffer]),
-        }
-
-    def _step_value(self, step: int):
-        """A step count in the base optimizer's own format (DeepSpeed's CPU Adam: an int;
-        torch's optimizers: a float tensor)."""
-        if type(self.optimizer).__name__ == "DeepSpeedCPUAdam":
-            return step
-        return torch.tensor(float(step))
 
     def _has_gradient_partition(self, param) -> bool:
         """Whether this rank's partition of ``param`` holds real elements (not only padding).
@@ -402,17 +334,6 @@ class SuperOffloadZero3Optimizer(
         super().load_state_dict(state_dict_list, load_optimizer_states, **kwargs)
         if load_optimizer_states:
             self._adopt_loaded_state()
-
-    def _adopt_loaded_state(self) -> None:
-        """torch's load_state_dict put new tensors into the base optimizer's state: make them
-        the moments the kernels update, in place where the old ones were."""
-        for part in self._host_parts:
-            state = self.optimizer.state[part.master]
-            part.exp_avg.copy_(state["exp_avg"])
-            part.exp_avg_sq.copy_(state["exp_avg_sq"])
-            state["exp_avg"], state["exp_avg_sq"] = part.exp_avg, part.exp_avg_sq
-            part.step = int(state["step"])
-            state["step"] = self._step_value(part.step)
 
     def destroy(self):
         self._finalizer()
