@@ -47,7 +47,8 @@ COLUMNS = [
     "seq", "batch", "clip", "s_per_step", "tokens_per_s", "tflops", "mfu", "peak_gpu_gib",
     "peak_host_rss_gib", "peak_host_used_gib", "wall_s", "optimizer", "error", "clip_rate",
     "clip_first", "clipped_share", "warmup_steps", "tail_moves_timed", "stats", "phases",
-    "host_rss_gib", "host_bytes", "world", "tokens_per_s_per_gpu", "ranks", "config",
+    "host_rss_gib", "host_bytes", "world", "tokens_per_s_per_gpu", "ranks", "plan_per_rank",
+    "config",
 ]  # fmt: skip
 
 
@@ -241,7 +242,7 @@ def append_rows(csv_path: Path, rows: list[dict]) -> None:
         if new:
             writer.writeheader()
         for row in rows:
-            nested = ("stats", "phases", "host_rss_gib", "host_bytes")
+            nested = ("stats", "phases", "host_rss_gib", "host_bytes", "ranks", "plan_per_rank")
             writer.writerow({**row, **{key: json.dumps(row.get(key)) for key in nested}})
 
 

@@ -121,6 +121,22 @@ def start_ranks() -> tuple[int, int]:
     return dist.get_rank(), world
 
 
+def planned(args, config, world: int) -> dict | None:
+    """What ``hf-superoffload plan`` predicts per rank for the ZeRO-3 path at this point (GPU:
+    allocated, as ``peak_gpu_gib``; host: the rank's resident memory), beside what was measured."""
+    if args.system != "superoffload_zero3":
+        return None
+    from hf_superoffload.zero3.memory_plan import Zero3Run, zero3_memory_plan
+
+    plan = zero3_memory_plan(
+        config, Zero3Run(seq=args.seq, batch=args.batch, ranks=world, ratio=args.ratio)
+    )
+    return {
+        "gpu_gib": round(plan.gpu_bytes / 2**30, 2),
+        "host_gib": round(plan.host_bytes / 2**30, 2),
+    }
+
+
 def across_ranks(row: dict, world: int) -> dict | None:
     """One row for all ranks (on rank 0; None elsewhere): a data-parallel step is as slow as
     its slowest rank."""
@@ -277,6 +293,7 @@ def main() -> None:
         },
         "stats": stats,
         "host_bytes": getattr(system, "host_bytes", lambda: None)(),
+        "plan_per_rank": planned(args, config, world),
     }
     row = across_ranks(row, world)
     if row is None:  # not rank 0

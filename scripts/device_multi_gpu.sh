@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The multi-GPU checks of the ZeRO-3 path, one stage per device call (each fits the tool's 600 s):
+#
+#   bash scripts/device_multi_gpu.sh tests       # multi_gpu tests: ZeRO-3 vs DeepSpeed, Ulysses, failure watch
+#   bash scripts/device_multi_gpu.sh scaling     # 3.37B on N GPUs (ZeRO-3, replicas) and on 1, same host
+#   bash scripts/device_multi_gpu.sh qwen3-14b   # the issue's 2-GPU model: ours, then DeepSpeed ZeRO-Offload
+#
+# Run from the repo root on a machine with >= 2 GPUs, `.whl` carried (scripts/device_env.sh).
+# Writes under $OUT (default ./results): logs, suite.csv, plots; prints a short table last.
+set -u
+STAGE="${1:?stage: tests, scaling or qwen3-14b}"
+OUT="${OUT:-results}"
+mkdir -p "$OUT"
+source scripts/device_env.sh || exit 1
+find ~/.cache -name lock -delete 2>/dev/null
+GPUS=$(python -c 'import torch; print(torch.cuda.device_count())')
+[ "$GPUS" -ge 2 ] || { echo "needs >= 2 GPUs, found $GPUS" >&2; exit 2; }
+start=$(date +%s)
+python -c "import hf_superoffload.ops as o; o.prepare()" > "$OUT/build_ours.log" 2>&1 &
+python -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()" \
+    > "$OUT/build_deepspeed.log" 2>&1 &
+wait
+echo "CPU Adams built in $(( $(date +%s) - start )) s"
+
+point="--hidden 3072 --layers 28 --seq 4096 --batch 4 --steps 6 --warmup 3 --superoffload-warmup 4 --clip 1.0"
+case "$STAGE" in
+  tests)
+    timeout 420 python -m pytest -m multi_gpu -q -p no:cacheprovider -rs \
+        tests/test_zero3_gpu.py tests/test_zero3_ulysses.py tests/test_failure_watch.py \
+        tests/test_engine_distributed.py > "$OUT/multi_gpu_tests.log" 2>&1
+    tail -8 "$OUT/multi_gpu_tests.log"
+    ;;
+  scaling)
+    # shellcheck disable=SC2086
+    timeout 170 python benchmarks/suite.py $point --nproc 2 --systems superoffload_zero3 \
+        --out-dir "$OUT/suite" --timeout 160 | tail -2
+    # shellcheck disable=SC2086
+    timeout 250 python benchmarks/suite.py $point --nproc 1 --systems superoffload_zero3,superoffload \
+        --gpu-buckets 0 --out-dir "$OUT/suite" --timeout 120 | tail -3
+    ;;
+  qwen3-14b)
+    python -m hf_superoffload plan qwen3-14b --gpus 2 --gpu-mem 139 --cpu-mem 256 > "$OUT/plan.txt" 2>&1
+    model="--model-config hf_superoffload/model_configs/qwen3-14b.json --seq 4096 --batch 4 --steps 7 --warmup 3 --clip 1.0 --nproc 2"
+    # shellcheck disable=SC2086
+    timeout 320 python benchmarks/suite.py $model --systems superoffload_zero3 --out-dir "$OUT/suite" \
+        --timeout 310 | tail -2
+    # shellcheck disable=SC2086
+    timeout 200 python benchmarks/suite.py $model --systems deepspeed_zero_offload --out-dir "$OUT/suite" \
+        --timeout 190 | tail -2
+    ;;
+  *) echo "unknown stage $STAGE: tests, scaling or qwen3-14b" >&2; exit 2 ;;
+esac
+if [ -f "$OUT/suite/suite.csv" ]; then
+  tar -czf "$OUT/suite_logs.tgz" -C "$OUT/suite" logs 2>/dev/null
+  python - "$OUT/suite/suite.csv" <<'PY'
+import csv, json, sys
+print(f"{'system':<20} {'gpus':>4} {'status':<8} {'s/step':>7} {'tok/s/GPU':>9} {'GPU GiB':>7} {'host GiB':>8} plan GPU/host per rank")
+for r in csv.DictReader(open(sys.argv[1])):
+    plan = json.loads(r["plan_per_rank"]) if r.get("plan_per_rank") else None
+    plan = f"{plan['gpu_gib']}/{plan['host_gib']}" if plan else "-"
+    print(f"{r['system']:<20} {r['world'] or '?':>4} {r['status']:<8} {r['s_per_step'] or '-':>7} "
+          f"{r['tokens_per_s_per_gpu'] or '-':>9} {r['peak_gpu_gib'] or '-':>7} "
+          f"{r['peak_host_rss_gib'] or '-':>8} {plan}")
+PY
+fi
+echo "stage $STAGE done in $(( $(date +%s) - start )) s"
