@@ -64,13 +64,19 @@ def _both_on_rank(rank, world, port, case, env, out_dir) -> None:
 
 def _compare_norms_with_deepspeeds(optimizer) -> list[bool]:
     """Make every step also compute DeepSpeed's per sub group norms (one all-reduce each) and
-    record whether ours (all in one all-reduce, zero3/norms.py) equal them to the bit."""
+    record whether ours (all in one all-reduce, zero3/norms.py, which must have run: not
+    DeepSpeed's path as a fallback) equal them to the bit."""
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-    agree, ours = [], optimizer._get_norm_groups
+    from hf_superoffload.zero3.norms import sub_group_norms
+
+    agree = []
 
     def both():
-        mine = ours()
+        mine = sub_group_norms(optimizer)
+        if mine is None:  # our one all-reduce did not run
+            agree.append(False)
+            return DeepSpeedZeroOptimizer_Stage3._get_norm_groups(optimizer)
         theirs = DeepSpeedZeroOptimizer_Stage3._get_norm_groups(optimizer)
         agree.append(torch.equal(torch.stack(mine), torch.stack([t.reshape(()) for t in theirs])))
         return mine

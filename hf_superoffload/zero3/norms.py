@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
+from deepspeed.comm import pg_utils
 from deepspeed.runtime.utils import mask_nan_or_inf_with_val_inplace
 
 
@@ -27,10 +28,18 @@ def sub_group_norms(optimizer) -> list[torch.Tensor] | None:
     if not groups or not all(groups):
         return None
     process_group = optimizer._get_param_partition_group(groups[0][0])
+    # Without model parallelism every rank counts all of its partition and DeepSpeed's second
+    # (model-parallel) all-reduce does nothing; with it, only where each rank holds its own.
+    # (DeepSpeed's _grad_norm_counts_every_rank answers False when there is no model-parallel
+    # group at all: asked alone, it sent every run down the per sub group path.)
+    model_parallel = pg_utils.is_parallel(optimizer.model_parallel_group)
     for params in groups:
         optimizer._assert_same_partition_group(params)
         same_group = optimizer._get_param_partition_group(params[0]) is process_group
-        if not same_group or not optimizer._grad_norm_counts_every_rank(params, process_group):
+        counted_once = not model_parallel or optimizer._grad_norm_counts_every_rank(
+            params, process_group
+        )
+        if not same_group or not counted_once:
             return None
         if optimizer._autoep_expert_parallel_group(params) is not None:
             return None
