@@ -63,6 +63,9 @@ def test_stats_keys_and_types():
         "speculative_steps",
         "rollbacks_clip",
         "rollbacks_nonfinite",
+        "speculations_applied",
+        "speculations_withheld",
+        "replays",
         "bytes_d2h",
         "bytes_h2d",
     ):
@@ -82,6 +85,9 @@ def test_stats_speculative_steps_without_clipping():
     assert got.stats["speculative_steps"] == cfg.steps
     assert got.stats["rollbacks_clip"] == 0
     assert got.stats["rollbacks_nonfinite"] == 0
+    # Every bucket of every step was stepped before validation, none withheld or replayed.
+    assert got.stats["speculations_applied"] == cfg.steps * got.stats["buckets"]
+    assert got.stats["speculations_withheld"] == got.stats["replays"] == 0
     assert got.skipped == [False] * cfg.steps
 
 

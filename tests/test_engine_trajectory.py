@@ -96,6 +96,8 @@ def test_speculating_every_step_while_clipping(regime):
     # A replay whenever the speculated scale was not the final one: clipped steps (the clip
     # coefficient changes every step), and unclipped steps right after a clipped one.
     assert 0 < stats["rollbacks_clip"] <= STEPS
+    # What ran, not only what was submitted: speculative steps applied, and replayed.
+    assert stats["speculations_applied"] > 0 and stats["replays"] > 0, stats
     if regime != "some":
         _check_regime(regime, stats["rollbacks_clip"])
 

@@ -50,6 +50,7 @@ def _both_on_rank(rank, world, port, case, env, out_dir) -> None:
         engine, optimizer = make_engine(case, super_offload, world)
         kind = type(optimizer).__name__
         norms_agree = _compare_norms_with_deepspeeds(optimizer) if super_offload else []
+        waits_at_use = _count_gathers_waiting_at_use() if super_offload else [0]
         record = train(engine, case, rank, range(case.steps))
         record.update(state=optimizer_state(engine), kind=kind)
         if super_offload:
@@ -57,32 +58,51 @@ def _both_on_rank(rank, world, port, case, env, out_dir) -> None:
             record["host_bytes"] = optimizer.host_bytes()
             record["params"] = sum(p.ds_tensor.numel() for p in engine.module.parameters())
             record["norms_agree"] = norms_agree
+            record["gathers_waiting_at_use"] = waits_at_use[0]
+            record["world"] = world
         results[name] = record
         engine.destroy()
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 def _compare_norms_with_deepspeeds(optimizer) -> list[bool]:
-    """Make every step also compute DeepSpeed's per sub group norms (one all-reduce each) and
-    record whether ours (all in one all-reduce, zero3/norms.py, which must have run: not
-    DeepSpeed's path as a fallback) equal them to the bit."""
+    """Wrap zero3/norms.py's sub_group_norms where the optimizer's own _get_norm_groups calls it
+    (the method stays the package's): record, each step, whether it computed the norms (in one
+    all-reduce, not falling back to DeepSpeed's path) and whether they equal DeepSpeed's per
+    sub group ones to the bit."""
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-    from hf_superoffload.zero3.norms import sub_group_norms
+    from hf_superoffload.zero3 import optimizer as zero3_optimizer
 
-    agree = []
+    agree, ours = [], zero3_optimizer.sub_group_norms
 
-    def both():
-        mine = sub_group_norms(optimizer)
-        if mine is None:  # our one all-reduce did not run
+    def both(zero):
+        mine = ours(zero)
+        if mine is None:  # the package would fall back to DeepSpeed's path
             agree.append(False)
-            return DeepSpeedZeroOptimizer_Stage3._get_norm_groups(optimizer)
-        theirs = DeepSpeedZeroOptimizer_Stage3._get_norm_groups(optimizer)
+            return None
+        theirs = DeepSpeedZeroOptimizer_Stage3._get_norm_groups(zero)
         agree.append(torch.equal(torch.stack(mine), torch.stack([t.reshape(()) for t in theirs])))
         return mine
 
-    optimizer._get_norm_groups = both
+    zero3_optimizer.sub_group_norms = both
     return agree
+
+
+def _count_gathers_waiting_at_use() -> list[int]:
+    """Count the gathers that take zero3/gather_waits.py's wait-at-use path (one rank per
+    partition): DeepSpeed renaming what its guard reads would send them silently back to
+    waiting at issue."""
+    from hf_superoffload.zero3 import gather_waits
+
+    count, waits_at_use = [0], gather_waits.WaitsAtUse
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return waits_at_use(*args, **kwargs)
+
+    gather_waits.WaitsAtUse = counted
+    return count
 
 
 def _run(case: Zero3Case, world: int, tmp_path, env: dict | None = None) -> list[dict]:
@@ -96,6 +116,8 @@ def _assert_follows(results: list[dict]) -> None:
         assert ref["kind"] == "DeepSpeedZeroOptimizer_Stage3"
         assert ours["kind"] == "SuperOffloadZero3Optimizer"
         assert ours["norms_agree"] and all(ours["norms_agree"]), f"rank {rank}"
+        if ours["world"] == 1:  # with one rank per partition every gather waits at use
+            assert ours["gathers_waiting_at_use"] > 0, f"rank {rank}"
         assert_states_close(ours["state"], ref["state"], TOLERANCES, f"rank {rank}")
         torch.testing.assert_close(
             torch.tensor(ours["losses"]), torch.tensor(ref["losses"]), rtol=1e-4, atol=1e-6,
@@ -127,7 +149,10 @@ def test_follows_deepspeed_when_every_step_clips_and_speculation_replays(tmp_pat
     _assert_follows(results)
     stats = results[0]["superoffload"]["stats"]
     assert stats["speculative_steps"] == case.steps
-    assert stats["rollbacks_clip"] == case.steps  # every step replayed with its coefficient
+    assert stats["rollbacks_clip"] == case.steps  # every step's speculated scale was wrong
+    # Step 1 speculates with scale 1 and is withheld (its norm already clips); later steps
+    # speculate with the last coefficient, run, and are replayed with their own.
+    assert stats["speculations_applied"] > 0 and stats["replays"] > 0, stats
 
 
 def test_follows_deepspeed_without_clipping(tmp_path):
@@ -137,6 +162,7 @@ def test_follows_deepspeed_without_clipping(tmp_path):
     ours = results[0]["superoffload"]
     stats = ours["stats"]
     assert stats["speculative_steps"] == case.steps and stats["rollbacks_clip"] == 0
+    assert stats["speculations_applied"] > 0 and stats["speculations_withheld"] == 0, stats
     # Nothing accumulates: DeepSpeed's host accumulation buffer is gone; fp32 master, fp32
     # gradients and two moments remain (no bf16 copy-out in an fp32 model): 16 B/param.
     host = ours["host_bytes"]

@@ -79,6 +79,7 @@ class HostSteps:
             self.stats.speculations_withheld += 1
             return
         part.speculation_applied = True
+        self.stats.speculations_applied += 1
         self.step(part, hyper, scale, None, runs, grad)
 
     def complete(self, part: HostPartition, hyper: dict, scale: float, runs, grad) -> None:
@@ -108,6 +109,7 @@ class HostSteps:
             )  # fmt: skip
 
         self._pass(part, kernel, "replay_seconds", runs, grad)
+        self.stats.replays += 1
 
     def rollback(self, part: HostPartition, hyper: dict, scale: float, runs, grad) -> None:
         if not part.speculation_applied:

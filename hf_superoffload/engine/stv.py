@@ -78,6 +78,9 @@ class StvStats:
     """Counters of one optimizer; per optimizer step, not per partition, except the seconds."""
 
     steps: int = 0
+    # Steps whose partitions were submitted for speculation, and steps whose speculated scale
+    # was not the validated one. A submitted speculation may still be withheld on the worker
+    # (speculations_withheld); what ran is in speculations_applied and replays.
     speculative_steps: int = 0
     rollbacks_clip: int = 0
     rollbacks_nonfinite: int = 0
@@ -85,6 +88,8 @@ class StvStats:
     # Partitions not speculated on because the norm seen so far showed the step would clip
     # harder than the speculation's scale (HostSteps.speculate); they stepped after validation.
     speculations_withheld: int = 0
+    speculations_applied: int = 0  # partitions stepped before validation (on the worker)
+    replays: int = 0  # applied speculations rolled back and replayed with the clip coefficient
     # A speculation undone before validation: more gradients arrived for its partition (an
     # undeclared accumulation pass, a hook firing twice), or zero_grad() discarded them.
     rollbacks_accumulation: int = 0

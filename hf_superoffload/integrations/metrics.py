@@ -51,6 +51,9 @@ STV_KEYS = (
     "speculative_steps",
     "rollbacks_clip",
     "rollbacks_nonfinite",
+    "speculations_applied",
+    "speculations_withheld",
+    "replays",
     "exposed_cpu_seconds",
     "replay_seconds",
 )

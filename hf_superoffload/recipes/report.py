@@ -129,7 +129,9 @@ def format_summary(summary: dict) -> str:
         lines.append(
             f"rollbacks: {stats['rollbacks_clip']:.0f} for gradient clipping, "
             f"{stats['rollbacks_nonfinite']:.0f} for NaN/Inf; {stats['speculative_steps']:.0f} "
-            f"of {stats['steps']:.0f} steps speculated"
+            f"of {stats['steps']:.0f} steps speculated ({stats['speculations_applied']:.0f} "
+            f"partitions stepped before validation, {stats['speculations_withheld']:.0f} "
+            f"withheld, {stats['replays']:.0f} replayed)"
         )
     state = summary["optimizer_state"]
     where = f"optimizer state: {state['where']}"
