@@ -2,11 +2,10 @@
 
 torch describes its optimizers' test inputs in ``torch.testing._internal.common_optimizers``:
 ``optim_db``'s AdamW entry has an ``optim_inputs_func`` that yields
-``OptimizerInput(params=None, kwargs=..., desc=...)`` per device type. That module imports
-``expecttest``, which CI's environment does not have, and importing it sets up torch's test
-harness in-process, so the inputs are pinned here (``TORCH_ADAMW_INPUTS``, torch 2.13) and
-``test_pinned_inputs_are_torchs`` checks the pin against torch in a subprocess wherever
-``expecttest`` is installed.
+``OptimizerInput(params=None, kwargs=..., desc=...)`` per device type. Importing that module
+(it needs ``expecttest``, a dev dependency) sets up torch's test harness in-process, so the
+inputs are pinned here (``TORCH_ADAMW_INPUTS``, torch 2.13) and
+``test_pinned_inputs_are_torchs`` checks the pin against torch in a subprocess.
 
 Each input either maps onto our constructor (lr as a float or a tensor, betas, eps,
 weight_decay) and must then train like ``AdamW(foreach=False, **same kwargs)``, or carries
@@ -23,7 +22,6 @@ buckets so that a model of a few ``nn.Linear`` layers has several, and no clippi
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import subprocess
 import sys
@@ -328,10 +326,6 @@ def _must_refuse(build, key: str, value, nameable: tuple[str, ...] = ()) -> None
 # ------------------------------------------------------------------------- torch's inputs
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("expecttest") is None,
-    reason="torch.testing._internal.common_optimizers needs expecttest",
-)
 def test_pinned_inputs_are_torchs():
     """TORCH_ADAMW_INPUTS is what the installed torch's optim_db AdamW entry yields."""
     script = (
