@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import threading
 import time
 import traceback
 
@@ -52,6 +53,8 @@ def _run_rank(rank: int, body, out_dir: str) -> None:
             at=time.time(),
             published_by_others=published_failures(),
             traceback=traceback.format_exc(),
+            # Failure watches still running (a failed constructor must have stopped its own).
+            watches=[t.name for t in threading.enumerate() if "failure-watch" in t.name],
         )
     _record(out_dir, rank, outcome)
     os._exit(0)  # sockets close as the process goes, as when an exception ends a rank
@@ -140,6 +143,7 @@ def test_a_constructor_failure_on_one_replica_ends_both_promptly(tmp_path):
     assert rank1["type"] == "RuntimeError" and "injected: this rank's device" in rank1["message"]
     _assert_prompt(rank0, failed_at)
     assert rank0["type"] == "PeerRankError", rank0["traceback"]
+    assert rank0["watches"] == rank1["watches"] == [], (rank0["watches"], rank1["watches"])
     assert "rank 1 failed with RuntimeError: injected" in rank0["message"] or (
         "Another rank most likely failed" in rank0["message"]
     )
@@ -205,4 +209,5 @@ def test_a_failure_on_one_zero3_rank_ends_both_promptly(tmp_path, where):
     assert expected[1] in rank0["published_by_others"]["1"], rank0
     if where == "constructor":  # rank 0 is still in its own constructor's collectives
         assert rank0["type"] == "PeerRankError", rank0["traceback"]
+        assert rank0["watches"] == rank1["watches"] == [], (rank0["watches"], rank1["watches"])
         assert rank0["message"].startswith(f"rank 1 failed with {expected[0]}: {expected[1]}")

@@ -50,7 +50,7 @@ from .grad_arrival import GradArrival
 from .host_memory import STANDALONE_REMEDIES, check_host_memory, standalone_host_parts
 from .link import Link
 from .placement import choose_device_buckets, make_tail_tuner
-from .replicas import Replicas, shares_failures
+from .replicas import Replicas, closes_replicas_on_failure, shares_failures
 from .stv import Stv, Verdict, validate
 from .tail_moves import TailMoves
 
@@ -61,6 +61,7 @@ DEFAULT_BUCKET_SIZE = 1 << 25  # 33.5M elements: ~7 ms of CPU Adam on 16 cores
 
 class SuperOffloadOptimizer(GradArrival, TailMoves, ForwardWaits, torch.optim.Optimizer):
     @shares_failures  # with replicas, an error here ends the other ranks at once
+    @closes_replicas_on_failure
     def __init__(
         self,
         params: Iterable,

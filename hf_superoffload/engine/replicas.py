@@ -85,6 +85,23 @@ def peer_error(broken: BaseException) -> PeerRankError | None:
     )
 
 
+def closes_replicas_on_failure(init):
+    """A constructor that fails part-way leaves no failure watch running: it closes the
+    ``Replicas`` it made (``self._replicas``), if it got that far."""
+
+    @functools.wraps(init)
+    def wrapper(self, *args, **kwargs):
+        try:
+            init(self, *args, **kwargs)
+        except BaseException:
+            replicas = self.__dict__.get("_replicas")
+            if replicas is not None:
+                replicas.close()
+            raise
+
+    return wrapper
+
+
 def shares_failures(method):
     """Wrap a method that takes part in collectives (a constructor, ``step``): a failure in it
     is published for the other ranks, and an error caused by another rank's published failure
@@ -110,7 +127,9 @@ class Replicas:
     """A world of one (no collectives at all) when torch.distributed is not initialised or
     the group has one rank."""
 
-    def __init__(self, group: dist.ProcessGroup | None, device: torch.device):
+    def __init__(
+        self, group: dist.ProcessGroup | None, device: torch.device, watch_failures: bool = True
+    ):
         initialised = dist.is_available() and dist.is_initialized()
         self.group = group if group is not None else (dist.group.WORLD if initialised else None)
         self.size = dist.get_world_size(self.group) if self.group is not None else 1
@@ -118,10 +137,11 @@ class Replicas:
         if self.size == 1:
             self.group = None
             return
-        from .failure_watch import watch_failures  # it imports this module
+        if watch_failures:  # False where the caller's own watch covers these collectives
+            from .failure_watch import watch_failures as start_watch  # it imports this module
 
-        # NCCL collectives wait through a peer's death: the watch aborts them when one fails.
-        self.failure_watch = watch_failures()
+            # NCCL collectives wait through a peer's death: the watch aborts them when one fails.
+            self.failure_watch = start_watch()
         # NCCL reduces CUDA tensors only (on the model's GPU); gloo takes CPU tensors.
         nccl = dist.get_backend(self.group) == "nccl"
         self._scalar_device = device if nccl else torch.device("cpu")

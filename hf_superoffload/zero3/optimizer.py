@@ -76,9 +76,20 @@ class SuperOffloadZero3Optimizer(
     SubGroupLayout, HostState, HostGradientAccessors, DeepSpeedZeroOptimizer_Stage3
 ):
     def __init__(self, module, init_optimizer, param_names, timers, ds_config, **kwargs):
-        check_supported(init_optimizer, ds_config, kwargs)
-        # From the first collective on: NCCL's wait through a peer's death ends by its abort.
+        # From the first collective on (the host check's): NCCL's wait through a peer's death
+        # ends by its abort.
         failure_watch = watch_failures()
+        try:
+            check_supported(init_optimizer, ds_config, kwargs)
+            self._build(
+                module, init_optimizer, param_names, timers, ds_config, failure_watch, kwargs
+            )
+        except BaseException:
+            if failure_watch is not None:  # a failed construction leaves no watching thread
+                failure_watch.stop()
+            raise
+
+    def _build(self, module, init_optimizer, param_names, timers, ds_config, failure_watch, kwargs):
         device = torch.device(get_accelerator().current_device_name())
         perc = cores_perc_if_set(kwargs.get("offload_optimizer_config"))
         options = resolve_options(perc, device)
