@@ -10,23 +10,15 @@ against a fresh run of this script.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
-from hf_superoffload.recipes.arithmetic import DPO_ROWS, DPO_SEED, make_dpo_rows, write_jsonl
+from hf_superoffload.recipes.arithmetic import DPO_ROWS, DPO_SEED, make_dpo_rows, regenerate
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "arithmetic_dpo.jsonl"
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
-    parser.add_argument("--num-rows", type=int, default=DPO_ROWS)
-    parser.add_argument("--seed", type=int, default=DPO_SEED)
-    args = parser.parse_args(argv)
-    rows = make_dpo_rows(args.num_rows, args.seed)
-    write_jsonl(rows, args.output)
-    print(f"wrote {len(rows)} rows to {args.output}")
+    regenerate(make_dpo_rows, DPO_ROWS, DPO_SEED, DEFAULT_OUTPUT, __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":

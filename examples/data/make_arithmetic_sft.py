@@ -10,23 +10,15 @@ demo`` has them in an installed package too), whose docstring says how they are 
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
-from hf_superoffload.recipes.arithmetic import SFT_ROWS, make_sft_rows, write_jsonl
+from hf_superoffload.recipes.arithmetic import SFT_ROWS, make_sft_rows, regenerate
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "arithmetic_sft.jsonl"
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
-    parser.add_argument("--num-rows", type=int, default=SFT_ROWS)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    rows = make_sft_rows(args.num_rows, args.seed)
-    write_jsonl(rows, args.output)
-    print(f"wrote {len(rows)} rows to {args.output}")
+    regenerate(make_sft_rows, SFT_ROWS, 0, DEFAULT_OUTPUT, __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":

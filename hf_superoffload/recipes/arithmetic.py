@@ -22,8 +22,10 @@ byte-for-byte reproducible.
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 # (operator, largest operand, relative frequency)
@@ -84,3 +86,23 @@ def write_jsonl(rows: list[dict[str, str]], path: Path) -> None:
     with open(path, "w", encoding="utf-8", newline="\n") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
+
+
+def regenerate(
+    make_rows: Callable[[int, int], list[dict[str, str]]],
+    num_rows: int,
+    seed: int,
+    output: Path,
+    description: str,
+    argv: list[str] | None = None,
+) -> None:
+    """The command line of ``examples/data/make_arithmetic_*.py``: write ``make_rows``'s rows
+    to ``--output`` (each script gives its kind's defaults)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--output", type=Path, default=output)
+    parser.add_argument("--num-rows", type=int, default=num_rows)
+    parser.add_argument("--seed", type=int, default=seed)
+    args = parser.parse_args(argv)
+    rows = make_rows(args.num_rows, args.seed)
+    write_jsonl(rows, args.output)
+    print(f"wrote {len(rows)} rows to {args.output}")
