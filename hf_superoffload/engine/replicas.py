@@ -127,9 +127,7 @@ class Replicas:
     """A world of one (no collectives at all) when torch.distributed is not initialised or
     the group has one rank."""
 
-    def __init__(
-        self, group: dist.ProcessGroup | None, device: torch.device, watch_failures: bool = True
-    ):
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device):
         initialised = dist.is_available() and dist.is_initialized()
         self.group = group if group is not None else (dist.group.WORLD if initialised else None)
         self.size = dist.get_world_size(self.group) if self.group is not None else 1
@@ -137,11 +135,10 @@ class Replicas:
         if self.size == 1:
             self.group = None
             return
-        if watch_failures:  # False where the caller's own watch covers these collectives
-            from .failure_watch import watch_failures as start_watch  # it imports this module
+        from .failure_watch import watch_failures  # it imports this module
 
-            # NCCL collectives wait through a peer's death: the watch aborts them when one fails.
-            self.failure_watch = start_watch()
+        # NCCL collectives wait through a peer's death: the watch aborts them when one fails.
+        self.failure_watch = watch_failures()
         # NCCL reduces CUDA tensors only (on the model's GPU); gloo takes CPU tensors.
         nccl = dist.get_backend(self.group) == "nccl"
         self._scalar_device = device if nccl else torch.device("cpu")

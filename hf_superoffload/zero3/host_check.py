@@ -52,14 +52,11 @@ def zero3_host_parts(init_optimizer, kwargs: dict) -> dict[str, int]:
     }
 
 
-def check_zero3_host_memory(init_optimizer, kwargs: dict) -> None:
+def check_zero3_host_memory(init_optimizer, kwargs: dict, replicas: Replicas) -> None:
     """Refuse this rank's host state if the host cannot hold it for all of its ranks, then
     wait for the other ranks' checks: each measures the available memory before any of them
     allocates (else a late rank would count an early one's buffers twice), and a rank that
-    refused ends the others' wait at once, with its error (``Replicas``)."""
-    from deepspeed.accelerator import get_accelerator
-
+    refused ends the others' wait at once, with its error (the optimizer's ``replicas``, whose
+    failure watch also ends an NCCL wait)."""
     check_host_memory(zero3_host_parts(init_optimizer, kwargs), REMEDIES)
-    device = torch.device(get_accelerator().current_device_name())
-    # The optimizer's failure watch covers this collective (started before the check).
-    Replicas(kwargs.get("dp_process_group"), device, watch_failures=False).agree(0.0, "max")
+    replicas.agree(0.0, "max")

@@ -39,9 +39,9 @@ from deepspeed.utils import log_dist
 from .. import ops
 from ..engine.cast_policy import choose_cast_plan
 from ..engine.copy_out import CopyOutRing
-from ..engine.failure_watch import FailureWatch, watch_failures
 from ..engine.link import Link
 from ..engine.partition import HostPartition
+from ..engine.replicas import Replicas, closes_replicas_on_failure
 from ..engine.stv import Stv, Verdict, validate
 from .accessors import HostGradientAccessors
 from .activation import OPT_OUT_ENV
@@ -75,22 +75,13 @@ def deepspeed_clip_coef(total_norm: torch.Tensor, clip: float) -> float:
 class SuperOffloadZero3Optimizer(
     SubGroupLayout, HostState, HostGradientAccessors, DeepSpeedZeroOptimizer_Stage3
 ):
+    @closes_replicas_on_failure
     def __init__(self, module, init_optimizer, param_names, timers, ds_config, **kwargs):
-        # From the first collective on (the host check's): NCCL's wait through a peer's death
-        # ends by its abort.
-        failure_watch = watch_failures()
-        try:
-            check_supported(init_optimizer, ds_config, kwargs)
-            self._build(
-                module, init_optimizer, param_names, timers, ds_config, failure_watch, kwargs
-            )
-        except BaseException:
-            if failure_watch is not None:  # a failed construction leaves no watching thread
-                failure_watch.stop()
-            raise
-
-    def _build(self, module, init_optimizer, param_names, timers, ds_config, failure_watch, kwargs):
         device = torch.device(get_accelerator().current_device_name())
+        # Its failure watch runs from the first collective on (the host check's): NCCL's wait
+        # through a peer's death ends by its abort.
+        self._replicas = Replicas(kwargs.get("dp_process_group"), device)
+        check_supported(init_optimizer, ds_config, kwargs, self._replicas)
         perc = cores_perc_if_set(kwargs.get("offload_optimizer_config"))
         options = resolve_options(perc, device)
         kwargs["sub_group_size"] = sub_group_size(kwargs.get("sub_group_size", 0))
@@ -147,7 +138,7 @@ class SuperOffloadZero3Optimizer(
             for param in group:
                 wrap_gathers(param, self._wait_for_params)
         self.last_step_skipped = False
-        self._finalizer = weakref.finalize(self, _shutdown, self._stv, self._link, failure_watch)
+        self._finalizer = weakref.finalize(self, _shutdown, self._stv, self._link, self._replicas)
         log_dist(
             f"hf_superoffload: SuperOffload on ZeRO-3 runs in place of DeepSpeed's "
             f"({len(self._host_parts)} of {len(self.fp32_partitioned_groups_flat)} sub groups "
@@ -351,8 +342,7 @@ class SuperOffloadZero3Optimizer(
         super().destroy()
 
 
-def _shutdown(stv: Stv, link: Link, failure_watch: FailureWatch | None) -> None:
-    if failure_watch is not None:
-        failure_watch.stop()
+def _shutdown(stv: Stv, link: Link, replicas: Replicas) -> None:
+    replicas.close()
     stv.close()
     link.close()  # after the worker: its last tasks may still use the host buffers

@@ -24,6 +24,7 @@ import torch
 
 from ..engine.checks import cores_of_this_rank, default_cpu_threads
 from ..engine.optimizer import DEFAULT_BUCKET_SIZE
+from ..engine.replicas import Replicas
 from ..integrations.plugin import ENV_PREFIX, SuperOffloadOptions
 from .config import REPLACED_BY_DEEPSPEED
 from .host_check import check_zero3_host_memory
@@ -87,7 +88,7 @@ def reduce_bucket_size(requested: int, sub_group: int) -> int:
     return requested
 
 
-def check_supported(init_optimizer, ds_config, kwargs: dict) -> None:
+def check_supported(init_optimizer, ds_config, kwargs: dict, replicas: Replicas) -> None:
     """Refuse what this path does not run, saying what to change."""
     offload = kwargs.get("offload_optimizer_config")
     device = getattr(getattr(offload, "device", None), "value", getattr(offload, "device", None))
@@ -120,7 +121,7 @@ def check_supported(init_optimizer, ds_config, kwargs: dict) -> None:
             '"zero_optimization", or "super_offload" from "offload_optimizer".'
         )
     check_adamw(init_optimizer)
-    check_zero3_host_memory(init_optimizer, kwargs)  # last: the cheap refusals come first
+    check_zero3_host_memory(init_optimizer, kwargs, replicas)  # last: cheap refusals first
 
 
 def warn_unused_offload_keys(offload_optimizer_config) -> None:
