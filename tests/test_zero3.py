@@ -190,6 +190,27 @@ def test_follows_deepspeed_in_bf16_at_14_bytes_per_param(tmp_path):
     assert plan.host["param_copy_out"] >= host["param_copy_out"]
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_follows_deepspeed_with_half_the_sub_groups_stepped_on_the_device(world, tmp_path):
+    # ratio 0.5: the first sub groups' state stays on the device (on CPU, the CPU: the same
+    # code) and steps there after validation, with the LR schedule (DeepSpeed's own partial
+    # offload froze the first group's lr), clipping on some steps, a NaN step, accumulation.
+    case = Zero3Case(max_grad_norm={1: 1.3, 2: 1.0}[world], accumulation=2, nan_step=3, ratio=0.5)
+    results = _run(case, world, tmp_path)
+    _assert_follows(results)
+    ref = results[0]["reference"]
+    clipped = [n > case.max_grad_norm for n in ref["norms"] if n == n and n != float("inf")]
+    assert any(clipped) and not all(clipped), f"want clipping on some steps, norms {ref['norms']}"
+    for result in results:
+        ours = result["superoffload"]
+        stats, host = ours["stats"], ours["host_bytes"]
+        assert 0 < stats["device_buckets"] < stats["buckets"], stats
+        assert 0 < stats["device_params"] < ours["params"], stats
+        # Host state only for the sub groups left there: master, gradients, two moments.
+        assert host["master"] == 4 * (ours["params"] - stats["device_params"]), host
+        assert ours["state"]["step"] == [case.steps - 1]  # the NaN step skipped everywhere
+
+
 def test_follows_deepspeed_with_params_offloaded_too(tmp_path):
     case = Zero3Case(offload_param=True, max_grad_norm=1.3, steps=4)
     _assert_follows(_run(case, 1, tmp_path))
@@ -234,10 +255,12 @@ def _resume_on_rank(rank, world, port, case, out_dir) -> None:
     )
 
 
+@pytest.mark.parametrize("ratio", [1.0, 0.5])
 def test_save_then_resume_equals_an_uninterrupted_run_and_zero_to_fp32_reads_the_masters(
-    tmp_path,
+    ratio, tmp_path
 ):
-    case = Zero3Case(max_grad_norm=1.0, nan_step=1)
+    # ratio 0.5: the device sub groups' moments travel in DeepSpeed's checkpoint as well.
+    case = Zero3Case(max_grad_norm=1.0, nan_step=1, ratio=ratio)
     world = 2
     spawn_ranks(_resume_on_rank, (world, free_port(), case, str(tmp_path)), world)
     for rank in range(world):

@@ -3,8 +3,8 @@
 In bf16 a difference of one fp32 ulp in a master can flip the rounding of its bf16 copy, and the
 next forward amplifies it, so the comparison is per step: after the first step (no feedback
 yet) params and moments agree to the CPU tests' tolerances; over the run the losses agree to
-1e-2. With ``ratio`` below 1 DeepSpeed keeps the first sub groups' state on the GPU and steps
-them there (its partial offload, with its CPU Adam): that path must agree too. On two GPUs
+1e-2. With ``ratio`` below 1 our engine keeps the first sub groups' state on the GPU and steps
+them there after validation: that path must agree with the same reference too. On two GPUs
 (``multi_gpu``) each rank's partition must agree in the same way, every rank committing,
 replaying or skipping alike.
 """
@@ -30,13 +30,13 @@ from zero3_reference import (
 pytestmark = pytest.mark.gpu
 
 
-def _both(rank, port, case, ratio, out_dir, world=1) -> None:
+def _both(rank, port, case, out_dir, world=1) -> None:
     init_rank(rank, world, port)
     import hf_superoffload  # noqa: F401
 
     results = {}
     for name, flag in (("reference", False), ("superoffload", True)):
-        engine, optimizer = make_engine(case, flag, world, ratio=ratio)
+        engine, optimizer = make_engine(case, flag, world)
         first = train(engine, case, rank, range(1))
         first_state = optimizer_state(engine)
         rest = train(engine, case, rank, range(1, case.steps))
@@ -53,14 +53,15 @@ def _both(rank, port, case, ratio, out_dir, world=1) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("ratio", [1.0, 0.5])
 def test_one_gpu_bf16_follows_deepspeed_cpu_offload(ratio, tmp_path):
-    case = Zero3Case(bf16=True, max_grad_norm=1.0, deepspeed_adam=ratio < 1.0, steps=6)
-    spawn_ranks(_both, (free_port(), case, ratio, str(tmp_path)), world=1)
+    case = Zero3Case(bf16=True, max_grad_norm=1.0, steps=6, ratio=ratio)
+    spawn_ranks(_both, (free_port(), case, str(tmp_path)), world=1)
     result = torch.load(tmp_path / "rank0.pt", weights_only=False)
     ref, ours = result["reference"], result["superoffload"]
     assert ours["kind"] == "SuperOffloadZero3Optimizer"
     assert_states_close(ours["first"], ref["first"], TOLERANCES, "after step 1")
     torch.testing.assert_close(ours["losses"], ref["losses"], rtol=1e-2, atol=0)
     assert ours["stats"]["steps"] == case.steps
+    assert (ours["stats"]["device_buckets"] > 0) == (ratio < 1.0), ours["stats"]
 
 
 @pytest.mark.multi_gpu
@@ -68,7 +69,7 @@ def test_one_gpu_bf16_follows_deepspeed_cpu_offload(ratio, tmp_path):
 @pytest.mark.parametrize("nan_step", [None, 2])
 def test_two_gpus_bf16_follow_deepspeed_cpu_offload(nan_step, tmp_path):
     case = Zero3Case(bf16=True, max_grad_norm=1.0, steps=6, nan_step=nan_step)
-    spawn_ranks(_both, (free_port(), case, 1.0, str(tmp_path), 2), world=2)
+    spawn_ranks(_both, (free_port(), case, str(tmp_path), 2), world=2)
     for rank in range(2):
         result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         ref, ours = result["reference"], result["superoffload"]

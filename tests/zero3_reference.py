@@ -50,6 +50,10 @@ class Zero3Case:
     sub_group_size: int = 3000
     persistence_threshold: int = 100  # the norms (32 elements) persist, the matrices do not
     offload_param: bool = False  # the 16-bit params' partitions in host memory too
+    # Our engine's "ratio" (the first 1 - ratio sub groups on the device); the reference is
+    # always DeepSpeed's plain CPU offload, whose own partial offload is not a reference
+    # (hf_superoffload/zero3/device_sub_groups.py says why).
+    ratio: float = 1.0
 
     def replace(self, **changes) -> Zero3Case:
         return dataclasses.replace(self, **changes)
@@ -90,7 +94,7 @@ def build_model(seed: int = 0):
     return LlamaForCausalLM(config)
 
 
-def ds_config(case: Zero3Case, super_offload: bool, world: int, ratio: float = 1.0) -> dict:
+def ds_config(case: Zero3Case, super_offload: bool, world: int) -> dict:
     config = {
         "train_micro_batch_size_per_gpu": case.micro_batch,
         "gradient_accumulation_steps": case.accumulation,
@@ -108,7 +112,7 @@ def ds_config(case: Zero3Case, super_offload: bool, world: int, ratio: float = 1
                 "device": "cpu",
                 "pin_memory": False,
                 "super_offload": super_offload,
-                "ratio": ratio,
+                "ratio": case.ratio if super_offload else 1.0,
             },
         },
         "steps_per_print": 10**9,
@@ -140,13 +144,11 @@ def _param_groups(model, case: Zero3Case) -> list[dict]:
     ]
 
 
-def make_engine(
-    case: Zero3Case, super_offload: bool, world: int, model_seed: int = 0, ratio: float = 1.0
-):
+def make_engine(case: Zero3Case, super_offload: bool, world: int, model_seed: int = 0):
     import deepspeed
 
     model = build_model(model_seed)
-    kwargs = {"model": model, "config": ds_config(case, super_offload, world, ratio)}
+    kwargs = {"model": model, "config": ds_config(case, super_offload, world)}
     if case.deepspeed_adam:
         kwargs["model_parameters"] = _param_groups(model, case)
     else:
@@ -185,17 +187,10 @@ def train(engine, case: Zero3Case, rank: int, steps: range) -> dict:
 
 def optimizer_state(engine) -> dict:
     """This rank's partition of every param's fp32 master and Adam moments (per param, so sub
-    groups may be cut differently), and the step counts. Read from the sub groups directly:
-    DeepSpeed's accessors miss the state of sub groups its partial offload keeps on the GPU
-    (that lives in its backup optimizer)."""
+    groups may be cut differently), and the step counts. Read from the sub groups directly."""
     zero = engine.optimizer
     if hasattr(zero, "synchronize"):
         zero.synchronize()
-
-    def state_of(master) -> dict:
-        if master in zero.optimizer.state:
-            return zero.optimizer.state[master]
-        return zero.backup_optimizer.state[master]
 
     out = {"master": [], "exp_avg": [], "exp_avg_sq": []}
     for param in engine.module.parameters():
@@ -203,9 +198,11 @@ def optimizer_state(engine) -> dict:
         master = zero.fp32_partitioned_groups_flat[i]
         out["master"].append(master.detach().narrow(0, offset, numel).float().cpu().clone())
         for key in ("exp_avg", "exp_avg_sq"):
-            value = state_of(master)[key].narrow(0, offset, numel)
+            value = zero.optimizer.state[master][key].narrow(0, offset, numel)
             out[key].append(value.float().cpu().clone())
-    out["step"] = sorted({int(state_of(m)["step"]) for m in zero.fp32_partitioned_groups_flat})
+    out["step"] = sorted(
+        {int(zero.optimizer.state[m]["step"]) for m in zero.fp32_partitioned_groups_flat}
+    )
     return out
 
 

@@ -157,6 +157,10 @@ class Bucket(HostPartition):
             self.param_steps[i] += present
         self.step = max(self.param_steps)
 
+    @property
+    def param_count(self) -> int:
+        return len(self.plan.params)
+
     def param_step(self, param_index: int) -> int:
         """Committed updates of one param."""
         return self.param_steps[param_index]

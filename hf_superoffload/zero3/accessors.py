@@ -3,8 +3,8 @@ of ``SuperOffloadZero3Optimizer``, whose gradients live in its own buffers (in D
 accumulation dtype) and whose state the CPU worker may still be updating.
 
 DeepSpeed's ``safe_get_full_grad``, ``safe_get_local_fp32_param`` and friends call these
-methods of the ZeRO-3 optimizer; sub groups DeepSpeed keeps on the GPU (``ratio``) go to its
-own implementation.
+methods of the ZeRO-3 optimizer; the sub groups ``ratio`` keeps on the GPU answer from their
+own fp32 gradient buffers there.
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ class HostGradientAccessors:
 
     def _get_fp32_grad_state_partition(self, param, release_swap_buffers):
         i, offset, numel = self.grad_position[self.get_param_id(param)]
-        part = self._host_part_at.get(i)
-        if part is None:
-            return super()._get_fp32_grad_state_partition(param, release_swap_buffers)
+        on_device = self._device_part_at.get(i)
+        if on_device is not None:  # fp32 on the device, cleared when the step is taken
+            return on_device.grad.narrow(0, offset, numel), i
+        part = self._host_part_at[i]
         if not get_accelerator().resolves_data_dependency():
             self.reduce_and_partition_stream.synchronize()  # the copies into it have landed
         return part.host_grad.narrow(0, offset, numel), i

@@ -1,4 +1,5 @@
-"""The host state of SuperOffloadZero3Optimizer's CPU sub groups: one HostPartition per sub group
+"""The host state of SuperOffloadZero3Optimizer's CPU sub groups (device_sub_groups.py holds the
+ones ``ratio`` keeps on the GPU): one HostPartition per sub group
 over DeepSpeed's fp32 master, with our own gradient buffer in place of DeepSpeed's fp32 one and
 the Adam moments registered as the base optimizer's state (so DeepSpeed's checkpoints carry
 them); what it weighs; and DeepSpeed's host buffers it frees or keeps pageable.
@@ -36,7 +37,7 @@ class HostState:
         that master."""
         parts = []
         for i, master in enumerate(self.fp32_partitioned_groups_flat):
-            if self.subgroup_to_device[i] != "cpu":
+            if i in self._device_part_at:
                 continue
             master.grad = None  # DeepSpeed's fp32 gradient buffer goes
             if params_on_device and self._link.is_cuda:
@@ -87,10 +88,12 @@ class HostState:
     def _adopt_loaded_state(self) -> None:
         """torch's load_state_dict put new tensors into the base optimizer's state: make them
         the moments the kernels update, in place where the old ones were."""
-        for part in self._host_parts:
+        for part in self._host_parts + self._device_parts:
             state = self.optimizer.state[part.master]
             part.exp_avg.copy_(state["exp_avg"])
             part.exp_avg_sq.copy_(state["exp_avg_sq"])
             state["exp_avg"], state["exp_avg_sq"] = part.exp_avg, part.exp_avg_sq
             part.step = int(state["step"])
             state["step"] = self._step_value(part.step)
+        for part in self._device_parts:
+            self._tail.set_step(part)

@@ -3,15 +3,14 @@ stepped by the STV core (``engine/stv.py``) instead of DeepSpeed's CPU Adam.
 
 DeepSpeed keeps doing what it does: partitioning params, gradients and the fp32 masters over
 the data-parallel ranks, reduce-scattering gradients, all-gathering params, the global norm,
-checkpoints (``zero_to_fp32`` included) and its partial offload. This class changes three
-things:
+checkpoints (``zero_to_fp32`` included). This class changes four things:
 
 1. ``partition_grads``: at the accumulation boundary, as a sub group's reduced gradient
    partitions land in its host buffer, the sub group launches on the STV core, which steps it
    speculatively on the worker thread during the rest of backward.
 2. ``step``: DeepSpeed's global norm (all ranks) validates the step: commit, replay with the
    clip coefficient, or skip on a non-finite norm; every rank takes the same verdict.
-   Sub groups DeepSpeed keeps on the GPU (``ratio``) step there, through DeepSpeed.
+   The sub groups ``ratio`` keeps on the GPU step there, ours too (``device_sub_groups.py``).
 3. ``step`` returns before the CPU work it queued is done: each param's all-gather (the next
    forward's, DeepSpeed's prefetches, any other) first waits for the sub groups it reads.
    Persistent params (DeepSpeed keeps small ones gathered and re-gathers them at the end of
@@ -45,6 +44,7 @@ from ..engine.replicas import Replicas, closes_replicas_on_failure
 from ..engine.stv import Stv, Verdict, validate
 from .accessors import HostGradientAccessors
 from .activation import OPT_OUT_ENV
+from .device_sub_groups import DeviceSubGroups, device_sub_group_count
 from .gather_waits import wrap_gathers
 from .host_state import HostState
 from .norms import sub_group_norms
@@ -73,7 +73,7 @@ def deepspeed_clip_coef(total_norm: torch.Tensor, clip: float) -> float:
 
 @share_failures  # one rank's failure ends the others promptly, with its error
 class SuperOffloadZero3Optimizer(
-    SubGroupLayout, HostState, HostGradientAccessors, DeepSpeedZeroOptimizer_Stage3
+    SubGroupLayout, HostState, DeviceSubGroups, HostGradientAccessors, DeepSpeedZeroOptimizer_Stage3
 ):
     @closes_replicas_on_failure
     def __init__(self, module, init_optimizer, param_names, timers, ds_config, **kwargs):
@@ -90,6 +90,9 @@ class SuperOffloadZero3Optimizer(
             kwargs["sub_group_size"],
         )
         managed = ds_config.get("managed_gradient_accumulation", True) is not False
+        # The sub groups "ratio" keeps on the GPU are ours to step (device_sub_groups.py says
+        # why); DeepSpeed offloads all and builds none of its partial-offload machinery.
+        ratio, kwargs["offload_ratio"] = kwargs.get("offload_ratio", 1.0), 1.0
         self._holds_elements: dict[int, bool] = {}  # ds_id -> _has_gradient_partition
         # Read by the set-up hooks below, which DeepSpeed's constructor calls.
         self._accumulates = kwargs.get("gradient_accumulation_steps", 1) > 1 or not managed
@@ -99,13 +102,18 @@ class SuperOffloadZero3Optimizer(
 
         self._link = Link(device, pinned=self._pin_transfers)
         dtype = self.fp16_partitioned_groups_flat[0].dtype
+        n_sub_groups = len(self.fp32_partitioned_groups_flat)
+        self._device_parts = self._build_device_sub_groups(
+            device_sub_group_count(ratio, n_sub_groups)
+        )
+        self._device_part_at = {part.index: part for part in self._device_parts}
         # Gradients: DeepSpeed hands each partition over in its accumulation dtype, and the
         # kernel reads that dtype (bf16: 2 B/param over the link, not DeepSpeed's fp32 4).
         # Params: the measured plan says whether the master or the kernel's rounded copy goes.
         params_on_device = choose_cast_plan(options.cast, device, dtype).params_on_device
         host_numels = [
             m.numel() for i, m in enumerate(self.fp32_partitioned_groups_flat)
-            if self.subgroup_to_device[i] == "cpu"
+            if i not in self._device_part_at
         ]  # fmt: skip
         copy_out = None
         if dtype != torch.float32 and not params_on_device and host_numels:
@@ -114,7 +122,7 @@ class SuperOffloadZero3Optimizer(
         self._stv = Stv(
             self._link,
             lambda: self.optimizer.param_groups,
-            len(self.fp32_partitioned_groups_flat),
+            n_sub_groups,
             speculate=options.speculate,
             speculate_after_clip=options.speculate_after_clip,
             copy_out=copy_out,
@@ -213,16 +221,16 @@ class SuperOffloadZero3Optimizer(
 
     def _offload_grad_partition_at_boundary(self, param, grad_buffer, *swap_lists) -> None:
         """A param's final gradient partition of this step (on the device): its norm, then
-        into the host sub group's gradient buffer as it is. DeepSpeed's GPU sub groups keep
-        DeepSpeed's path."""
+        into its sub group's gradient buffer: on the host as it is, or on the device in fp32
+        for the sub groups ``ratio`` keeps there."""
         param_id = self.get_param_id(param)
         i, offset, _ = self.grad_position[param_id]
-        part = self._host_part_at.get(i)
-        if part is None:
-            super()._offload_grad_partition_at_boundary(param, grad_buffer, *swap_lists)
-            return
         self.norm_for_param_grads[param_id] = self._constant_buffered_norm2(grad_buffer)
-        target = part.host_grad.narrow(0, offset, grad_buffer.numel())
+        on_device = self._device_part_at.get(i)
+        if on_device is not None:
+            on_device.grad.narrow(0, offset, grad_buffer.numel()).copy_(grad_buffer.reshape(-1))
+            return
+        target = self._host_part_at[i].host_grad.narrow(0, offset, grad_buffer.numel())
         target.copy_(grad_buffer.reshape(-1), non_blocking=True)
         self._stv.stats.bytes_d2h += target.numel() * target.element_size()
 
@@ -288,10 +296,11 @@ class SuperOffloadZero3Optimizer(
         unscaled = torch.tensor(float("nan")) if invalid else (norm / self.loss_scale).float()
         result = validate(unscaled.cpu(), self.clip_grad or None, deepspeed_clip_coef)
         self._stv.conclude(result, self._settle_order)
+        self.last_step_skipped = result.verdict is Verdict.SKIP
+        self._step_device_sub_groups(None if self.last_step_skipped else result.clip_coef)
         self._launched.clear()
         self._pending_params = self._params_expecting_gradients()
-        self.last_step_skipped = result.verdict is Verdict.SKIP
-        for part in self._host_parts:
+        for part in self._host_parts + self._device_parts:
             self.optimizer.state[part.master]["step"] = self._step_value(part.step)
         if self.last_step_skipped:
             self._stv.synchronize(self._host_parts)  # rollbacks read the gradient buffers
@@ -303,15 +312,8 @@ class SuperOffloadZero3Optimizer(
         self._global_grad_norm = norm / self.loss_scale
         timer_names = {OPTIMIZER_STEP_TIMER}
         self.timers(OPTIMIZER_STEP_TIMER).start()
-        for i in range(len(self.fp16_groups)):
-            if self.subgroup_to_device[i] != "cpu":  # DeepSpeed's partial offload: on the GPU
-                self._prepare_sub_group(i, timer_names)
-                self.unscale_and_clip_grads(i, norm)
-                self._optimizer_step(i)
-                self._reassign_or_swap_out_partitioned_parameters(i)
-                self._release_sub_group(i, timer_names)
-        for part in self._host_parts:  # points the params' partitions at the flat buffers
-            self._unflatten_partitioned_parameters(part.index)
+        for i in range(len(self.fp16_groups)):  # points the params' partitions at the flats
+            self._unflatten_partitioned_parameters(i)
         self.timers(OPTIMIZER_STEP_TIMER).stop()
         self._post_step(timer_names)  # gathers the persistent params: waits for theirs only
 
@@ -325,7 +327,12 @@ class SuperOffloadZero3Optimizer(
 
     @property
     def stats(self) -> dict[str, float]:
-        return {**self._stv.stats.as_dict(), "buckets": len(self.fp32_partitioned_groups_flat)}
+        return {
+            **self._stv.stats.as_dict(),
+            "buckets": len(self.fp32_partitioned_groups_flat),
+            "device_buckets": len(self._device_parts),  # the standalone engine's names
+            "device_params": sum(part.numel for part in self._device_parts),
+        }
 
     def state_dict(self):
         self.synchronize()

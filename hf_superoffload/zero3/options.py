@@ -1,9 +1,9 @@
 """What the ZeRO-3 path takes from a DeepSpeed config and from SUPEROFFLOAD_* variables.
 
 DeepSpeed's keys of its SuperOffload example act here: ``pin_memory`` (our gradient and param
-transfer buffers page-locked or not; DeepSpeed's own host buffers stay pageable), ``ratio`` (DeepSpeed's partial offload: the first
+transfer buffers page-locked or not; DeepSpeed's own host buffers stay pageable), ``ratio`` (the first
 ``1 - ratio`` of the sub groups, the first layers and so the last to get gradients, keep their
-optimizer state on the GPU and step there after validation) and ``cpuadam_cores_perc`` (the
+optimizer state on the GPU and step there after validation: ``device_sub_groups.py``) and ``cpuadam_cores_perc`` (the
 share of this rank's cores the CPU Adam uses; unset, the standalone engine's default applies:
 the rank's cores less one). ``sub_group_size`` is the partition the STV core
 speculates on; left at DeepSpeed's default (1e9 elements, a few sub groups per model, so a sub

@@ -1,0 +1,89 @@
+"""The ZeRO-3 path's tail: the sub groups DeepSpeed's ``ratio`` keeps on the GPU, stepped by the
+engine's DeviceTail (torch's AdamW on the device, the arithmetic of the CPU kernel) after
+validation, with the clip coefficient the STV core's verdict gives.
+
+DeepSpeed's own partial offload is not used: it steps those sub groups with a second AdamW whose
+first param group is a copy taken at start-up (so an LR schedule never reaches it), whose moments
+no checkpoint saves, and which it builds only over its own CPU Adam. Here DeepSpeed is told to
+offload everything (``offload_ratio=1.0``) and the first ``1 - ratio`` of the sub groups (the
+first layers: the last to get their gradients, whose CPU work could not overlap backward) are
+then moved to the device: fp32 master, both moments and fp32 gradients there (16 B/param), the
+moments registered as the base optimizer's state of the master, as the host sub groups' are,
+so DeepSpeed's checkpoints carry them. On a CPU-only run the "device" is the CPU: the same
+code runs, so CI checks it.
+
+Mixed in before DeepSpeedZeroOptimizer_Stage3, beside HostState.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..engine.device_tail import DeviceTail
+from ..engine.partition import HostPartition
+
+
+def device_sub_group_count(ratio: float, sub_groups: int) -> int:
+    """How many of the first sub groups stay on the device: DeepSpeed's rule for ``ratio``
+    (the share offloaded to the host; its config checks the range), so a config means what
+    it meant under DeepSpeed."""
+    return int((1 - ratio) * sub_groups)
+
+
+class DeviceSubGroup(HostPartition):
+    """One sub group whose fp32 master, moments and fp32 gradients live on the device. The
+    whole sub group is one flat param to the DeviceTail: DeepSpeed steps sub groups whole
+    (a param without a gradient this step counts as a zero gradient)."""
+
+    param_count = 1
+    present = (True,)
+
+    def __init__(self, index: int, group_index: int, master: torch.Tensor, flat_param):
+        moments = torch.zeros_like(master), torch.zeros_like(master)
+        super().__init__(index, group_index, master, *moments, None, None, flat_param)
+        self.grad = torch.zeros_like(master)  # this step's gradient partitions, in fp32
+        self.device_group: dict | None = None  # its param group in the DeviceTail's AdamW
+
+    def views(self, tensor: torch.Tensor, param_index: int) -> torch.Tensor:
+        return tensor
+
+    def param_step(self, param_index: int) -> int:
+        return self.step
+
+
+class DeviceSubGroups:
+    def _build_device_sub_groups(self, count: int) -> list[DeviceSubGroup]:
+        """Move the first ``count`` sub groups' fp32 masters to the device and register them
+        with the tail, their moments as the base optimizer's state."""
+        device = self._link.device
+        self._tail = DeviceTail()
+        parts = []
+        for i in range(count):
+            master = self.fp32_partitioned_groups_flat[i]
+            master.grad = None  # DeepSpeed's fp32 host gradient buffer goes
+            on_device = master.detach().to(device, copy=True)
+            on_device.ds_id = getattr(master, "ds_id", None)
+            # DeepSpeed's subgroup_to_device still says "cpu": none of its partial-offload
+            # branches (its second AdamW) may run.
+            self.fp32_partitioned_groups_flat[i] = on_device
+            self.optimizer.state.pop(master, None)
+            part = DeviceSubGroup(
+                i, self.sub_group_to_group_id[i], on_device, self.fp16_partitioned_groups_flat[i]
+            )
+            self.optimizer.state[on_device].update(
+                exp_avg=part.exp_avg, exp_avg_sq=part.exp_avg_sq, step=self._step_value(0)
+            )
+            self._tail.register(part)
+            parts.append(part)
+        return parts
+
+    def _step_device_sub_groups(self, coef: float | None) -> None:
+        """Step the device sub groups with the validated clip coefficient (None: the step was
+        skipped), then clear their gradients for the next step (params without a gradient
+        in a step count as zero)."""
+        parts = self._device_parts
+        if coef is not None and parts:
+            hypers = [self._stv.hyper(p, p.step + 1) for p in parts]
+            self._tail.step(parts, hypers, coef)
+        for part in parts:
+            part.grad.zero_()
