@@ -39,11 +39,14 @@ case "$STAGE" in
         --gpu-buckets 0 --out-dir "$OUT/suite" --timeout 120 | tail -3
     ;;
   qwen3-14b)
-    python -m hf_superoffload plan qwen3-14b --gpus 2 --gpu-mem 139 --cpu-mem 256 > "$OUT/plan.txt" 2>&1
+    # ratio 0.85: the first 15% of the sub groups' state on the GPU (16 B/param there), so the
+    # host holds 12.2 B/param (the issue's target: <= 13); the plan says 74.8 of 139 GiB GPU.
+    python -m hf_superoffload plan qwen3-14b --gpus 2 --gpu-mem 139 --cpu-mem 256 --ratio 0.85 \
+        > "$OUT/plan.txt" 2>&1
     model="--model-config hf_superoffload/model_configs/qwen3-14b.json --seq 4096 --batch 4 --steps 7 --warmup 3 --clip 1.0 --nproc 2"
     # shellcheck disable=SC2086
-    timeout 320 python benchmarks/suite.py $model --systems superoffload_zero3 --out-dir "$OUT/suite" \
-        --timeout 310 | tail -2
+    timeout 320 python benchmarks/suite.py $model --ratio 0.85 --systems superoffload_zero3 \
+        --out-dir "$OUT/suite" --timeout 310 | tail -2
     # shellcheck disable=SC2086
     timeout 200 python benchmarks/suite.py $model --systems deepspeed_zero_offload --out-dir "$OUT/suite" \
         --timeout 190 | tail -2

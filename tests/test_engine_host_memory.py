@@ -220,3 +220,9 @@ def test_zero3_host_parts_partition_over_the_ranks_and_ratio():
     assert parts["master"] == 4 * 2000 and parts["moments"] == 8 * 2000
     assert parts["gradients"] == 2 * 2000 and parts["accumulation"] == 2 * 4000
     assert parts["param_copy_out"] == 3 * 1000 * 2  # three slots of the largest param
+    assert parts["start_up_beyond_training"] == 0
+    # Nearly all on the GPU: building the optimizer (DeepSpeed's fp32 masters of the whole
+    # partition and its accumulation buffer, 6 B/param) is the peak.
+    kwargs["offload_optimizer_config"] = types.SimpleNamespace(ratio=0.0)
+    kwargs["gradient_accumulation_steps"] = 1
+    assert sum(zero3_host_parts(optimizer, kwargs).values()) == 6 * 4000

@@ -43,6 +43,31 @@ def test_predicts_the_measured_peaks_within_ten_percent(model):
     assert plan.shortfalls(H100_GPU, H100_HOST) == []
 
 
+def test_predicts_the_gpu_tail_at_ratio_0_8_and_the_host_bytes_per_param():
+    # Measured 2026-11-24 on the H100 (docs/data/suite_zero3_ratio_h100_3b_seq4096_2026-11-24):
+    # 25.73 GiB GPU, 36.99 GiB host RSS at ratio 0.8; 46.1 GiB host at 1.0.
+    config = _config("3b")
+    tail = zero3_memory_plan(config, Zero3Run(seq=4096, batch=4, ratio=0.8))
+    assert tail.gpu_bytes / GIB == pytest.approx(25.73, rel=0.10)
+    assert tail.host_bytes / GIB == pytest.approx(36.99, rel=0.10)
+    full = zero3_memory_plan(config, Zero3Run(seq=4096, batch=4))
+    # 14 B/param (master 4, moments 8, bf16 gradients 2) plus the process at 1.0; the tail's
+    # fifth of the state leaves the host.
+    assert 14 < full.host_bytes_per_param < 15 and tail.host_bytes_per_param < 13
+    assert tail.gpu["optimizer_on_gpu"] == 16 * (full.shape.params - int(full.shape.params * 0.8))
+
+
+def test_start_up_is_the_host_peak_when_nearly_all_state_is_on_the_gpu():
+    config = _config("3b")
+    plan = zero3_memory_plan(config, Zero3Run(seq=4096, batch=4, ratio=0.1))
+    training = sum(plan.host.values())
+    # DeepSpeed's fp32 masters of the whole partition and its bf16 accumulation buffer.
+    assert plan.host_start_up == 6 * plan.shape.params + plan.host["process"] > training
+    assert plan.host_bytes == plan.host_start_up and "start-up (the peak)" in plan.table()
+    mostly_host = zero3_memory_plan(config, Zero3Run(seq=4096, batch=4, ratio=0.8))
+    assert mostly_host.host_bytes == sum(mostly_host.host.values())
+
+
 def test_says_why_a_run_does_not_fit():
     config = _config("llama-3.1-8b")
     # A quarter of the optimizer state on the GPU ran out of GPU memory on the H100.

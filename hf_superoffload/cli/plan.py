@@ -268,6 +268,8 @@ def _as_text(source, capacity, verdict: Verdict, suggestions, notes) -> str:
         f"({verdict.gpu_need / verdict.gpu_memory:.0%})",
         f"host, {per_host} rank(s): needs {_gib(verdict.host_need)} with the system's share, "
         f"has {_gib(verdict.host_memory)} ({verdict.host_need / verdict.host_memory:.0%})",
+        f"host bytes per param: {plan.host_bytes_per_param:.1f} (a lower --ratio moves the "
+        "state of the first sub groups to the GPU, 16 bytes per param there)",
         *(f"note: {note}" for note in notes),
         "",
     ]
@@ -300,7 +302,9 @@ def _as_json(source, capacity, verdict: Verdict, suggestions, notes) -> dict:
         "host_bytes_per_rank": plan.host,
         "gpu_total_bytes": plan.gpu_bytes,
         "host_total_bytes_per_rank": plan.host_bytes,
+        "host_start_up_bytes_per_rank": plan.host_start_up,
         "host_total_bytes_per_host": plan.host_bytes_per_host,
+        "host_bytes_per_param": plan.host_bytes_per_param,
         "gpu_need_bytes": verdict.gpu_need,
         "host_need_bytes": verdict.host_need,
         "fits": verdict.fits,

@@ -60,7 +60,6 @@ class DeviceSubGroups:
         parts = []
         for i in range(count):
             master = self.fp32_partitioned_groups_flat[i]
-            master.grad = None  # DeepSpeed's fp32 host gradient buffer goes
             on_device = master.detach().to(device, copy=True)
             on_device.ds_id = getattr(master, "ds_id", None)
             # DeepSpeed's subgroup_to_device still says "cpu": none of its partial-offload

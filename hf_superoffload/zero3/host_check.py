@@ -4,9 +4,12 @@ Each rank holds its partition of the trainable params (``1 / data-parallel ranks
 for the share ``ratio`` offloads, the host state ``optimizer.py`` describes: fp32 master (4
 B/param), both moments (8), the gradient buffer in DeepSpeed's accumulation dtype, DeepSpeed's
 accumulation buffer when micro-batches accumulate, and the copy-out ring. DeepSpeed's own fp32
-gradient buffers exist only until ours replace them, one sub group at a time, so they add no
-more than a sub group to the peak. Params that ``offload_param`` keeps on the host were
-partitioned before the optimizer is built and are no longer in the available memory.
+gradient buffers are never made (``host_state.py``). While the optimizer is built DeepSpeed
+holds the fp32 masters of the whole partition and its accumulation buffer, before the GPU
+tail's masters move and that buffer goes: below a ``ratio`` of about 0.4 that start-up is the
+peak, and the check counts what it holds beyond training's. Params that ``offload_param``
+keeps on the host were partitioned before the optimizer is built and are no longer in the
+available memory.
 """
 
 from __future__ import annotations
@@ -43,13 +46,16 @@ def zero3_host_parts(init_optimizer, kwargs: dict) -> dict[str, int]:
     low = params[0].dtype.itemsize if params and params[0].dtype != torch.float32 else 0
     piece = min(max(kwargs.get("sub_group_size", 0), math.ceil(largest / ranks)), COPY_OUT_PIECE)
     accumulating = kwargs.get("gradient_accumulation_steps", 1) > 1
-    return {
+    parts = {
         "master": 4 * on_host,
         "moments": 8 * on_host,
         "gradients": grad * on_host,
         "accumulation": grad * partition if accumulating else 0,
         "param_copy_out": COPY_OUT_SLOTS * piece * low if on_host else 0,
     }
+    start_up = (4 + grad) * partition
+    parts["start_up_beyond_training"] = max(0, start_up - sum(parts.values()))
+    return parts
 
 
 def check_zero3_host_memory(init_optimizer, kwargs: dict, replicas: Replicas) -> None:

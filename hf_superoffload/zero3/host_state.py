@@ -24,11 +24,11 @@ class HostState:
         self.offload_optimizer_pin_memory = self._pin_transfers and self._accumulates
 
     def initialize_optimizer_states(self):
-        # DeepSpeed's fp32 gradient buffers, pageable so that dropping them (our gradient
-        # buffers replace them) gives their memory back, not to torch's pinned-block cache.
-        pin, self.offload_optimizer_pin_memory = self.offload_optimizer_pin_memory, False
-        super().initialize_optimizer_states()
-        self.offload_optimizer_pin_memory = pin
+        """Nothing: with CPU offload DeepSpeed's only gives every sub group an fp32 gradient
+        buffer (4 B/param of host memory) that our own gradient buffers replace, and every
+        reader of those buffers on this path is ours. Skipping it keeps 4 B/param out of the
+        start-up peak, which below ``ratio`` 0.7 was the run's peak (33.0 GiB against 28.3
+        steady at 0.6, 3.37B params on an H100 host)."""
 
     def _build_host_partitions(self, params_on_device: bool) -> list[HostPartition]:
         """One HostPartition per CPU sub group, over DeepSpeed's fp32 master, with our own
@@ -39,7 +39,6 @@ class HostState:
         for i, master in enumerate(self.fp32_partitioned_groups_flat):
             if i in self._device_part_at:
                 continue
-            master.grad = None  # DeepSpeed's fp32 gradient buffer goes
             if params_on_device and self._link.is_cuda:
                 # The H2D copy reads the master: page-locked, or every copy would block.
                 pinned = self._link.host_empty(master.numel(), master.dtype)

@@ -5,7 +5,11 @@ Host, per rank (``SuperOffloadZero3Optimizer.host_bytes`` names the same parts):
 partition of the fp32 master (4 B/param) and both moments (8), its gradients in DeepSpeed's
 accumulation dtype (2 in bf16), DeepSpeed's host accumulation buffer when micro-batches
 accumulate (2), the 16-bit params when ``offload_param`` puts them there (2), the copy-out ring,
-and the process itself (CUDA context, libraries: measured, ``HOST_PROCESS_BYTES``).
+and the process itself (CUDA context, libraries: measured, ``HOST_PROCESS_BYTES``). While the
+optimizer is built, DeepSpeed holds the whole partition's fp32 masters and its accumulation
+buffer (6 B/param in bf16) before the GPU tail's masters move: below a ``ratio`` of about 0.4
+that start-up is the host's peak (measured at 0.6 before its fp32 gradient buffers were
+dropped too: 33.0 GiB at start-up against 28.3 while training, 3.37B params).
 
 GPU, per rank, as torch's allocator counts it (``max_memory_allocated``; the CUDA context comes
 on top): the 16-bit param partition, the params ZeRO-3 gathers around the layer being computed
@@ -112,7 +116,10 @@ class MemoryPlan:
     shape: ModelShape
     run: Zero3Run
     gpu: dict[str, int]  # per rank, bytes by what holds them
-    host: dict[str, int]  # per rank
+    host: dict[str, int]  # per rank, while training
+    # Per rank, while the optimizer is built: DeepSpeed's fp32 masters of the whole partition
+    # and its accumulation buffer, before the GPU tail's masters move and that buffer goes.
+    host_start_up: int = 0
 
     @property
     def gpu_bytes(self) -> int:
@@ -120,7 +127,15 @@ class MemoryPlan:
 
     @property
     def host_bytes(self) -> int:
-        return sum(self.host.values())
+        """The host peak per rank: training's, or the start-up's when a low ``ratio`` keeps
+        so much on the GPU that start-up needs more."""
+        return max(sum(self.host.values()), self.host_start_up)
+
+    @property
+    def host_bytes_per_param(self) -> float:
+        """Host bytes per param of this rank's partition, the process included: 14 plus the
+        process at ``ratio`` 1.0 in bf16, less where ``ratio`` keeps state on the GPU."""
+        return self.host_bytes / math.ceil(self.shape.params / self.run.ranks)
 
     @property
     def host_bytes_per_host(self) -> int:
@@ -163,6 +178,11 @@ class MemoryPlan:
                 f"  {'total':<22} {self.gpu_bytes / 2**30:8.2f} GiB",
                 "host per rank:",
                 *rows(self.host),
+                *(
+                    [f"  {'start-up (the peak)':<22} {self.host_start_up / 2**30:8.2f} GiB"]
+                    if self.host_start_up > sum(self.host.values())
+                    else []
+                ),
                 f"  {'total':<22} {self.host_bytes / 2**30:8.2f} GiB "
                 f"({self.host_bytes_per_host / 2**30:.1f} GiB for {per_host} rank(s) per host)",
             ]
@@ -202,4 +222,5 @@ def zero3_memory_plan(config, run: Zero3Run) -> MemoryPlan:
         "layer_recompute": 3 * low * tokens * shape.active_intermediate,
         "logits_and_loss": LOGIT_BYTES * tokens * shape.vocab,
     }
-    return MemoryPlan(shape, run, gpu, host)
+    start_up = (4 + low) * partition + host["offloaded_params"] + host["process"]
+    return MemoryPlan(shape, run, gpu, host, start_up)
