@@ -144,10 +144,13 @@ def _param_groups(model, case: Zero3Case) -> list[dict]:
     ]
 
 
-def make_engine(case: Zero3Case, super_offload: bool, world: int, model_seed: int = 0):
+def make_engine(
+    case: Zero3Case, super_offload: bool, world: int, model_seed: int = 0, model_builder=build_model
+):
+    """``model_builder(seed)`` returns the module to train (default: the tiny Llama)."""
     import deepspeed
 
-    model = build_model(model_seed)
+    model = model_builder(model_seed)
     kwargs = {"model": model, "config": ds_config(case, super_offload, world)}
     if case.deepspeed_adam:
         kwargs["model_parameters"] = _param_groups(model, case)
