@@ -40,8 +40,14 @@ def main(csv_path: str, png_path: str) -> None:
     for rate, color in COLORS.items():
         ax.scatter([], [], color=color, label=f"superoffload, {float(rate):.0%} of steps clip")
     ax.axhline(1.0, color="gray", lw=0.5)
+    finish(fig, ax, rows, f"speed / no offload ({baseline:.3f} s/step)", png_path)
+
+
+def finish(fig, ax, rows: list[dict], ylabel: str, png_path: str) -> None:
+    """Axes, title (the rows' GPU and model size), legend, and the file: shared by the
+    speed-against-memory plots."""
     ax.set_xlabel("peak GPU memory (GiB)")
-    ax.set_ylabel(f"speed / no offload ({baseline:.3f} s/step)")
+    ax.set_ylabel(ylabel)
     ax.set_xlim(left=0)
     ax.set_title(f"{rows[0]['gpu']}, {rows[0]['params_b']}B params, seq 4096, batch 4", fontsize=9)
     ax.legend(fontsize=7, loc="lower right")

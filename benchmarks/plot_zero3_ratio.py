@@ -13,6 +13,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from plot_lean import finish
 
 NAMES = {
     "superoffload_zero3": "hf_superoffload on ZeRO-3",
@@ -37,14 +38,8 @@ def main(csv_path: str, png_path: str) -> None:
         ax.scatter([], [], marker=marker, color="gray", label=NAMES[system])
     ax.scatter([], [], color="#C44E52", label="every step clips")
     ax.scatter([], [], color="#55A868", label="no step clips (--clip-rate 0)")
-    ax.set_xlabel("peak GPU memory (GiB)")
-    ax.set_ylabel("s/step")
-    ax.set_xlim(left=0)
     ax.set_ylim(bottom=0)
-    ax.set_title(f"{rows[0]['gpu']}, {rows[0]['params_b']}B params, seq 4096, batch 4", fontsize=9)
-    ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=120)
+    finish(fig, ax, rows, "s/step", png_path)
 
 
 if __name__ == "__main__":
