@@ -4,8 +4,8 @@ It steps each param's view of its bucket's master, so a param that got no gradie
 as torch's AdamW skips it (its ``grad`` is None for that step) and each keeps its own step
 count. A "bucket" here is anything with the tail's few needs (``param_count``, ``views``,
 ``present``, ``param_step``, ``grad``, ``commit_update``, ``flat_param``): the standalone
-engine's buckets, or a ZeRO-3 sub group kept on the device (one flat param). Its state *is* the buckets' moment tensors, so state_dict, load and migration need no
-copies.
+engine's buckets, or a ZeRO-3 sub group kept on the device (one flat param). Its state *is*
+the buckets' moment tensors, so state_dict, load and migration need no copies.
 NOTE: torch's default (foreach) AdamW, not fused=True: the fused CUDA kernel forms 1 - beta2
 in fp32 (9.99987e-4 for 0.999), 1.3e-5 off the double-precision value that torch's default
 AdamW and the CPU kernel use, and tail and host buckets must do the same arithmetic.

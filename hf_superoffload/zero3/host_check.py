@@ -19,9 +19,9 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..engine.copy_out import COPY_OUT_PIECE, COPY_OUT_SLOTS
 from ..engine.host_memory import check_host_memory
 from ..engine.replicas import Replicas
+from .memory_plan import copy_out_bytes, optimizer_host_parts, start_up_host_bytes
 
 REMEDIES = (
     "Use fewer GPUs per host (or more hosts: the state is partitioned over all ranks), keep "
@@ -44,16 +44,10 @@ def zero3_host_parts(init_optimizer, kwargs: dict) -> dict[str, int]:
     on_host = int(partition * ratio)
     grad = kwargs.get("gradient_accumulation_dtype", torch.float32).itemsize
     low = params[0].dtype.itemsize if params and params[0].dtype != torch.float32 else 0
-    piece = min(max(kwargs.get("sub_group_size", 0), math.ceil(largest / ranks)), COPY_OUT_PIECE)
+    copy_out = copy_out_bytes(kwargs.get("sub_group_size", 0), largest, ranks, low)
     accumulating = kwargs.get("gradient_accumulation_steps", 1) > 1
-    parts = {
-        "master": 4 * on_host,
-        "moments": 8 * on_host,
-        "gradients": grad * on_host,
-        "accumulation": grad * partition if accumulating else 0,
-        "param_copy_out": COPY_OUT_SLOTS * piece * low if on_host else 0,
-    }
-    start_up = (4 + grad) * partition
+    parts = optimizer_host_parts(partition, on_host, grad, copy_out, accumulating)
+    start_up = start_up_host_bytes(partition, grad)
     parts["start_up_beyond_training"] = max(0, start_up - sum(parts.values()))
     return parts
 

@@ -189,6 +189,33 @@ class MemoryPlan:
         )
 
 
+def copy_out_bytes(sub_group_size: int, largest_param: int, ranks: int, low_bytes: int) -> int:
+    """The copy-out ring (engine/copy_out.py): a few pieces of the largest sub group, in the
+    model's 16-bit dtype (``low_bytes`` 0: an fp32 model has none)."""
+    piece = min(max(sub_group_size, math.ceil(largest_param / ranks)), COPY_OUT_PIECE)
+    return COPY_OUT_SLOTS * piece * low_bytes
+
+
+def optimizer_host_parts(
+    partition: int, on_host: int, grad_bytes: int, copy_out: int, accumulating: bool
+) -> dict[str, int]:
+    """The optimizer's host bytes per rank while training, by what holds them (the names of
+    ``SuperOffloadZero3Optimizer.host_bytes``): the plan's and the start-up check's."""
+    return {
+        "master": 4 * on_host,
+        "moments": 8 * on_host,
+        "gradients": grad_bytes * on_host,
+        "param_copy_out": copy_out if on_host else 0,
+        "accumulation": grad_bytes * partition if accumulating else 0,
+    }
+
+
+def start_up_host_bytes(partition: int, grad_bytes: int) -> int:
+    """Held while the optimizer is built: DeepSpeed's fp32 masters of the whole partition and
+    its accumulation buffer, before the GPU tail's masters move and that buffer goes."""
+    return (4 + grad_bytes) * partition
+
+
 def zero3_memory_plan(config, run: Zero3Run) -> MemoryPlan:
     """Per-rank GPU and host bytes of training ``config``'s model on the ZeRO-3 path."""
     if not 0.0 <= run.ratio <= 1.0:
@@ -200,13 +227,9 @@ def zero3_memory_plan(config, run: Zero3Run) -> MemoryPlan:
     on_gpu = partition - on_host
     tokens = run.seq * run.batch
 
-    piece = min(max(run.sub_group_size, math.ceil(shape.largest_param / run.ranks)), COPY_OUT_PIECE)
+    copy_out = copy_out_bytes(run.sub_group_size, shape.largest_param, run.ranks, low)
     host = {
-        "master": 4 * on_host,
-        "moments": 8 * on_host,
-        "gradients": low * on_host,
-        "param_copy_out": COPY_OUT_SLOTS * piece * low if on_host else 0,
-        "accumulation": low * partition if run.gradient_accumulation > 1 else 0,
+        **optimizer_host_parts(partition, on_host, low, copy_out, run.gradient_accumulation > 1),
         "offloaded_params": low * partition if run.offload_param else 0,
         "process": HOST_PROCESS_BYTES,
     }
@@ -222,5 +245,5 @@ def zero3_memory_plan(config, run: Zero3Run) -> MemoryPlan:
         "layer_recompute": 3 * low * tokens * shape.active_intermediate,
         "logits_and_loss": LOGIT_BYTES * tokens * shape.vocab,
     }
-    start_up = (4 + low) * partition + host["offloaded_params"] + host["process"]
+    start_up = start_up_host_bytes(partition, low) + host["offloaded_params"] + host["process"]
     return MemoryPlan(shape, run, gpu, host, start_up)
