@@ -1,5 +1,5 @@
-# Run: python benchmarks/plot_zero3_ratio.py docs/data/suite_zero3_ratio_h100_3b_seq4096_2026-11-24.csv docs/suite_zero3_ratio_h100_3b_seq4096.png
-"""Seconds per step against peak GPU memory on the ZeRO-3 path, one point per run of a suite CSV
+# Run: python benchmarks/plot_zero3_ratio.py docs/data/suite_zero3_ratio_h100_3b_seq4096_2026-11-2[45].csv docs/suite_zero3_ratio_h100_3b_seq4096.png
+"""Seconds per step against peak GPU memory on the ZeRO-3 path, one point per run of the suite CSVs
 (docs/benchmarks.md, "ZeRO-3 path: the GPU tail and the 3x target"): hf_superoffload at each
 ``ratio`` and DeepSpeed ZeRO-Offload, every step clipping or none (``--clip-rate 0``)."""
 
@@ -22,9 +22,13 @@ NAMES = {
 MARKERS = {"superoffload_zero3": "o", "deepspeed_zero_offload": "s"}
 
 
-def main(csv_path: str, png_path: str) -> None:
-    with open(csv_path, newline="") as handle:
-        rows = [r for r in csv.DictReader(handle) if r["status"] == "ok"]
+def main(*paths: str) -> None:
+    """``paths``: one or more suite CSVs (each row with a ``call`` column), then the PNG."""
+    *csv_paths, png_path = paths
+    rows = []
+    for csv_path in csv_paths:
+        with open(csv_path, newline="") as handle:
+            rows += [r for r in csv.DictReader(handle) if r["status"] == "ok"]
     fig, ax = plt.subplots(figsize=(8, 5))
     for r in rows:
         never = r["clip_rate"] not in ("", None) and float(r["clip_rate"]) == 0.0
