@@ -15,6 +15,13 @@
 #   MODEL_PATH=DIR   local weights instead of the recipe's Hub id
 #   RUNS_DIR=DIR     where runs go (default: examples/runs)
 #   DRY_RUN=1        write the run directory and print the command, launch nothing
+#   RATIO=auto|R     superoffload mode's offload_optimizer.ratio, written into the run's
+#                    deepspeed.json. auto (the default): the lowest ratio down to 0.5 whose
+#                    memory plan fits this machine (`hf-superoffload plan --ratio auto`; its
+#                    JSON is kept as plan.json); more optimizer state on the GPU makes clipped
+#                    steps faster. A number in [0, 1] fixes it (1.0: all state on the host).
+#   PLAN_HARDWARE="--hardware gh200" or "--gpu-mem 80 --cpu-mem 128": plan RATIO=auto for
+#                    that machine instead of this one (a dry run on a machine without a GPU)
 #
 # Each run writes examples/runs/<model>_<mode>_b<batch>_<date>/: recipe.yaml, accelerate.yaml
 # and deepspeed.json (the configs actually used), command.sh (the exact launch), train.log, and
@@ -30,9 +37,28 @@ usage() {
 
 MODE="${1:-}"
 case "$MODE" in superoffload | zerooffload) ;; *) usage ;; esac
+if [[ "$MODE" == zerooffload && -n "${RATIO+set}" ]]; then
+  echo "RATIO applies to superoffload mode; zerooffload is the baseline, DeepSpeed's plain CPU" \
+    "offload with all optimizer state on the host (ratio 1.0). Unset RATIO." >&2
+  exit 2
+fi
+RATIO="${RATIO:-auto}"
+[[ "$RATIO" =~ ^(auto|0|0?\.[0-9]+|1|1\.0*)$ ]] || {
+  echo "RATIO must be auto or a number in [0, 1] (1.0: all optimizer state on the host), got '$RATIO'" >&2
+  exit 2
+}
 BATCH="${2:-4}"
 [[ "$BATCH" =~ ^[1-9][0-9]*$ ]] || { echo "batch_size must be a positive integer, got '$BATCH'" >&2; usage; }
 shift $(($# < 2 ? $# : 2))
+
+if [[ "${DRY_RUN:-0}" != 1 ]]; then
+  FOUND="$("${PYTHON:-python}" -c 'import torch; print(torch.cuda.device_count())')"
+  if ((FOUND < GPUS)); then
+    echo "$MODEL_NAME needs $GPUS GPU(s); this machine has $FOUND." \
+      "'hf-superoffload plan $MODEL_NAME --gpus $GPUS --hardware gh200' shows why." >&2
+    exit 1
+  fi
+fi
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(dirname "$HERE")"
@@ -57,6 +83,44 @@ RUN_DIR="${RUNS_DIR:-$HERE/runs}/${MODEL_NAME}_${MODE}_b${BATCH}_$(date +%Y%m%d-
 mkdir -p "$RUN_DIR"
 cp "$RECIPE" "$RUN_DIR/recipe.yaml"
 cp "$DEEPSPEED_BASE" "$RUN_DIR/deepspeed.json"
+if [[ "$MODE" == superoffload ]]; then
+  if [[ "$RATIO" == auto ]]; then
+    # The model the run trains: MODEL_PATH's config, else the recipe's (its shipped config).
+    PLAN_ARGS=(--gpus "$GPUS" --batch "$BATCH" --ratio auto --json)
+    [[ -n "${MODEL_PATH:-}" ]] && PLAN_ARGS+=(--seq "$("$PYTHON" -c 'import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))["max_length"])' "$RECIPE")")
+    read -r -a HARDWARE <<<"${PLAN_HARDWARE:-}"
+    set +e
+    "$PYTHON" -m hf_superoffload plan "${MODEL_PATH:-$RECIPE}" "${PLAN_ARGS[@]}" "${HARDWARE[@]}" \
+      >"$RUN_DIR/plan.json" 2>"$RUN_DIR/plan.err"
+    PLAN_CODE=$?
+    set -e
+    if ((PLAN_CODE == 0)); then
+      RATIO="$("$PYTHON" -c 'import json, sys; print(json.load(open(sys.argv[1]))["run"]["ratio"])' "$RUN_DIR/plan.json")"
+      echo "RATIO=auto: ratio $RATIO, the lowest the memory plan fits on $GPUS GPU(s) of ${PLAN_HARDWARE:-this machine} (plan.json)"
+    elif ((PLAN_CODE == 1)); then
+      echo "$MODEL_NAME does not fit $GPUS GPU(s) of ${PLAN_HARDWARE:-this machine} at any ratio; the plan says:" >&2
+      "$PYTHON" -c 'import json, sys; p = json.load(open(sys.argv[1])); print("\n".join(p["reasons"] + ["change: " + s for s in p["suggestions"]]))' "$RUN_DIR/plan.json" >&2
+      exit 1
+    elif [[ "${DRY_RUN:-0}" == 1 ]] && grep -q "no GPU here to plan for" "$RUN_DIR/plan.err"; then
+      RATIO=1.0
+      echo "RATIO=auto: no GPU here to plan for, so this dry run writes ratio $RATIO; set" \
+        "PLAN_HARDWARE (e.g. \"--hardware gh200\") or RATIO to choose it" >&2
+    else
+      cat "$RUN_DIR/plan.err" >&2
+      echo "RATIO=auto could not plan $MODEL_NAME (above); set RATIO to a number in [0, 1]" >&2
+      exit 2
+    fi
+  fi
+  "$PYTHON" - "$RUN_DIR/deepspeed.json" "$RATIO" <<'PY'
+import json, sys
+path, ratio = sys.argv[1:]
+config = json.load(open(path))
+config["zero_optimization"]["offload_optimizer"]["ratio"] = float(ratio)
+with open(path, "w") as f:
+    json.dump(config, f, indent=2)
+    f.write("\n")
+PY
+fi
 # The accelerate config actually used: the package's, pointed at this run's DeepSpeed JSON.
 "$PYTHON" - "$ACCELERATE_BASE" "$RUN_DIR/deepspeed.json" "$RUN_DIR/accelerate.yaml" <<'PY'
 import sys, yaml
@@ -94,11 +158,5 @@ if [[ "${DRY_RUN:-0}" == 1 ]]; then
   exit 0
 fi
 
-FOUND="$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')"
-if ((FOUND < GPUS)); then
-  echo "$MODEL_NAME needs $GPUS GPU(s); this machine has $FOUND." \
-    "'hf-superoffload plan $MODEL_NAME --gpus $GPUS --hardware gh200' shows why." >&2
-  exit 1
-fi
 cd "$REPO"
 "${CMD[@]}" 2>&1 | tee "$RUN_DIR/train.log"

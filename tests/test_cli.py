@@ -15,7 +15,7 @@ import pytest
 import torch
 import transformers
 
-from hf_superoffload.cli import main, model_source
+from hf_superoffload.cli import main, model_source, ratio_auto
 from hf_superoffload.ops import _build
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -146,6 +146,50 @@ def test_a_run_that_does_not_fit_says_why_and_what_to_change(capsys):
     assert plan["host_need_bytes"] > plan["hardware"]["host_memory_bytes"]
 
 
+def test_ratio_auto_picks_the_lowest_ratio_that_fits_with_gpu_room(capsys):
+    # Llama-3.1-8B on one H100: 0.85 ran (65.4 GiB allocated, 87.4 GiB host; 0.75 ran out of
+    # GPU memory; docs/benchmarks.md); 0.8 is planned above 90% of the card.
+    code, plan = plan_json(capsys, "llama-3.1-8b", "--hardware", "h100", "--ratio", "auto")
+    assert code == 0 and plan["fits"] and plan["run"]["ratio"] == 0.85
+    assert plan["gpu_need_bytes"] <= ratio_auto.GPU_SHARE * plan["hardware"]["gpu_memory_bytes"]
+    assert any(n.startswith("--ratio auto chose 0.85") for n in plan["notes"])
+    _, lower = plan_json(capsys, "llama-3.1-8b", "--hardware", "h100", "--ratio", "0.8")
+    assert lower["fits"]  # it fits the card, but not with the auto margin
+    assert lower["gpu_need_bytes"] > ratio_auto.GPU_SHARE * lower["hardware"]["gpu_memory_bytes"]
+    # Where the host cannot hold 14 B/param, a lower ratio is what makes it fit.
+    code, plan = plan_json(
+        capsys, "qwen3-14b", "--hardware", "h200", "--cpu-mem", "180", "--ratio", "auto"
+    )
+    _, full = plan_json(capsys, "qwen3-14b", "--hardware", "h200", "--cpu-mem", "180")
+    assert code == 0 and plan["run"]["ratio"] < 1.0 and not full["fits"]
+    # Nothing fits: the plan at 1.0, saying so.
+    code, plan = plan_json(capsys, "qwen3-14b", "--hardware", "h100", "--ratio", "auto")
+    assert code == 1 and plan["run"]["ratio"] == 1.0
+    assert any("no ratio from 1.0 down to 0.5 fits" in n for n in plan["notes"])
+
+
+class _Scripted:
+    def __init__(self, fits, gpu_need, gpu_memory=100):
+        self.fits, self.gpu_need, self.gpu_memory = fits, gpu_need, gpu_memory
+
+
+@pytest.mark.parametrize(
+    ("host_fits_below", "gpu_need_at", "expected"),
+    [
+        (1.01, lambda r: 52 + 200 * (1 - r), 0.85),  # below 0.85 the need passes 90% of the GPU
+        (1.01, lambda r: 95, 1.0),  # 1.0 needs no room to spare; below it, none is left
+        (0.71, lambda r: 52 + 200 * (1 - r), None),  # the host needs <= 0.7, the GPU >= 0.85
+        (0.91, lambda r: 10, 0.5),  # plenty of GPU: down to the floor
+    ],
+)
+def test_lowest_fitting_ratio_on_scripted_plans(host_fits_below, gpu_need_at, expected):
+    def judge(ratio):
+        need = gpu_need_at(ratio)
+        return _Scripted(fits=ratio < host_fits_below and need <= 100, gpu_need=need)
+
+    assert ratio_auto.lowest_fitting_ratio(judge) == expected
+
+
 def test_h200_hosts_share_their_memory_between_gpus(capsys):
     code, plan = plan_json(capsys, "qwen3-14b", "--hardware", "h200", "--gpus", "2")
     assert code == 0 and plan["run"]["ranks_per_host"] == 2
@@ -171,7 +215,8 @@ def test_plans_a_local_directory_or_config_file_with_explicit_sizes(capsys, tmp_
         (["no/such/model"], "shipped:"),
         (["llama-3.1-8b", "--hardware", "tpu"], "choose one of gh200, h100, h200"),
         (["llama-3.1-8b", "--hardware", "h100", "--gpus", "0"], "--gpus must be at least 1"),
-        (["llama-3.1-8b", "--hardware", "h100", "--ratio", "1.5"], "--ratio must be within"),
+        (["llama-3.1-8b", "--hardware", "h100", "--ratio", "1.5"], "--ratio must be 'auto' or"),
+        (["llama-3.1-8b", "--hardware", "h100", "--ratio", "most"], "--ratio must be 'auto' or"),
         (["llama-3.1-8b", "--hardware", "h100", "--gpu-mem", "-1"], "--gpu-mem must be"),
         (["llama-3.1-8b", "--hardware", "h100", "--gpus", "2"], "give --cpu-mem"),
     ],

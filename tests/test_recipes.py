@@ -210,8 +210,10 @@ def test_bundled_preference_pairs_are_the_generators_output(tmp_path):
         assert apply[op](int(a), int(b)) == int(row["chosen"]) != int(row["rejected"])
 
 
-def _launch(tmp_path: Path, name: str, *args: str) -> subprocess.CompletedProcess:
+def _launch(tmp_path: Path, name: str, *args: str, **variables: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "DRY_RUN": "1", "RUNS_DIR": str(tmp_path), "PYTHON": "python"}
+    env.pop("RATIO", None)
+    env.update(variables)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
     return subprocess.run(
         ["bash", str(REPO / "examples" / f"finetune_{name}.sh"), *args],
@@ -244,6 +246,51 @@ def test_launcher_writes_the_configs_it_uses_and_a_command_that_parses(mode, tmp
     _, training = arguments.parse("sft", [*script_args, "--bf16", "false"])
     assert training.per_device_train_batch_size == 2 and training.max_steps == 5
     assert training.output_dir == str(run_dir / "output")
+
+
+def _written_ratio(tmp_path: Path) -> float:
+    (run_dir,) = tmp_path.iterdir()
+    config = json.loads((run_dir / "deepspeed.json").read_text())
+    return config["zero_optimization"]["offload_optimizer"]["ratio"]
+
+
+def test_launcher_sizes_the_gpu_tail_by_the_memory_plan(tmp_path):
+    """RATIO=auto (the default) writes the plan's lowest fitting ratio into the run's
+    DeepSpeed JSON and keeps the plan; a given RATIO is written as is."""
+    proc = _launch(
+        tmp_path / "auto", "llama-3.1-8b", "superoffload", PLAN_HARDWARE="--hardware h100"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "RATIO=auto: ratio 0.85" in proc.stdout
+    assert _written_ratio(tmp_path / "auto") == 0.85
+    (run_dir,) = (tmp_path / "auto").iterdir()
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["run"]["ratio"] == 0.85 and plan["run"]["batch"] == 4
+    proc = _launch(tmp_path / "fixed", "llama-3.1-8b", "superoffload", "2", RATIO="0.9")
+    assert proc.returncode == 0, proc.stderr
+    assert _written_ratio(tmp_path / "fixed") == 0.9
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="plans for this machine's GPU here")
+def test_a_dry_run_without_a_gpu_says_which_ratio_it_wrote(tmp_path):
+    proc = _launch(tmp_path, "phi-4", "superoffload")
+    assert proc.returncode == 0, proc.stderr
+    assert "no GPU here to plan for, so this dry run writes ratio 1.0" in proc.stderr
+    assert _written_ratio(tmp_path) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("mode", "variables", "code", "message"),
+    [
+        ("superoffload", {"RATIO": "1.5"}, 2, "RATIO must be auto or a number in [0, 1]"),
+        ("zerooffload", {"RATIO": "0.9"}, 2, "RATIO applies to superoffload mode"),
+        ("superoffload", {"PLAN_HARDWARE": "--hardware h100"}, 1, "host: needs"),
+    ],
+)
+def test_launcher_refuses_a_ratio_it_cannot_use(mode, variables, code, message, tmp_path):
+    proc = _launch(tmp_path, "qwen3-14b", mode, **variables)
+    assert proc.returncode == code and message in proc.stderr, proc.stderr
+    assert not any(tmp_path.glob("*/command.sh"))
 
 
 def test_launcher_refuses_an_unknown_mode_or_batch(tmp_path):

@@ -17,11 +17,12 @@ from ..zero3.memory_plan import (
     GPU_HEADROOM,
     HOST_HEADROOM,
     MemoryPlan,
+    ModelShape,
     Zero3Run,
     zero3_memory_plan,
 )
 from . import capacity as capacity_options
-from . import model_source
+from . import model_source, ratio_auto
 from .errors import EXIT_DOES_NOT_FIT, EXIT_FITS, UsageError
 from .hardware import GIB, PRESETS
 
@@ -66,10 +67,10 @@ def add_parser(commands) -> None:
     )
     parser.add_argument(
         "--ratio",
-        type=float,
-        default=1.0,
+        default="1.0",
         help="share of the optimizer state on the host; DeepSpeed's offload_optimizer.ratio "
-        "(default 1.0: all of it)",
+        "(default 1.0: all of it), or 'auto': the lowest ratio down to 0.5 that fits, keeping "
+        "the GPU need within 90%% of the card",
     )
     parser.add_argument(
         "--offload-param", action="store_true", help="bf16 params on the host too (ZeRO-3)"
@@ -115,17 +116,28 @@ def _check(args) -> None:
             f"--gradient-accumulation-steps must be at least 1, got "
             f"{args.gradient_accumulation_steps}"
         )
-    if not 0.0 <= args.ratio <= 1.0:
+    if args.ratio == "auto":
+        return
+    try:
+        ratio = float(args.ratio)
+    except ValueError:
+        ratio = float("nan")
+    if not 0.0 <= ratio <= 1.0:
         raise UsageError(
-            f"--ratio must be within [0, 1] (1.0: all state on the host), got {args.ratio}"
+            f"--ratio must be 'auto' or a number within [0, 1] (1.0: all state on the host), "
+            f"got {args.ratio}"
         )
 
 
-def _judge(config, run: Zero3Run, capacity) -> Verdict:
+def _shape(config) -> ModelShape:
     try:
-        plan = zero3_memory_plan(config, run)
+        return ModelShape.of(config)
     except (ValueError, TypeError, AttributeError) as error:
         raise UsageError(f"cannot plan this model from its config: {error}") from None
+
+
+def _judge(config, run: Zero3Run, capacity, shape: ModelShape | None = None) -> Verdict:
+    plan = zero3_memory_plan(config, run, shape or _shape(config))
     host_memory = capacity.host_memory_for(run.ranks_per_host)
     return Verdict(
         plan, capacity.gpu_memory, host_memory, plan.shortfalls(capacity.gpu_memory, host_memory)
@@ -178,13 +190,23 @@ def run(args: argparse.Namespace) -> int:
         batch=args.batch or source.batch or DEFAULT_BATCH,
         ranks=args.gpus,
         ranks_per_host=capacity.ranks_per_host(args.gpus),
-        ratio=args.ratio,
+        ratio=1.0 if args.ratio == "auto" else float(args.ratio),
         offload_param=args.offload_param,
         gradient_accumulation=args.gradient_accumulation_steps,
     )
-    verdict = _judge(source.config, zero3_run, capacity)
+    shape = _shape(source.config)
+    auto_notes = []
+    if args.ratio == "auto":
+        chosen = ratio_auto.lowest_fitting_ratio(
+            lambda r: _judge(
+                source.config, dataclasses.replace(zero3_run, ratio=r), capacity, shape
+            )
+        )
+        zero3_run = dataclasses.replace(zero3_run, ratio=chosen or 1.0)
+        auto_notes.append(ratio_auto.explain(chosen))
+    verdict = _judge(source.config, zero3_run, capacity, shape)
     suggestions = [] if verdict.fits else _suggestions(source.config, zero3_run, capacity, verdict)
-    notes = [*source.notes, *_model_notes(source.config, verdict.plan)]
+    notes = [*source.notes, *auto_notes, *_model_notes(source.config, verdict.plan)]
     if args.json:
         print(json.dumps(_as_json(source, capacity, verdict, suggestions, notes), indent=2))
     else:

@@ -216,11 +216,12 @@ def start_up_host_bytes(partition: int, grad_bytes: int) -> int:
     return (4 + grad_bytes) * partition
 
 
-def zero3_memory_plan(config, run: Zero3Run) -> MemoryPlan:
-    """Per-rank GPU and host bytes of training ``config``'s model on the ZeRO-3 path."""
+def zero3_memory_plan(config, run: Zero3Run, shape: ModelShape | None = None) -> MemoryPlan:
+    """Per-rank GPU and host bytes of training ``config``'s model on the ZeRO-3 path
+    (``shape``: ``ModelShape.of(config)`` when the caller has it, for plans of many runs)."""
     if not 0.0 <= run.ratio <= 1.0:
         raise ValueError(f"ratio must be within [0, 1], got {run.ratio}")
-    shape = ModelShape.of(config)
+    shape = shape or ModelShape.of(config)
     low = run.dtype_bytes
     partition = math.ceil(shape.params / run.ranks)  # padding is at most one element a param
     on_host = int(partition * run.ratio)
