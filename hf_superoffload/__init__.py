@@ -2,12 +2,20 @@
 
 __version__ = "0.1.0"
 
+import contextlib as _contextlib
+import sys as _sys
+
 from .engine import SuperOffloadOptimizer
-from .integrations import (
-    SuperOffloadTrainer,
-    SuperOffloadTrainerMixin,
-    SuperOffloadTrainingArguments,
-)
+
+# transformers prints "[INFO] Running in WANDB offline mode" to stdout when its integrations
+# load under WANDB_MODE=offline; sent to stderr, it cannot corrupt machine-readable output
+# such as `hf-superoffload plan --json`, which the recipe launchers parse.
+with _contextlib.redirect_stdout(_sys.stderr):
+    from .integrations import (
+        SuperOffloadTrainer,
+        SuperOffloadTrainerMixin,
+        SuperOffloadTrainingArguments,
+    )
 from .integrations.plugin import DEPRECATED_NAME_WARNING as _PLUGIN_RENAMED
 from .integrations.plugin import SuperOffloadOptions
 from .zero3 import activate as _activate_deepspeed_superoffload

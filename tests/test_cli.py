@@ -7,6 +7,7 @@ from __future__ import annotations
 import configparser
 import importlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -244,6 +245,20 @@ def test_bad_config_files_exit_2(capsys, tmp_path):
 def test_without_a_gpu_or_hardware_it_asks_for_one(capsys):
     code, _, err = cli(capsys, "plan", "llama-3.1-8b")
     assert code == 2 and "--hardware gh200|h100|h200" in err
+
+
+def test_json_output_parses_when_libraries_print_as_they_load():
+    """transformers prints to stdout on import under WANDB_MODE=offline (a common cluster
+    setting); the recipe launchers parse `plan --json`, so only the JSON may reach stdout."""
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    for args in (["plan", "llama-3.1-8b", "--hardware", "h100"], ["env", "--no-bandwidth"]):
+        proc = subprocess.run(
+            [sys.executable, "-m", "hf_superoffload", *args, "--json"],
+            env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        assert isinstance(json.loads(proc.stdout), dict)
+        assert "Running in WANDB offline mode" in proc.stderr
 
 
 def test_argparse_errors_exit_2(capsys):

@@ -10,6 +10,7 @@ they do not know to the job they run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 from .. import __version__
@@ -44,8 +45,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_BAD_INPUT
+    args.out = sys.stdout  # where a command prints its result
     try:
-        return args.run(args)
+        if not getattr(args, "json", False):
+            return args.run(args)
+        # Libraries print to stdout as they load (transformers does under WANDB_MODE=offline,
+        # a common cluster setting): all but the command's JSON goes to stderr, so it parses.
+        with contextlib.redirect_stdout(sys.stderr):
+            return args.run(args)
     except UsageError as error:
         print(f"{PROG} {args.command}: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     if args.build:
         print("hf-superoffload env: building the CPU Adam if needed ...", file=sys.stderr)
     facts = env_facts.collect(build=args.build, measure_bandwidth=not args.no_bandwidth)
-    print(json.dumps(facts, indent=2) if args.json else render(facts))
+    print(json.dumps(facts, indent=2) if args.json else render(facts), file=args.out)
     return 0
 
 

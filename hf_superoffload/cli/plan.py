@@ -208,9 +208,12 @@ def run(args: argparse.Namespace) -> int:
     suggestions = [] if verdict.fits else _suggestions(source.config, zero3_run, capacity, verdict)
     notes = [*source.notes, *auto_notes, *_model_notes(source.config, verdict.plan)]
     if args.json:
-        print(json.dumps(_as_json(source, capacity, verdict, suggestions, notes), indent=2))
+        print(
+            json.dumps(_as_json(source, capacity, verdict, suggestions, notes), indent=2),
+            file=args.out,
+        )
     else:
-        print(_as_text(source, capacity, verdict, suggestions, notes))
+        print(_as_text(source, capacity, verdict, suggestions, notes), file=args.out)
     return EXIT_FITS if verdict.fits else EXIT_DOES_NOT_FIT
 
 
