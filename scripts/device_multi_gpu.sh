@@ -25,6 +25,21 @@ wait
 echo "CPU Adams built in $(( $(date +%s) - start )) s"
 
 point="--hidden 3072 --layers 28 --seq 4096 --batch 4 --steps 6 --warmup 3 --superoffload-warmup 4 --clip 1.0"
+# One of the issue's models on N GPUs of one H200 host (128 GiB of host memory per GPU there):
+# the memory plan, then ours at RATIO and DeepSpeed ZeRO-Offload, 10 steps each.
+model_stage() {
+  local name=$1 gpus=$2 ratio=$3
+  python -m hf_superoffload plan "$name" --gpus "$gpus" --gpu-mem 139 --cpu-mem $((128 * gpus)) \
+      --ratio "$ratio" > "$OUT/plan.txt" 2>&1
+  local model="--model-config hf_superoffload/model_configs/$name.json --seq 4096 --batch 4 --steps 7 --warmup 3 --clip 1.0 --nproc $gpus"
+  # shellcheck disable=SC2086
+  timeout 330 python benchmarks/suite.py $model --ratio "$ratio" --systems superoffload_zero3 \
+      --out-dir "$OUT/suite" --timeout 320 | tail -2
+  # shellcheck disable=SC2086
+  timeout 200 python benchmarks/suite.py $model --systems deepspeed_zero_offload --out-dir "$OUT/suite" \
+      --timeout 190 | tail -2
+}
+
 case "$STAGE" in
   tests)
     timeout 420 python -m pytest -m multi_gpu -q -p no:cacheprovider -rs \
@@ -43,29 +58,13 @@ case "$STAGE" in
   qwen3-14b)
     # ratio 0.85: the first 15% of the sub groups' state on the GPU (16 B/param there), so the
     # host holds 12.2 B/param (the issue's target: <= 13); the plan says 74.8 of 139 GiB GPU.
-    python -m hf_superoffload plan qwen3-14b --gpus 2 --gpu-mem 139 --cpu-mem 256 --ratio 0.85 \
-        > "$OUT/plan.txt" 2>&1
-    model="--model-config hf_superoffload/model_configs/qwen3-14b.json --seq 4096 --batch 4 --steps 7 --warmup 3 --clip 1.0 --nproc 2"
-    # shellcheck disable=SC2086
-    timeout 320 python benchmarks/suite.py $model --ratio 0.85 --systems superoffload_zero3 \
-        --out-dir "$OUT/suite" --timeout 310 | tail -2
-    # shellcheck disable=SC2086
-    timeout 200 python benchmarks/suite.py $model --systems deepspeed_zero_offload --out-dir "$OUT/suite" \
-        --timeout 190 | tail -2
+    model_stage qwen3-14b 2 0.85
     ;;
   qwen3-30b-a3b)
-    # MoE, 30.5B params over 4 ranks of one 512 GiB host: ratio 0.9 plans 12.9 host B/param
-    # (the issue's target: <= 13). Experts without tokens in a step are DeepSpeed's leaf-module
-    # case (Qwen3MoeSparseMoeBlock is a default leaf in 0.19.8), tested on CPU in test_zero3_moe.
-    python -m hf_superoffload plan qwen3-30b-a3b --gpus 4 --gpu-mem 139 --cpu-mem 512 --ratio 0.9 \
-        > "$OUT/plan.txt" 2>&1
-    model="--model-config hf_superoffload/model_configs/qwen3-30b-a3b.json --seq 4096 --batch 4 --steps 7 --warmup 3 --clip 1.0 --nproc 4"
-    # shellcheck disable=SC2086
-    timeout 330 python benchmarks/suite.py $model --ratio 0.9 --systems superoffload_zero3 \
-        --out-dir "$OUT/suite" --timeout 320 | tail -2
-    # shellcheck disable=SC2086
-    timeout 200 python benchmarks/suite.py $model --systems deepspeed_zero_offload --out-dir "$OUT/suite" \
-        --timeout 190 | tail -2
+    # MoE, 30.5B params over 4 ranks of one 512 GiB host: ratio 0.9 plans 12.9 host B/param.
+    # Experts without tokens in a step are DeepSpeed's leaf-module case (Qwen3MoeSparseMoeBlock
+    # is a default leaf in 0.19.8), tested on CPU in tests/test_zero3_moe.py.
+    model_stage qwen3-30b-a3b 4 0.9
     ;;
   *) echo "unknown stage $STAGE: tests, scaling, qwen3-14b or qwen3-30b-a3b" >&2; exit 2 ;;
 esac

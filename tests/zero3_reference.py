@@ -212,8 +212,9 @@ def optimizer_state(engine) -> dict:
 # Adam divides by sqrt(v): where an element's gradient is near zero for a step, an ulp of
 # difference in the arithmetic (ours and torch's AdamW order a few operations differently)
 # becomes a shift of up to ~1e-4 * lr of that element a few steps later. Seen on 1 of 2048
-# elements of one 4-step case after a transformers upgrade changed the tiny model's init
-# (2.6e-6 against the 2.4e-6 allowed there). A defect (a wrong clip coefficient, LR or skip)
+# elements of one 4-step case (2.6e-6 against the 2.4e-6 allowed there) with the packages
+# installed on 2026-11-25 (transformers 5.24.0), where the previous landing had passed; its
+# masters differed by 1 ulp after step 1. A defect (a wrong clip coefficient, LR or skip)
 # moves most elements, so a tensor may have 1 element in 1000 (none in one under 1000)
 # beyond the tolerance, and none beyond ten times it.
 OUTLIERS_PER_ELEMENT = 1e-3
