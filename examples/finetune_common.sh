@@ -37,7 +37,7 @@ usage() {
 
 MODE="${1:-}"
 case "$MODE" in superoffload | zerooffload) ;; *) usage ;; esac
-if [[ "$MODE" == zerooffload && -n "${RATIO+set}" ]]; then
+if [[ "$MODE" == zerooffload && -n "${RATIO:-}" ]]; then
   echo "RATIO applies to superoffload mode; zerooffload is the baseline, DeepSpeed's plain CPU" \
     "offload with all optimizer state on the host (ratio 1.0). Unset RATIO." >&2
   exit 2
@@ -85,20 +85,30 @@ cp "$RECIPE" "$RUN_DIR/recipe.yaml"
 cp "$DEEPSPEED_BASE" "$RUN_DIR/deepspeed.json"
 if [[ "$MODE" == superoffload ]]; then
   if [[ "$RATIO" == auto ]]; then
-    # The model the run trains: MODEL_PATH's config, else the recipe's (its shipped config).
+    # The model the run trains: a local MODEL_PATH's config, else the recipe's (its shipped
+    # config, which RANDOM_INIT=1 trains and which a Hub id's architecture matches).
+    PLAN_MODEL="$RECIPE"
     PLAN_ARGS=(--gpus "$GPUS" --batch "$BATCH" --ratio auto --json)
-    [[ -n "${MODEL_PATH:-}" ]] && PLAN_ARGS+=(--seq "$("$PYTHON" -c 'import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))["max_length"])' "$RECIPE")")
+    PLAN_ARGS+=(--gradient-accumulation-steps "$("$PYTHON" -c 'import sys, yaml; print(yaml.safe_load(open(sys.argv[1])).get("gradient_accumulation_steps", 1))' "$RECIPE")")
+    if [[ "${RANDOM_INIT:-0}" != 1 && -d "${MODEL_PATH:-}" ]]; then
+      PLAN_MODEL="$MODEL_PATH"
+      PLAN_ARGS+=(--seq "$("$PYTHON" -c 'import sys, yaml; print(yaml.safe_load(open(sys.argv[1])).get("max_length", 4096))' "$RECIPE")")
+    fi
     read -r -a HARDWARE <<<"${PLAN_HARDWARE:-}"
+    WHERE="${PLAN_HARDWARE:+the machine PLAN_HARDWARE describes}"
+    WHERE="${WHERE:-this machine}"
     set +e
-    "$PYTHON" -m hf_superoffload plan "${MODEL_PATH:-$RECIPE}" "${PLAN_ARGS[@]}" "${HARDWARE[@]}" \
+    "$PYTHON" -m hf_superoffload plan "$PLAN_MODEL" "${PLAN_ARGS[@]}" ${HARDWARE[@]+"${HARDWARE[@]}"} \
       >"$RUN_DIR/plan.json" 2>"$RUN_DIR/plan.err"
     PLAN_CODE=$?
     set -e
-    if ((PLAN_CODE == 0)); then
+    # 0: fits, 1: does not fit (a plan was printed), else a bad input or a crash (plan.err).
+    FITS="$("$PYTHON" -c 'import json, sys; print(json.load(open(sys.argv[1]))["fits"])' "$RUN_DIR/plan.json" 2>/dev/null || true)"
+    if ((PLAN_CODE == 0)) && [[ "$FITS" == True ]]; then
       RATIO="$("$PYTHON" -c 'import json, sys; print(json.load(open(sys.argv[1]))["run"]["ratio"])' "$RUN_DIR/plan.json")"
-      echo "RATIO=auto: ratio $RATIO, the lowest the memory plan fits on $GPUS GPU(s) of ${PLAN_HARDWARE:-this machine} (plan.json)"
-    elif ((PLAN_CODE == 1)); then
-      echo "$MODEL_NAME does not fit $GPUS GPU(s) of ${PLAN_HARDWARE:-this machine} at any ratio; the plan says:" >&2
+      echo "RATIO=auto: ratio $RATIO, the lowest the memory plan fits on $GPUS GPU(s) of $WHERE (plan.json)"
+    elif ((PLAN_CODE == 1)) && [[ "$FITS" == False ]]; then
+      echo "RATIO=auto: $MODEL_NAME fits $GPUS GPU(s) of $WHERE at no ratio from 1.0 to 0.5 with room on the GPU; the plan says:" >&2
       "$PYTHON" -c 'import json, sys; p = json.load(open(sys.argv[1])); print("\n".join(p["reasons"] + ["change: " + s for s in p["suggestions"]]))' "$RUN_DIR/plan.json" >&2
       exit 1
     elif [[ "${DRY_RUN:-0}" == 1 ]] && grep -q "no GPU here to plan for" "$RUN_DIR/plan.err"; then
@@ -110,6 +120,8 @@ if [[ "$MODE" == superoffload ]]; then
       echo "RATIO=auto could not plan $MODEL_NAME (above); set RATIO to a number in [0, 1]" >&2
       exit 2
     fi
+  elif [[ -n "${PLAN_HARDWARE:-}" ]]; then
+    echo "PLAN_HARDWARE is used by RATIO=auto only; RATIO=$RATIO is written as given" >&2
   fi
   "$PYTHON" - "$RUN_DIR/deepspeed.json" "$RATIO" <<'PY'
 import json, sys

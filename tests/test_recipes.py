@@ -293,6 +293,20 @@ def test_launcher_refuses_a_ratio_it_cannot_use(mode, variables, code, message, 
     assert not any(tmp_path.glob("*/command.sh"))
 
 
+def test_launcher_shows_the_plans_own_error_when_it_cannot_plan(tmp_path):
+    """A model whose config the plan cannot read is a bad input (exit 2, the plan's message),
+    not a model that fits at no ratio."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama", "hidden_size": "wide"}')
+    proc = _launch(tmp_path / "runs", "llama-3.1-8b", "superoffload",
+                   MODEL_PATH=str(model), PLAN_HARDWARE="--hardware h100")  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "RATIO=auto could not plan llama-3.1-8b" in proc.stderr
+    assert "fits" not in proc.stderr
+    assert not any((tmp_path / "runs").glob("*/command.sh"))
+
+
 def test_launcher_refuses_an_unknown_mode_or_batch(tmp_path):
     assert _launch(tmp_path, "phi-4", "fastoffload").returncode == 2
     proc = _launch(tmp_path, "phi-4", "superoffload", "four")

@@ -232,12 +232,22 @@ def _assert_close_but_rare_outliers(a, b, rtol: float, atol: float, what: str) -
     )
 
 
-def assert_states_close(got: dict, want: dict, tolerances: dict, what: str) -> None:
+def assert_states_close(
+    got: dict, want: dict, tolerances: dict, what: str, rare_outliers: bool = True
+) -> None:
     """``tolerances`` maps master / exp_avg / exp_avg_sq to assert_close's rtol and atol,
-    which every element meets but a rare few (OUTLIERS_PER_ELEMENT, within OUTLIER_FACTOR)."""
+    which every element meets but a rare few (OUTLIERS_PER_ELEMENT, within OUTLIER_FACTOR).
+    ``rare_outliers=False`` where both sides run the same code (save and resume against an
+    uninterrupted run): there no element may stray."""
     assert got["step"] == want["step"], f"{what}: step counts {got['step']} != {want['step']}"
     for key in ("master", "exp_avg", "exp_avg_sq"):
         for i, (a, b) in enumerate(zip(got[key], want[key], strict=True)):
             assert (a is None) == (b is None), f"{what}: {key}[{i}] present in only one run"
-            if a is not None:
+            if a is None:
+                continue
+            if rare_outliers:
                 _assert_close_but_rare_outliers(a, b, **tolerances[key], what=f"{what}: {key}[{i}]")
+            else:
+                torch.testing.assert_close(
+                    a, b, **tolerances[key], msg=lambda m, k=key, j=i: f"{what}: {k}[{j}]: {m}"
+                )

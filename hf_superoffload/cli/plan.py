@@ -195,17 +195,21 @@ def run(args: argparse.Namespace) -> int:
         gradient_accumulation=args.gradient_accumulation_steps,
     )
     shape = _shape(source.config)
-    auto_notes = []
+    auto_notes, auto_suggestions = [], []
     if args.ratio == "auto":
-        chosen = ratio_auto.lowest_fitting_ratio(
-            lambda r: _judge(
-                source.config, dataclasses.replace(zero3_run, ratio=r), capacity, shape
-            )
-        )
-        zero3_run = dataclasses.replace(zero3_run, ratio=chosen or 1.0)
+
+        def judge(ratio: float) -> Verdict:
+            run_at = dataclasses.replace(zero3_run, ratio=ratio)
+            return _judge(source.config, run_at, capacity, shape)
+
+        chosen = ratio_auto.lowest_fitting_ratio(judge)
+        zero3_run = dataclasses.replace(zero3_run, ratio=1.0 if chosen is None else chosen)
         auto_notes.append(ratio_auto.explain(chosen))
+        if chosen is None:
+            auto_suggestions = ratio_auto.tight_fit_suggestion(judge)
     verdict = _judge(source.config, zero3_run, capacity, shape)
     suggestions = [] if verdict.fits else _suggestions(source.config, zero3_run, capacity, verdict)
+    suggestions += auto_suggestions
     notes = [*source.notes, *auto_notes, *_model_notes(source.config, verdict.plan)]
     if args.json:
         print(

@@ -31,18 +31,33 @@ class Judged(Protocol):
     gpu_memory: int
 
 
-def lowest_fitting_ratio(judge: Callable[[float], Judged]) -> float | None:
-    """The lowest of ``CANDIDATES`` whose verdict fits, with the GPU margin below 1.0; None
-    when not even 1.0 fits. ``judge(ratio)`` plans the run at that ratio."""
+def lowest_fitting_ratio(
+    judge: Callable[[float], Judged], gpu_share: float = GPU_SHARE
+) -> float | None:
+    """The lowest of ``CANDIDATES`` whose verdict fits, its GPU need within ``gpu_share`` of
+    the card below 1.0; None when none does. ``judge(ratio)`` plans the run at that ratio.
+    As the ratio falls the host need only falls and the GPU need only rises."""
     chosen = None
     for ratio in CANDIDATES:
         verdict = judge(ratio)
-        margin_ok = ratio == 1.0 or verdict.gpu_need <= GPU_SHARE * verdict.gpu_memory
+        margin_ok = ratio == 1.0 or verdict.gpu_need <= gpu_share * verdict.gpu_memory
         if verdict.fits and margin_ok:
             chosen = ratio
-        elif chosen is not None and verdict.gpu_need > verdict.gpu_memory:
-            break  # lower ratios only need more GPU memory
+        elif chosen is not None:
+            break  # the GPU ran out of room; lower ratios need more of it
     return chosen
+
+
+def tight_fit_suggestion(judge: Callable[[float], Judged]) -> list[str]:
+    """When nothing fits with the margin: the lowest ratio that fits without it, if any."""
+    tight = lowest_fitting_ratio(judge, gpu_share=1.0)
+    if tight is None:
+        return []
+    return [
+        f"--ratio {tight} fits, with under {1 - GPU_SHARE:.0%} of the GPU to spare, which "
+        "--ratio auto does not choose: the plan ran up to 8% low on the GPU with a tail "
+        "(Llama-3.1-8B on an H100 ran out of memory at 0.75)"
+    ]
 
 
 def explain(chosen: float | None) -> str:
@@ -50,8 +65,8 @@ def explain(chosen: float | None) -> str:
     lowest = CANDIDATES[-1]
     if chosen is None:
         return (
-            f"--ratio auto: no ratio from 1.0 down to {lowest} fits; the plan below is at 1.0 "
-            "(all optimizer state on the host)"
+            f"--ratio auto: no ratio from 1.0 down to {lowest} fits with {1 - GPU_SHARE:.0%} of "
+            "the GPU to spare; the plan below is at 1.0 (all optimizer state on the host)"
         )
     return (
         f"--ratio auto chose {chosen}: the lowest ratio, in steps of 0.05 down to {lowest}, "
