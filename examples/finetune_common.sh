@@ -51,8 +51,9 @@ BATCH="${2:-4}"
 [[ "$BATCH" =~ ^[1-9][0-9]*$ ]] || { echo "batch_size must be a positive integer, got '$BATCH'" >&2; usage; }
 shift $(($# < 2 ? $# : 2))
 
+PYTHON="${PYTHON:-python}"
 if [[ "${DRY_RUN:-0}" != 1 ]]; then
-  FOUND="$("${PYTHON:-python}" -c 'import torch; print(torch.cuda.device_count())')"
+  FOUND="$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')"
   if ((FOUND < GPUS)); then
     echo "$MODEL_NAME needs $GPUS GPU(s); this machine has $FOUND." \
       "'hf-superoffload plan $MODEL_NAME --gpus $GPUS --hardware gh200' shows why." >&2
@@ -62,7 +63,6 @@ fi
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(dirname "$HERE")"
-PYTHON="${PYTHON:-python}"
 RECIPE="$HERE/recipes/$MODEL_NAME.yaml"
 
 # GH200 nodes are aarch64 (Grace); anything else gets the x86 configs (H100/H200 over PCIe).
@@ -103,11 +103,11 @@ if [[ "$MODE" == superoffload ]]; then
     PLAN_CODE=$?
     set -e
     # 0: fits, 1: does not fit (a plan was printed), else a bad input or a crash (plan.err).
-    FITS="$("$PYTHON" -c 'import json, sys; print(json.load(open(sys.argv[1]))["fits"])' "$RUN_DIR/plan.json" 2>/dev/null || true)"
-    if ((PLAN_CODE == 0)) && [[ "$FITS" == True ]]; then
-      RATIO="$("$PYTHON" -c 'import json, sys; print(json.load(open(sys.argv[1]))["run"]["ratio"])' "$RUN_DIR/plan.json")"
+    read -r FITS PLANNED < <("$PYTHON" -c 'import json, sys; p = json.load(open(sys.argv[1])); print(p["fits"], p["run"]["ratio"])' "$RUN_DIR/plan.json" 2>/dev/null) || true
+    if ((PLAN_CODE == 0)) && [[ "${FITS:-}" == True ]]; then
+      RATIO="$PLANNED"
       echo "RATIO=auto: ratio $RATIO, the lowest the memory plan fits on $GPUS GPU(s) of $WHERE (plan.json)"
-    elif ((PLAN_CODE == 1)) && [[ "$FITS" == False ]]; then
+    elif ((PLAN_CODE == 1)) && [[ "${FITS:-}" == False ]]; then
       echo "RATIO=auto: $MODEL_NAME fits $GPUS GPU(s) of $WHERE at no ratio from 1.0 to 0.5 with room on the GPU; the plan says:" >&2
       "$PYTHON" -c 'import json, sys; p = json.load(open(sys.argv[1])); print("\n".join(p["reasons"] + ["change: " + s for s in p["suggestions"]]))' "$RUN_DIR/plan.json" >&2
       exit 1

@@ -136,15 +136,15 @@ def _shape(config) -> ModelShape:
         raise UsageError(f"cannot plan this model from its config: {error}") from None
 
 
-def _judge(config, run: Zero3Run, capacity, shape: ModelShape | None = None) -> Verdict:
-    plan = zero3_memory_plan(config, run, shape or _shape(config))
+def _judge(config, shape: ModelShape, run: Zero3Run, capacity) -> Verdict:
+    plan = zero3_memory_plan(config, run, shape)
     host_memory = capacity.host_memory_for(run.ranks_per_host)
     return Verdict(
         plan, capacity.gpu_memory, host_memory, plan.shortfalls(capacity.gpu_memory, host_memory)
     )
 
 
-def _suggestions(config, run: Zero3Run, capacity, verdict: Verdict) -> list[str]:
+def _suggestions(config, shape: ModelShape, run: Zero3Run, capacity, verdict: Verdict) -> list[str]:
     """Changes that make a run fit, each checked with the plan: more GPUs; for a GPU
     shortfall also the params on the host, or a smaller micro-batch."""
     found = []
@@ -152,7 +152,10 @@ def _suggestions(config, run: Zero3Run, capacity, verdict: Verdict) -> list[str]
         per_host = capacity.ranks_per_host(gpus)
         try:
             trial = _judge(
-                config, dataclasses.replace(run, ranks=gpus, ranks_per_host=per_host), capacity
+                config,
+                shape,
+                dataclasses.replace(run, ranks=gpus, ranks_per_host=per_host),
+                capacity,
             )
         except UsageError:  # a preset that does not know hosts of that many GPUs
             continue
@@ -161,16 +164,16 @@ def _suggestions(config, run: Zero3Run, capacity, verdict: Verdict) -> list[str]
             break
     gpu_short = verdict.gpu_need > verdict.gpu_memory
     if gpu_short and not run.offload_param:
-        trial = _judge(config, dataclasses.replace(run, offload_param=True), capacity)
+        trial = _judge(config, shape, dataclasses.replace(run, offload_param=True), capacity)
         if trial.fits:
             found.append(f"--offload-param fits: {_usage(trial)}")
     if gpu_short and run.ratio < 1.0:
-        trial = _judge(config, dataclasses.replace(run, ratio=1.0), capacity)
+        trial = _judge(config, shape, dataclasses.replace(run, ratio=1.0), capacity)
         if trial.fits:
             found.append(f"--ratio 1.0 fits: {_usage(trial)}")
     batch = run.batch // 2
     while gpu_short and batch >= 1:
-        trial = _judge(config, dataclasses.replace(run, batch=batch), capacity)
+        trial = _judge(config, shape, dataclasses.replace(run, batch=batch), capacity)
         if trial.fits:
             found.append(
                 f"--batch {batch} fits: {_usage(trial)} (more gradient accumulation keeps the "
@@ -200,15 +203,17 @@ def run(args: argparse.Namespace) -> int:
 
         def judge(ratio: float) -> Verdict:
             run_at = dataclasses.replace(zero3_run, ratio=ratio)
-            return _judge(source.config, run_at, capacity, shape)
+            return _judge(source.config, shape, run_at, capacity)
 
         chosen = ratio_auto.lowest_fitting_ratio(judge)
         zero3_run = dataclasses.replace(zero3_run, ratio=1.0 if chosen is None else chosen)
         auto_notes.append(ratio_auto.explain(chosen))
         if chosen is None:
             auto_suggestions = ratio_auto.tight_fit_suggestion(judge)
-    verdict = _judge(source.config, zero3_run, capacity, shape)
-    suggestions = [] if verdict.fits else _suggestions(source.config, zero3_run, capacity, verdict)
+    verdict = _judge(source.config, shape, zero3_run, capacity)
+    suggestions = (
+        [] if verdict.fits else _suggestions(source.config, shape, zero3_run, capacity, verdict)
+    )
     suggestions += auto_suggestions
     notes = [*source.notes, *auto_notes, *_model_notes(source.config, verdict.plan)]
     if args.json:
