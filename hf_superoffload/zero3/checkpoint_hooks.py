@@ -26,6 +26,7 @@ from .checkpoint_layout import (
     live_layout,
 )
 from .checkpoint_load import agreed_step, saved_sub_group_states
+from .checkpoint_memory import MAPPED_KEY
 
 logger = logging.getLogger("hf_superoffload")
 
@@ -36,19 +37,25 @@ OPTIMIZER_STATE_DICT = (
 )
 
 
-def read_optimizer_file(path: str) -> dict:
-    """A rank's ZeRO optimizer file with its tensors mapped from disk: its pages are read as the
-    state is copied, and they are page cache, which the kernel can drop, not process memory.
+def read_optimizer_file(path: str) -> tuple[dict, bool]:
+    """A ZeRO optimizer file with its tensors mapped from disk, and whether they are: their
+    pages are read as the state is copied, and released once copied (checkpoint_memory.py).
     A file in torch's legacy (non-zip) format cannot be mapped and is read whole."""
     if zipfile.is_zipfile(path):
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=False), True
     logger.warning(
         "hf_superoffload: %s was saved in torch's legacy format, which cannot be memory-mapped: "
         "it is read whole (12 bytes per param of this rank's partition beside the live state). "
         'Checkpoints saved with DeepSpeed\'s default "checkpoint_serialization": true are mapped.',
         path,
     )
-    return torch.load(path, map_location="cpu", weights_only=False)
+    return torch.load(path, map_location="cpu", weights_only=False), False
+
+
+def _read_rank_file(path: str) -> dict:
+    """A rank's ZeRO-3 optimizer state dict, marked with whether its tensors are mapped."""
+    state, mapped = read_optimizer_file(path)
+    return {**state[OPTIMIZER_STATE_DICT], MAPPED_KEY: mapped}
 
 
 def map_optimizer_files(engine_module) -> None:
@@ -68,7 +75,7 @@ def map_optimizer_files(engine_module) -> None:
 
         rank = comm.get_rank(group=self.optimizer.dp_process_group)
         return [
-            read_optimizer_file(name)[OPTIMIZER_STATE_DICT] if i == rank and name else None
+            _read_rank_file(name) if i == rank and name else None
             for i, name in enumerate(zero_ckpt_names)
         ]
 
@@ -103,7 +110,7 @@ def in_live_cut(zero, saved: dict) -> dict:
         param_groups[zero.sub_group_to_group_id[t]]["params"].append(t)
     masters = recut.tensors(saved[FP32_FLAT_GROUPS], zero.fp32_partitioned_groups_flat)
     return {
-        **{k: v for k, v in saved.items() if k != LAYOUT_KEY},
+        **{k: v for k, v in saved.items() if k not in (LAYOUT_KEY, MAPPED_KEY)},
         FP32_FLAT_GROUPS: list(masters),
         BASE_OPTIMIZER_STATE: {"state": new_state, "param_groups": param_groups},
     }

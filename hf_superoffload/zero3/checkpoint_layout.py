@@ -177,6 +177,11 @@ class Recut:
             self.sources.append([(src[name][0], src[name][1], dst[name][1], dst[name][2])
                                  for name, _ in params])  # fmt: skip
         self.identity = source == target
+        # After which target sub group each saved one is read for the last time.
+        last = {s: t for t, runs in enumerate(self.sources) for s, _, _, _ in runs}
+        self.done_after = [
+            sorted(s for s, t_last in last.items() if t_last == t) for t in range(len(target))
+        ]
 
     def source_sub_groups(self, target: int) -> set[int]:
         return {s for s, _, _, _ in self.sources[target]}

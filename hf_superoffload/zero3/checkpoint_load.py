@@ -22,6 +22,7 @@ from .checkpoint_layout import (
     live_layout,
     saved_layout,
 )
+from .checkpoint_memory import MAPPED_KEY, release_mapped_pages
 
 # Keys of a base optimizer's per-sub-group state this path restores (AdamW's).
 STATE_KEYS = {"step", *MOMENTS}
@@ -82,20 +83,30 @@ def load_rank_state(zero, saved: dict, load_optimizer_states: bool) -> None:
             zero.optimizer.param_groups, saved[BASE_OPTIMIZER_STATE]["param_groups"]
         )
     masters = saved[FP32_FLAT_GROUPS]
+    moments = (
+        [[state[key] for state in states] for key in MOMENTS]
+        if load_optimizer_states and states[0]
+        else []
+    )
     for t, master in enumerate(zero.fp32_partitioned_groups_flat):
         recut.copy_into(t, master, masters)
-        if not load_optimizer_states:
-            continue
-        part = zero._host_part_at.get(t) or zero._device_part_at[t]
-        for key, live in zip(MOMENTS, (part.exp_avg, part.exp_avg_sq), strict=True):
-            if states[0]:
-                recut.copy_into(t, live, [state[key] for state in states])
-            else:
-                live.zero_()
-        part.step = steps[t]
-        zero.optimizer.state[master]["step"] = zero._step_value(part.step)
-        if t in zero._device_part_at:
-            zero._tail.set_step(part)
+        if load_optimizer_states:
+            part = zero._host_part_at.get(t) or zero._device_part_at[t]
+            for saved_moment, live in zip(
+                moments or [None, None], (part.exp_avg, part.exp_avg_sq), strict=True
+            ):
+                if saved_moment is None:  # saved before the first step
+                    live.zero_()
+                else:
+                    recut.copy_into(t, live, saved_moment)
+            part.step = steps[t]
+            zero.optimizer.state[master]["step"] = zero._step_value(part.step)
+            if t in zero._device_part_at:
+                zero._tail.set_step(part)
+        if saved.get(MAPPED_KEY, False):  # what is copied leaves the process (checkpoint_memory.py)
+            for s in recut.done_after[t]:
+                for tensors in (masters, *moments):
+                    release_mapped_pages(tensors[s])
     refresh_partitions(zero)
 
 

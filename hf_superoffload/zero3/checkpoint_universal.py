@@ -23,6 +23,7 @@ from .checkpoint_load import (
     restore_group_hyperparameters,
     saved_sub_group_states,
 )
+from .checkpoint_memory import release_mapped_pages
 
 KEYS = ("fp32", *MOMENTS)  # the per-param files, and the state they restore
 PARAM_KEY, EXPERT_KEY = "param", "is_expert_param"  # deepspeed.checkpoint.constants
@@ -66,7 +67,7 @@ def load_universal_state(
     path = os.path.join(folder, "optimizer_state.pt")
     if not os.path.isfile(path):
         raise CheckpointLayoutError(f"{path} is missing: not a universal checkpoint.")
-    optim_sd = read_optimizer_file(path)
+    optim_sd, _ = read_optimizer_file(path)
     states = saved_sub_group_states(optim_sd)
     step = agreed_step(states, set(range(len(states))))
     saved_groups = optim_sd["param_groups"]
@@ -94,6 +95,7 @@ def load_universal_state(
                 whole = _param_file(folder, zero.param_names[param], key)
                 start, real = _partition_of(zero, param)
                 target.narrow(0, offset, real).copy_(whole.narrow(0, start, real))
+                release_mapped_pages(whole.narrow(0, start, real))  # mapped by _param_file
                 target.narrow(0, offset + real, param.partition_numel() - real).zero_()  # padding
                 offset += param.partition_numel()
         part.step = step
