@@ -10,7 +10,9 @@ activates; ``HF_SUPEROFFLOAD_DEEPSPEED=0`` keeps DeepSpeed's own SuperOffload.
 DeepSpeed reads ``super_offload`` only when it builds a stage-3 optimizer; under stage 1 or 2
 (or 0) the flag is dropped without a word and the run is plain ZeRO-Offload. Activation also
 wraps the engine's ``_configure_optimizer`` so that such a config is refused, saying to use
-stage 3 (``config.refuse_super_offload_below_stage3``).
+stage 3 (``config.refuse_super_offload_below_stage3``), and changes how DeepSpeed reads ZeRO-3
+checkpoints (``checkpoint_hooks.py``): ours are memory-mapped, and DeepSpeed's own optimizers
+read a checkpoint of ours. That reader is installed under ``HF_SUPEROFFLOAD_DEEPSPEED=0`` too.
 """
 
 from __future__ import annotations

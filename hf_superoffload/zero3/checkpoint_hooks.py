@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import zipfile
 
 import torch
@@ -41,6 +42,8 @@ def read_optimizer_file(path: str) -> tuple[dict, bool]:
     """A ZeRO optimizer file with its tensors mapped from disk, and whether they are: their
     pages are read as the state is copied, and released once copied (checkpoint_memory.py).
     A file in torch's legacy (non-zip) format cannot be mapped and is read whole."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no ZeRO optimizer file at {path}")
     if zipfile.is_zipfile(path):
         return torch.load(path, map_location="cpu", mmap=True, weights_only=False), True
     logger.warning(

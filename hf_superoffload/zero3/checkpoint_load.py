@@ -68,13 +68,15 @@ def agreed_step(states: list[dict], sources: set[int]) -> int:
     return steps.pop()
 
 
+def live_part(zero, t: int):
+    """The partition object (host or device) that holds sub group ``t``'s moments and step."""
+    return zero._host_part_at[t] if t in zero._host_part_at else zero._device_part_at[t]
+
+
 @torch.no_grad()
 def load_rank_state(zero, saved: dict, load_optimizer_states: bool) -> None:
     """Restore this rank's fp32 masters (always, as DeepSpeed does) and, if asked, both moments,
     the step counts and each param group's hyperparameters, then the 16-bit partitions."""
-    zero.loss_scaler = saved["loss_scaler"]
-    zero.dynamic_loss_scale = saved["dynamic_loss_scale"]
-    zero.overflow = saved["overflow"]
     recut = Recut(saved_layout(zero, saved), live_layout(zero))
     if load_optimizer_states:  # every check before anything changes
         states = saved_sub_group_states(saved)
@@ -82,6 +84,9 @@ def load_rank_state(zero, saved: dict, load_optimizer_states: bool) -> None:
         restore_group_hyperparameters(
             zero.optimizer.param_groups, saved[BASE_OPTIMIZER_STATE]["param_groups"]
         )
+    zero.loss_scaler = saved["loss_scaler"]
+    zero.dynamic_loss_scale = saved["dynamic_loss_scale"]
+    zero.overflow = saved["overflow"]
     masters = saved[FP32_FLAT_GROUPS]
     moments = (
         [[state[key] for state in states] for key in MOMENTS]
@@ -91,7 +96,7 @@ def load_rank_state(zero, saved: dict, load_optimizer_states: bool) -> None:
     for t, master in enumerate(zero.fp32_partitioned_groups_flat):
         recut.copy_into(t, master, masters)
         if load_optimizer_states:
-            part = zero._host_part_at.get(t) or zero._device_part_at[t]
+            part = live_part(zero, t)
             for saved_moment, live in zip(
                 moments or [None, None], (part.exp_avg, part.exp_avg_sq), strict=True
             ):

@@ -19,6 +19,7 @@ from .checkpoint_hooks import read_optimizer_file
 from .checkpoint_layout import LAYOUT_KEY, MOMENTS, CheckpointLayoutError, from_record
 from .checkpoint_load import (
     agreed_step,
+    live_part,
     refresh_partitions,
     restore_group_hyperparameters,
     saved_sub_group_states,
@@ -87,7 +88,7 @@ def load_universal_state(
     restore_group_hyperparameters(zero.optimizer.param_groups, saved_groups)
     for t, group in enumerate(zero.fp16_groups):
         master = zero.fp32_partitioned_groups_flat[t]
-        part = zero._host_part_at.get(t) or zero._device_part_at[t]
+        part = live_part(zero, t)
         targets = dict(zip(KEYS, (master, part.exp_avg, part.exp_avg_sq), strict=True))
         for key, target in targets.items():
             offset = 0

@@ -16,7 +16,9 @@ checkpoints (``zero_to_fp32`` included). This class changes four things:
    Persistent params (DeepSpeed keeps small ones gathered and re-gathers them at the end of
    ``step``) get sub groups of their own, settled first, so that gather waits only for them.
 4. The Adam moments of the host sub groups live in the base optimizer's state (keyed by the
-   fp32 partitions, as with DeepSpeed's CPU Adam), so DeepSpeed's checkpoints carry them.
+   fp32 partitions, as with DeepSpeed's CPU Adam), so DeepSpeed's checkpoints carry them; a
+   resume reads them back memory-mapped, in place, from our sub-group cut or DeepSpeed's
+   (``checkpoint_load.py``, ``checkpoint_universal.py``).
 
 Each rank holds only its partition: fp32 master, both moments and a gradient buffer in
 DeepSpeed's gradient accumulation dtype (bf16 unless configured otherwise; DeepSpeed's own fp32
