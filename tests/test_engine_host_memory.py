@@ -226,3 +226,68 @@ def test_zero3_host_parts_partition_over_the_ranks_and_ratio():
     kwargs["offload_optimizer_config"] = types.SimpleNamespace(ratio=0.0)
     kwargs["gradient_accumulation_steps"] = 1
     assert sum(zero3_host_parts(optimizer, kwargs).values()) == 6 * 4000
+
+
+def _count_ranks(rank: int, rendezvous: str, out_dir: str) -> None:
+    import datetime
+    import json
+    import time
+
+    import torch.distributed as dist
+
+    from hf_superoffload.engine import checks, host_memory, replicas
+
+    for name in host_memory.LAUNCHER_LOCAL_SIZES:  # as under `deepspeed` or mpirun: no count
+        os.environ.pop(name, None)
+    os.environ[host_memory.HOST_MEMORY_ENV] = "10"
+    dist.init_process_group(
+        "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2,
+        timeout=datetime.timedelta(seconds=60),
+    )  # fmt: skip
+    outcome = {"ranks": host_memory.ranks_on_this_host(), "cores": checks.cores_of_this_rank(False)}
+    try:  # 6 GiB a rank fits the host's 10 for one rank, not for two
+        host_memory.check_host_memory({"master": 6 * GiB}, "change something")
+    except host_memory.HostMemoryError as error:
+        outcome["refused"] = str(error)
+    # A peer that failed and said so ends the wait for its host name at once.
+    host_memory.HOST_KEY = "test/again/rank{}"
+    if rank == 1:
+        replicas.publish_failure(RuntimeError("injected before the count"))
+        time.sleep(1)  # alive a while, never writing its host name (the store keeps its error)
+    else:
+        start = time.monotonic()
+        try:
+            host_memory.ranks_on_this_host()
+        except replicas.PeerRankError as error:
+            outcome.update(peer=str(error), seconds=time.monotonic() - start)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(outcome, f)
+
+
+def test_ranks_per_host_are_counted_whatever_the_launcher(tmp_path):
+    """Two gloo ranks with no launcher count in the environment (LOCAL_WORLD_SIZE unset, as
+    under ``deepspeed train.py`` or mpirun): each counts two ranks on its host, sizes the host
+    check for both and shares the cores with the other."""
+    import json
+
+    from ranks import spawn_ranks
+
+    spawn_ranks(_count_ranks, (str(tmp_path / "rendezvous"), str(tmp_path)), 2, timeout=120)
+    outcomes = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    cores = len(os.sched_getaffinity(0))
+    for outcome in outcomes:
+        assert outcome["ranks"] == 2 and outcome["cores"] == max(1, cores // 2), outcome
+        assert "x 2 rank(s) on this host (host names over torch.distributed)" in outcome["refused"]
+    assert "rank 1 failed with RuntimeError: injected before the count" in outcomes[0]["peer"]
+    assert outcomes[0]["seconds"] < 5
+
+
+def test_before_torch_distributed_the_launchers_count_is_read(monkeypatch):
+    for name in host_memory.LAUNCHER_LOCAL_SIZES:
+        monkeypatch.delenv(name, raising=False)
+    assert host_memory.ranks_on_this_host() == 1
+    monkeypatch.setenv("LOCAL_SIZE", "3")  # the deepspeed launcher's
+    assert host_memory.ranks_on_this_host() == 3
+    monkeypatch.delenv("LOCAL_SIZE")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "4")  # Open MPI's
+    assert host_memory.ranks_on_this_host() == 4
