@@ -202,30 +202,41 @@ def test_standalone_host_parts_follow_the_bucket_layout(
     assert sum(parts.values()) - parts["param_copy_out"] == per_element * n
 
 
-def test_zero3_host_parts_partition_over_the_ranks_and_ratio():
-    import types
-
+def test_zero3_host_parts_follow_the_optimizers_sub_groups_and_count_a_resume():
     from hf_superoffload.zero3.host_check import zero3_host_parts
+    from hf_superoffload.zero3.memory_plan import resume_extra_host_bytes, start_up_host_bytes
 
-    params = [torch.nn.Parameter(torch.zeros(1000, dtype=torch.bfloat16)) for _ in range(4)]
-    frozen = torch.nn.Parameter(torch.zeros(500, dtype=torch.bfloat16), requires_grad=False)
-    optimizer = torch.optim.AdamW([{"params": params[:2]}, {"params": [*params[2:], frozen]}])
+    def param(numel, trainable=True):
+        return torch.nn.Parameter(torch.zeros(numel, dtype=torch.bfloat16), trainable)
+
+    big, b, c, norm1, d, norm2 = (param(n) for n in (6000, 1000, 1000, 50, 1000, 50))
+    frozen = param(500, trainable=False)
+    optimizer = torch.optim.AdamW([{"params": [big, b, c, norm1]}, {"params": [d, norm2, frozen]}])
     kwargs = {
-        "offload_optimizer_config": types.SimpleNamespace(ratio=0.5),
+        "offload_ratio": 0.5,
         "gradient_accumulation_dtype": torch.bfloat16,
-        "sub_group_size": 100,
+        "sub_group_size": 2500,
+        "param_persistence_threshold": 100,  # the norms persist: sub groups of their own
         "gradient_accumulation_steps": 2,
     }
-    parts = zero3_host_parts(optimizer, kwargs)  # one process: the partition is all 4000
-    assert parts["master"] == 4 * 2000 and parts["moments"] == 8 * 2000
-    assert parts["gradients"] == 2 * 2000 and parts["accumulation"] == 2 * 4000
-    assert parts["param_copy_out"] == 3 * 1000 * 2  # three slots of the largest param
+    # Sub groups (one process: each holds its params whole): [big], [b, c], [norm1] of the
+    # first group, [d], [norm2] of the second; ratio 0.5 keeps int(0.5 * 5) = 2 on the
+    # device, 8000 of the 9100 elements (an element share would have left 4550 on the host).
+    parts = zero3_host_parts(optimizer, kwargs)
+    assert parts["master"] == 4 * 1100 and parts["moments"] == 8 * 1100
+    assert parts["gradients"] == 2 * 1100 and parts["accumulation"] == 2 * 9100
+    assert parts["param_copy_out"] == 3 * 1000 * 2  # three slots of the largest host sub group
+    # A resume reads the whole partition's masters and moments beside the live state.
+    assert parts["resume_beyond_training"] == resume_extra_host_bytes(9100) > 0
     assert parts["start_up_beyond_training"] == 0
-    # Nearly all on the GPU: building the optimizer (DeepSpeed's fp32 masters of the whole
-    # partition and its accumulation buffer, 6 B/param) is the peak.
-    kwargs["offload_optimizer_config"] = types.SimpleNamespace(ratio=0.0)
-    kwargs["gradient_accumulation_steps"] = 1
-    assert sum(zero3_host_parts(optimizer, kwargs).values()) == 6 * 4000
+    # All on the device and nothing accumulating: nothing while training, and the larger of
+    # building the optimizer (DeepSpeed's fp32 masters of the partition and its accumulation
+    # buffer) and a resume.
+    kwargs.update(offload_ratio=0.0, gradient_accumulation_steps=1)
+    parts = zero3_host_parts(optimizer, kwargs)
+    assert parts["master"] == parts["accumulation"] == 0
+    peak = max(start_up_host_bytes(9100, 2), resume_extra_host_bytes(9100))
+    assert sum(parts.values()) == peak
 
 
 def _count_ranks(rank: int, rendezvous: str, out_dir: str) -> None:
