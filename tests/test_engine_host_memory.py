@@ -203,7 +203,7 @@ def test_standalone_host_parts_follow_the_bucket_layout(
 
 
 def test_zero3_host_parts_follow_the_optimizers_sub_groups_and_count_a_resume():
-    from hf_superoffload.zero3.host_check import zero3_host_parts
+    from hf_superoffload.zero3.host_check import zero3_host_parts, zero3_sub_groups
     from hf_superoffload.zero3.memory_plan import resume_extra_host_bytes, start_up_host_bytes
 
     def param(numel, trainable=True):
@@ -227,7 +227,9 @@ def test_zero3_host_parts_follow_the_optimizers_sub_groups_and_count_a_resume():
     assert parts["gradients"] == 2 * 1100 and parts["accumulation"] == 2 * 9100
     assert parts["param_copy_out"] == 3 * 1000 * 2  # three slots of the largest host sub group
     # A resume reads the whole partition's masters and moments beside the live state.
-    assert parts["resume_beyond_training"] == resume_extra_host_bytes(9100) > 0
+    split = zero3_sub_groups(optimizer, kwargs)
+    assert split.numels == (6000, 2000, 50, 1000, 50) and split.device_count == 2
+    assert parts["resume_beyond_training"] == resume_extra_host_bytes(split) > 0
     assert parts["start_up_beyond_training"] == 0
     # All on the device and nothing accumulating: nothing while training, and the larger of
     # building the optimizer (DeepSpeed's fp32 masters of the partition and its accumulation
@@ -235,7 +237,8 @@ def test_zero3_host_parts_follow_the_optimizers_sub_groups_and_count_a_resume():
     kwargs.update(offload_ratio=0.0, gradient_accumulation_steps=1)
     parts = zero3_host_parts(optimizer, kwargs)
     assert parts["master"] == parts["accumulation"] == 0
-    peak = max(start_up_host_bytes(9100, 2), resume_extra_host_bytes(9100))
+    resume = resume_extra_host_bytes(zero3_sub_groups(optimizer, kwargs))
+    peak = max(start_up_host_bytes(9100, 2), resume)
     assert sum(parts.values()) == peak
 
 

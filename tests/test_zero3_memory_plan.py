@@ -104,8 +104,7 @@ def test_ratio_keeps_a_share_of_the_sub_groups_and_the_embedding_is_the_first():
 
 def test_resume_is_the_host_peak_while_deepspeed_loads_the_whole_optimizer_file():
     plan = _plan("llama-3.1-8b", ratio=0.85)
-    partition = plan.split.partition
-    assert plan.host_resume == plan.host_training + resume_extra_host_bytes(partition)
+    assert plan.host_resume == plan.host_training + resume_extra_host_bytes(plan.split)
     assert plan.host_bytes == plan.host_resume > plan.host_bytes_without_resume
     assert plan.host_peak_phase == "resume" and "(the peak)" in plan.table().split("resume")[-1]
     (reason,) = plan.shortfalls(H100_GPU, H100_HOST)

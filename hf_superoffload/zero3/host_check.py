@@ -95,7 +95,7 @@ def zero3_host_parts(init_optimizer, kwargs: dict) -> dict[str, int]:
     accumulating = kwargs.get("gradient_accumulation_steps", 1) > 1
     parts = optimizer_host_parts(split.partition, split.host_numel, grad, copy_out, accumulating)
     start_up = start_up_host_bytes(split.partition, grad) - sum(parts.values())
-    resume = resume_extra_host_bytes(split.partition)
+    resume = resume_extra_host_bytes(split)
     parts["start_up_beyond_training"] = start_up if start_up > max(resume, 0) else 0
     parts["resume_beyond_training"] = resume if resume >= start_up else 0
     return parts

@@ -296,13 +296,14 @@ def start_up_host_bytes(partition: int, grad_bytes: int) -> int:
     return (4 + grad_bytes) * partition
 
 
-def resume_extra_host_bytes(partition: int) -> int:
+def resume_extra_host_bytes(split: SubGroupSplit) -> int:
     """Host bytes per rank that loading a checkpoint into the built optimizer holds beyond
-    training's: DeepSpeed's ``load_checkpoint`` reads the rank's whole optimizer file with
-    ``torch.load`` (to the host) beside the live state, then copies it in: the fp32 masters
-    (4 B) and both moments (8 B) of every element of the partition, the device sub groups'
-    included. The one place the plan and the host check take this figure from."""
-    return 12 * partition
+    training's (``split``: the rank's sub groups): DeepSpeed's ``load_checkpoint`` reads the
+    rank's whole optimizer file with ``torch.load`` (to the host) beside the live state, then
+    copies it in: the fp32 masters (4 B) and both moments (8 B) of every element of the
+    partition, the device sub groups' included. The one place the plan and the host check
+    take this figure from."""
+    return 12 * split.partition
 
 
 def zero3_memory_plan(config, run: Zero3Run, shape: ModelShape | None = None) -> MemoryPlan:
@@ -337,5 +338,5 @@ def zero3_memory_plan(config, run: Zero3Run, shape: ModelShape | None = None) ->
         "logits_and_loss": LOGIT_BYTES * tokens * shape.vocab,
     }
     start_up = start_up_host_bytes(partition, low) + host["offloaded_params"] + host["process"]
-    resume = sum(host.values()) + resume_extra_host_bytes(partition)
+    resume = sum(host.values()) + resume_extra_host_bytes(split)
     return MemoryPlan(shape, run, gpu, host, start_up, resume, split)
