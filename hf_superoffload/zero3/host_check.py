@@ -43,7 +43,9 @@ REMEDIES = (
     "Use fewer GPUs per host (or more hosts: the state is partitioned over all ranks), keep "
     'part of the optimizer state on the GPU ("ratio" below 1 in "offload_optimizer"), drop '
     '"offload_param" if it is set (it puts the 16-bit params on the host too), train a '
-    "smaller model, or free host memory."
+    "smaller model, or free host memory. The count leaves room for a resume "
+    "(resume_beyond_training: DeepSpeed loads a checkpoint's optimizer state beside the live "
+    "state), so that a run that trains here can resume here."
 )
 
 
