@@ -68,7 +68,8 @@ def add_parser(commands) -> None:
     parser.add_argument(
         "--ratio",
         default="1.0",
-        help="share of the optimizer state on the host; DeepSpeed's offload_optimizer.ratio "
+        help="share of the sub groups whose optimizer state is on the host (the first "
+        "1 - ratio of them stay on the GPU); DeepSpeed's offload_optimizer.ratio "
         "(default 1.0: all of it), or 'auto': the lowest ratio down to 0.5 that fits, keeping "
         f"the GPU need within {ratio_auto.GPU_SHARE:.0%}% of the card",  # %% for argparse
     )
