@@ -128,12 +128,15 @@ def planned(args, config, world: int) -> dict | None:
         return None
     from hf_superoffload.zero3.memory_plan import Zero3Run, zero3_memory_plan
 
-    plan = zero3_memory_plan(
-        config, Zero3Run(seq=args.seq, batch=args.batch, ranks=world, ratio=args.ratio)
-    )
+    # systems.py's DeepSpeed config: one param group, DeepSpeed's persistence threshold.
+    run = Zero3Run(
+        seq=args.seq, batch=args.batch, ranks=world, ratio=args.ratio, decay_groups=False,
+        persistence_threshold=100_000,
+    )  # fmt: skip
+    plan = zero3_memory_plan(config, run)
     return {
         "gpu_gib": round(plan.gpu_bytes / 2**30, 2),
-        "host_gib": round(plan.host_bytes / 2**30, 2),
+        "host_gib": round(plan.host_bytes_without_resume / 2**30, 2),  # it loads no checkpoint
     }
 
 
