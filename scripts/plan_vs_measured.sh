@@ -10,11 +10,8 @@
 # Run from the repo root on the GPU machine with `.whl` carried (scripts/device_env.sh); one
 # device call each (under 600 s). Writes under $OUT (default ./results).
 # The plan's host peak counts a resume (memory_plan.resume_extra_host_bytes), and so does the
-# optimizer's host check at start. Where the loader reads the whole optimizer file, a 128 GiB
-# host holds Llama-3.1-8B's training but not its resume: then `auto` finds no ratio and the run
-# is refused. This script measures training only, so PLAN_CPU_MEM (GiB, given to `plan`) and
-# SUPEROFFLOAD_HOST_MEMORY_GIB (the check's available memory) may be raised for it, e.g.
-#   PLAN_CPU_MEM=1000 SUPEROFFLOAD_HOST_MEMORY_GIB=1000 bash scripts/plan_vs_measured.sh llama-3.1-8b 1
+# optimizer's host check at start; this script measures training. PLAN_CPU_MEM (GiB) plans for
+# another host size than this one.
 set -u
 MODEL="${1:?model: a shipped config name, e.g. llama-3.1-8b}"
 GPUS="${2:-1}"

@@ -12,6 +12,7 @@ import pytest
 import transformers
 
 from hf_superoffload.zero3.memory_plan import (
+    HOST_HEADROOM,
     ModelShape,
     Zero3Run,
     resume_extra_host_bytes,
@@ -102,15 +103,23 @@ def test_ratio_keeps_a_share_of_the_sub_groups_and_the_embedding_is_the_first():
     assert split.numels[-1] == 65 * 4096
 
 
-def test_resume_is_the_host_peak_while_deepspeed_loads_the_whole_optimizer_file():
+def test_resume_counts_two_saved_sub_groups_and_fits_the_host_that_trained():
     plan = _plan("llama-3.1-8b", ratio=0.85)
+    # The optimizer file is mapped and copied a sub group at a time: at most two saved sub
+    # groups' masters and moments (12 B/param) beside the live state; here the embedding's.
+    largest = plan.split.largest_sub_group
+    assert largest == 128256 * 4096
+    assert resume_extra_host_bytes(plan.split) == 12 * 2 * largest
     assert plan.host_resume == plan.host_training + resume_extra_host_bytes(plan.split)
     assert plan.host_bytes == plan.host_resume > plan.host_bytes_without_resume
     assert plan.host_peak_phase == "resume" and "(the peak)" in plan.table().split("resume")[-1]
-    (reason,) = plan.shortfalls(H100_GPU, H100_HOST)
+    # The H100 with its 128 GiB host that trains it can resume it (a whole-file load, 12 B
+    # per param of the partition beside the live state, could not).
+    assert plan.shortfalls(H100_GPU, H100_HOST) == []
+    whole_file = plan.host_training + 12 * plan.split.partition
+    assert whole_file * (1 + HOST_HEADROOM) > H100_HOST
+    (reason,) = plan.shortfalls(H100_GPU, int(plan.host_training * (1 + HOST_HEADROOM)) + 2**30)
     assert reason.startswith("host: needs") and "while a checkpoint is loaded" in reason
-    # The same run fits a host that holds the resume.
-    assert plan.shortfalls(H100_GPU, int(plan.host_bytes * 1.06)) == []
 
 
 def test_start_up_exceeds_training_when_nearly_all_state_is_on_the_gpu():

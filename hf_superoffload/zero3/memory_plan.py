@@ -22,9 +22,9 @@ bf16 gradient).
 ``ratio`` is a share of the optimizer's sub groups, as in DeepSpeed: the plan cuts the params
 into sub groups as the optimizer does (``sub_group_cut.py``: the Trainer's decay and no-decay
 param groups, DeepSpeed's persistent params apart, ``sub_group_size``), so it counts the same
-sub groups on the GPU. A resume holds more host memory than training
-(``resume_extra_host_bytes``): the plan's host peak, which ``plan`` checks and ``--ratio auto``
-sizes by, is the largest of training, start-up and resume.
+sub groups on the GPU. A resume holds a little more host memory than training (about two
+sub groups' saved state, ``resume_extra_host_bytes``): the plan's host peak, which ``plan``
+checks and ``--ratio auto`` sizes by, is the largest of training, start-up and resume.
 
 Checked against every measured peak of dense decoders (docs/benchmarks.md; Llama-3.1-8B and
 3.37B on one H100 at ``ratio`` 1.0 down to 0.3, Qwen3-14B on 2 x H200 at 0.85): GPU 0.6-2.0%
@@ -39,6 +39,7 @@ import math
 import torch
 
 from ..engine.copy_out import COPY_OUT_PIECE, COPY_OUT_SLOTS
+from . import checkpoint_memory
 from .sub_group_cut import (
     Param,
     SubGroupSplit,
@@ -211,8 +212,8 @@ class MemoryPlan:
             why = {
                 "training": "",
                 "start-up": " while the optimizer is built",
-                "resume": " while a checkpoint is loaded (a resume: DeepSpeed reads this "
-                "rank's whole optimizer file beside the live state)",
+                "resume": " while a checkpoint is loaded (a resume maps the optimizer file "
+                "and copies it in a sub group at a time, beside the live state)",
             }[phase]
             reasons.append(
                 f"host: needs {host_need / 2**30:.1f} GiB (with the system's share) for "
@@ -298,12 +299,11 @@ def start_up_host_bytes(partition: int, grad_bytes: int) -> int:
 
 def resume_extra_host_bytes(split: SubGroupSplit) -> int:
     """Host bytes per rank that loading a checkpoint into the built optimizer holds beyond
-    training's (``split``: the rank's sub groups): DeepSpeed's ``load_checkpoint`` reads the
-    rank's whole optimizer file with ``torch.load`` (to the host) beside the live state, then
-    copies it in: the fp32 masters (4 B) and both moments (8 B) of every element of the
-    partition, the device sub groups' included. The one place the plan and the host check
-    take this figure from."""
-    return 12 * split.partition
+    training's (``split``: the rank's sub groups): the optimizer file is mapped from disk and
+    copied into the live state a sub group at a time, so about two saved sub groups' masters and
+    moments at once (``checkpoint_memory.resume_extra_host_bytes`` says why). The one place the
+    plan and the host check take this figure from."""
+    return checkpoint_memory.resume_extra_host_bytes(split.partition, split.largest_sub_group)
 
 
 def zero3_memory_plan(config, run: Zero3Run, shape: ModelShape | None = None) -> MemoryPlan:

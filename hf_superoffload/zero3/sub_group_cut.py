@@ -131,6 +131,10 @@ class SubGroupSplit:
         return sum(self.numels[self.device_count :])
 
     @property
+    def largest_sub_group(self) -> int:
+        return max(self.numels, default=0)
+
+    @property
     def largest_host_sub_group(self) -> int:
         return max(self.numels[self.device_count :], default=0)
 
