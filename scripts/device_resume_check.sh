@@ -21,28 +21,34 @@ export RANDOM_INIT=1 RATIO="${RATIO:-auto}" PLAN_HARDWARE="${PLAN_HARDWARE:---gp
 export SUPEROFFLOAD_CPU_THREADS=14  # two runs share this host's cores
 STEPS=(--max_steps 6 --logging_steps 1 --save_strategy no --require_loss_decrease false)
 start=$(date +%s)
+df -h "$SCRATCH" /dev/shm | tail -2
 python -c "import hf_superoffload.ops as o; o.prepare()" > "$OUT/build_ours.log" 2>&1
 
+# The uninterrupted run's final model goes to memory, beside the checkpoint on disk.
+runs_dir() { if [ "$1" = whole ]; then echo /dev/shm/resume/whole; else echo "$SCRATCH/$1"; fi; }
 # prepare RUN: the launcher writes the run directory (plan, configs, command) without launching;
 # each run gets its own rendezvous port so two can run at once.
 prepare() {
   local name=$1; shift
-  DRY_RUN=1 RUNS_DIR="$SCRATCH/$name" bash examples/finetune_llama-3.1-8b.sh superoffload 4 "$@" \
+  DRY_RUN=1 RUNS_DIR="$(runs_dir "$name")" bash examples/finetune_llama-3.1-8b.sh superoffload 4 "$@" \
     > "$OUT/$name.prepare.log" 2>&1 || { cat "$OUT/$name.prepare.log"; return 1; }
-  local dir; dir=$(ls -d "$SCRATCH/$name"/*/)
+  local dir; dir=$(ls -d "$(runs_dir "$name")"/*/)
   echo "main_process_port: 0" >> "$dir/accelerate.yaml"
   echo "$dir"
 }
 # launch NAME GPU: run the prepared command under the peak sampler.
 launch() {
-  local dir; dir=$(ls -d "$SCRATCH/$1"/*/)
-  CUDA_VISIBLE_DEVICES=$2 python scripts/process_tree_peak.py "$OUT/$1.peak.json" -- \
+  local dir; dir=$(ls -d "$(runs_dir "$1")"/*/)
+  CUDA_VISIBLE_DEVICES=$2 timeout "${3:-3000}" python scripts/process_tree_peak.py "$OUT/$1.peak.json" -- \
     bash "$dir/command.sh" > "$OUT/$1.log" 2>&1
 }
 
 python -m hf_superoffload plan llama-3.1-8b --gpus 1 $PLAN_HARDWARE --ratio "$RATIO" \
   > "$OUT/plan.txt" 2>&1
 prepare whole "${STEPS[@]}" > /dev/null || exit 1
+# The ratio auto planned, for the other two runs (one plan, not three).
+RATIO=$(python -c 'import json,sys; print(json.load(open(sys.argv[1]))["zero_optimization"]["offload_optimizer"]["ratio"])' /dev/shm/resume/whole/*/deepspeed.json)
+echo "ratio $RATIO"
 prepare first --max_steps 6 --logging_steps 1 --save_strategy steps --save_steps 3 --require_loss_decrease false > /dev/null || exit 1
 launch whole 1 &
 WHOLE=$!
@@ -61,15 +67,16 @@ kill -TERM $FIRST 2>/dev/null; wait $FIRST
 CKPT=$(ls -d "$SCRATCH"/first/*/output/checkpoint-3 2>/dev/null)
 du -sh "$CKPT" > "$OUT/checkpoint_size.txt" 2>&1
 wait $WHOLE
-rm -rf "$SCRATCH"/whole/*/output/model*.safetensors  # disk for the resumed run's final save
+rm -rf /dev/shm/resume/whole/*/output/model*.safetensors
 prepare resumed "${STEPS[@]}" --resume_from_checkpoint "$CKPT" > /dev/null || exit 1
-launch resumed 0
+launch resumed 0 $(( 580 - ($(date +%s) - start) ))
 
 python - "$SCRATCH" "$OUT" <<'PY'
 import glob, json, sys
 scratch, out = sys.argv[1:]
 def history(name):
-    path = glob.glob(f"{scratch}/{name}/*/output/trainer_state.json")
+    where = "/dev/shm/resume" if name == "whole" else scratch
+    path = glob.glob(f"{where}/{name}/*/output/trainer_state.json")
     logs = json.load(open(path[0]))["log_history"] if path else []
     return {r["step"]: r for r in logs if "loss" in r}
 whole, resumed = history("whole"), history("resumed")
