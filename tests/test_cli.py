@@ -126,10 +126,11 @@ def _training_fits(plan: dict) -> bool:
 
 def _fits_unless_resuming(plan: dict) -> None:
     assert _training_fits(plan), plan["reasons"]
-    if not plan["fits"]:  # then only the resume's peak does not
-        assert plan["host_peak"] == "resume", plan["reasons"]
+    if not plan["fits"]:  # then only a resume's or a save's peak does not
+        assert plan["host_peak"] in ("resume", "save"), plan["reasons"]
         (reason,) = plan["reasons"]
-        assert reason.startswith("host: needs") and "while a checkpoint is loaded" in reason
+        assert reason.startswith("host: needs")
+        assert "while a checkpoint is loaded" in reason or "while the model is saved" in reason
 
 
 @pytest.mark.parametrize("model", sorted(GH200_GPUS))
@@ -157,19 +158,21 @@ def test_llama_8b_trains_on_one_h100_and_one_h200(capsys):
         assert "param_partition" in out and "moments" in out and "resume" in out
 
 
-def test_a_resume_that_does_not_fit_the_host_is_a_shortfall(capsys):
-    # The same run on a host that holds training but not the checkpoint loaded beside it.
+def test_a_save_or_resume_that_does_not_fit_the_host_is_a_shortfall(capsys):
+    # The same run on a host that holds training but not its save (the whole 16-bit model
+    # gathered on rank 0) or its resume (saved sub groups mapped beside the live state).
     _, plan = plan_json(capsys, "llama-3.1-8b", "--hardware", "h100", "--cpu-mem", "1000")
     training = plan["host_training_bytes_per_rank"] * (1 + HOST_HEADROOM) / 2**30
-    resume = plan["host_resume_bytes_per_rank"] * (1 + HOST_HEADROOM) / 2**30
-    assert plan["host_total_bytes_per_rank"] == plan["host_resume_bytes_per_rank"]
-    assert resume > training + 1
+    peak_bytes = max(plan["host_resume_bytes_per_rank"], plan["host_save_bytes_rank0"])
+    assert plan["host_total_bytes_per_rank"] == peak_bytes
+    peak = peak_bytes * (1 + HOST_HEADROOM) / 2**30
+    assert peak > training + 1
     code, short = plan_json(
-        capsys, "llama-3.1-8b", "--hardware", "h100", "--cpu-mem", f"{(training + resume) / 2:.1f}"
+        capsys, "llama-3.1-8b", "--hardware", "h100", "--cpu-mem", f"{(training + peak) / 2:.1f}"
     )
-    assert code == 1 and short["host_peak"] == "resume"
+    assert code == 1 and short["host_peak"] == plan["host_peak"] == "save"
     (reason,) = short["reasons"]
-    assert reason.startswith("host: needs") and "while a checkpoint is loaded" in reason
+    assert reason.startswith("host: needs") and "while the model is saved" in reason
 
 
 def test_a_run_that_does_not_fit_says_why_and_what_to_change(capsys):

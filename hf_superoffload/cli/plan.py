@@ -363,6 +363,7 @@ def _as_json(source, capacity, verdict: Verdict, suggestions, notes) -> dict:
         "host_training_bytes_per_rank": plan.host_training,
         "host_start_up_bytes_per_rank": plan.host_start_up,
         "host_resume_bytes_per_rank": plan.host_resume,
+        "host_save_bytes_rank0": plan.host_save,
         "host_peak": plan.host_peak_phase,
         "host_total_bytes_per_host": plan.host_bytes_per_host,
         "host_bytes_per_param": plan.host_bytes_per_param,

@@ -153,6 +153,9 @@ class MemoryPlan:
     # Per rank, while a checkpoint is loaded into the built optimizer (resume_host_bytes).
     host_resume: int = 0
     split: SubGroupSplit | None = None  # the optimizer's sub groups and ratio's cut of them
+    # Rank 0, while the model is saved (a checkpoint or the final save): training's state and
+    # the whole 16-bit model DeepSpeed gathers there (save_extra_host_bytes).
+    host_save: int = 0
 
     @property
     def gpu_bytes(self) -> int:
@@ -164,9 +167,10 @@ class MemoryPlan:
 
     @property
     def host_bytes(self) -> int:
-        """The host peak per rank: training's, the start-up's (when a low ``ratio`` keeps so
-        much on the GPU that building the optimizer needs more), or a resume's."""
-        return max(self.host_training, self.host_start_up, self.host_resume)
+        """The host peak per rank (rank 0's): training's, the start-up's (when a low ``ratio``
+        keeps so much on the GPU that building the optimizer needs more), a resume's, or a
+        save's."""
+        return max(self.host_training, self.host_start_up, self.host_resume, self.host_save)
 
     @property
     def host_bytes_without_resume(self) -> int:
@@ -176,11 +180,15 @@ class MemoryPlan:
 
     @property
     def host_peak_phase(self) -> str:
-        """Which of training, start-up and resume holds the most (training on a tie)."""
+        """Which of training, start-up, resume and save holds the most (the first on a tie)."""
         peak = self.host_bytes
-        if self.host_training == peak:
-            return "training"
-        return "start-up" if self.host_start_up == peak else "resume"
+        phases = {
+            "training": self.host_training,
+            "start-up": self.host_start_up,
+            "resume": self.host_resume,
+            "save": self.host_save,
+        }
+        return next(name for name, nbytes in phases.items() if nbytes == peak)
 
     @property
     def host_bytes_per_param(self) -> float:
@@ -191,7 +199,11 @@ class MemoryPlan:
 
     @property
     def host_bytes_per_host(self) -> int:
-        return self.host_bytes * (self.run.ranks_per_host or self.run.ranks)
+        """Every rank of the host at its peak, or rank 0 saving while the others hold their
+        training state (the larger)."""
+        ranks = self.run.ranks_per_host or self.run.ranks
+        each = max(self.host_training, self.host_start_up, self.host_resume)
+        return max(ranks * each, (ranks - 1) * self.host_training + self.host_save)
 
     def shortfalls(self, gpu_memory: int, host_memory: int) -> list[str]:
         """Why the run does not fit a GPU of ``gpu_memory`` bytes and a host of
@@ -214,6 +226,8 @@ class MemoryPlan:
                 "start-up": " while the optimizer is built",
                 "resume": " while a checkpoint is loaded (a resume maps the optimizer file "
                 "and copies it in a sub group at a time, beside the live state)",
+                "save": " while the model is saved (DeepSpeed gathers the whole 16-bit model "
+                "into rank 0's host memory)",
             }[phase]
             reasons.append(
                 f"host: needs {host_need / 2**30:.1f} GiB (with the system's share) for "
@@ -242,6 +256,7 @@ class MemoryPlan:
                 row("training", self.host_training, " (the peak)" * (phase == "training")),
                 row("start-up", self.host_start_up, " (the peak)" * (phase == "start-up")),
                 row("resume", self.host_resume, " (the peak)" * (phase == "resume")),
+                row("save (rank 0)", self.host_save, " (the peak)" * (phase == "save")),
                 f"  {'peak':<22} {self.host_bytes / 2**30:8.2f} GiB "
                 f"({self.host_bytes_per_host / 2**30:.1f} GiB for {per_host} rank(s) per host)",
             ]
@@ -306,6 +321,14 @@ def resume_extra_host_bytes(split: SubGroupSplit) -> int:
     return checkpoint_memory.resume_extra_host_bytes(split.partition, split.largest_sub_group)
 
 
+def save_extra_host_bytes(shape: ModelShape, run: Zero3Run) -> int:
+    """Host bytes rank 0 holds beyond training's while the model is saved: DeepSpeed gathers
+    the whole model in 16 bits into its memory (``stage3_gather_16bit_weights_on_model_save``,
+    which the shipped configs set, for the Trainer's checkpoints and final save). Measured: the
+    Llama-3.1-8B launcher's runs peaked 15 GiB above training, each at a save."""
+    return run.dtype_bytes * shape.params
+
+
 def zero3_memory_plan(config, run: Zero3Run, shape: ModelShape | None = None) -> MemoryPlan:
     """Per-rank GPU and host bytes of training ``config``'s model on the ZeRO-3 path
     (``shape``: ``ModelShape.of(config)`` when the caller has it, for plans of many runs)."""
@@ -339,4 +362,5 @@ def zero3_memory_plan(config, run: Zero3Run, shape: ModelShape | None = None) ->
     }
     start_up = start_up_host_bytes(partition, low) + host["offloaded_params"] + host["process"]
     resume = sum(host.values()) + resume_extra_host_bytes(split)
-    return MemoryPlan(shape, run, gpu, host, start_up, resume, split)
+    save = sum(host.values()) + save_extra_host_bytes(shape, run)
+    return MemoryPlan(shape, run, gpu, host, start_up, resume, split, save)
