@@ -24,8 +24,8 @@ start=$(date +%s)
 df -h "$SCRATCH" /dev/shm | tail -2
 python -c "import hf_superoffload.ops as o; o.prepare()" > "$OUT/build_ours.log" 2>&1
 
-# The uninterrupted run's final model goes to memory, beside the checkpoint on disk.
-runs_dir() { if [ "$1" = whole ]; then echo /dev/shm/resume/whole; else echo "$SCRATCH/$1"; fi; }
+# The final models go to memory: the disk holds the checkpoint.
+runs_dir() { if [ "$1" = first ]; then echo "$SCRATCH/$1"; else echo "/dev/shm/resume/$1"; fi; }
 # prepare RUN: the launcher writes the run directory (plan, configs, command) without launching;
 # each run gets its own rendezvous port so two can run at once.
 prepare() {
@@ -75,16 +75,17 @@ python - "$SCRATCH" "$OUT" <<'PY'
 import glob, json, sys
 scratch, out = sys.argv[1:]
 def history(name):
-    where = "/dev/shm/resume" if name == "whole" else scratch
-    path = glob.glob(f"{where}/{name}/*/output/trainer_state.json")
+    where = scratch if name == "first" else "/dev/shm/resume"
+    found = "output/checkpoint-3" if name == "first" else "output"
+    path = glob.glob(f"{where}/{name}/*/{found}/trainer_state.json")
     logs = json.load(open(path[0]))["log_history"] if path else []
     return {r["step"]: r for r in logs if "loss" in r}
-whole, resumed = history("whole"), history("resumed")
-print(f"{'step':>4} {'loss whole':>11} {'loss resumed':>12} {'gnorm whole':>11} {'gnorm resumed':>13}")
+whole, first, resumed = history("whole"), history("first"), history("resumed")
+print(f"{'step':>4} {'loss whole':>11} {'loss 3+3':>11} {'gnorm whole':>11} {'gnorm 3+3':>11}")
 for step in range(1, 7):
-    w, r = whole.get(step, {}), resumed.get(step, {})
+    w, r = whole.get(step, {}), (first if step <= 3 else resumed).get(step, {})
     f = lambda d, k: f"{d[k]:.6f}" if k in d else "-"
-    print(f"{step:>4} {f(w,'loss'):>11} {f(r,'loss'):>12} {f(w,'grad_norm'):>11} {f(r,'grad_norm'):>13}")
+    print(f"{step:>4} {f(w,'loss'):>11} {f(r,'loss'):>11} {f(w,'grad_norm'):>11} {f(r,'grad_norm'):>11}")
 for name in ("whole", "first", "resumed"):
     try:
         p = json.load(open(f"{out}/{name}.peak.json"))
@@ -92,7 +93,15 @@ for name in ("whole", "first", "resumed"):
         continue
     print(f"{name:>8}: host anon+shmem {p['anon_shmem_gib']} GiB, file-backed {p['file_gib']} GiB,"
           f" GPU {p['gpu_used_gib']} GiB, rc {p['returncode']}")
+    if name == "resumed":  # the load's window: file-backed pages above 1.5 GiB
+        load = [t for t in p["timeline"] if t[2] > 1.5]
+        if load:
+            print(f"  resume window {load[0][0]}-{load[-1][0]} s: anon+shmem up to "
+                  f"{max(t[1] for t in load)} GiB, with file-backed {max(t[2] for t in load)} GiB;"
+                  f" anon+shmem + file-backed up to {max(t[1] + t[2] for t in load):.2f} GiB")
 PY
 grep -iE "ratio|GiB|resume" "$OUT/plan.txt" | head -20
 cat "$OUT/checkpoint_size.txt"
+tar -czf "$OUT/resume_logs.tgz" -C "$OUT" $(cd "$OUT" && ls *.log *.json *.txt 2>/dev/null) && \
+  (cd "$OUT" && rm -f *.log *.json)
 echo "done in $(( $(date +%s) - start )) s"

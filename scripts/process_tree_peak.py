@@ -6,7 +6,7 @@ Samples every 0.25 s from /proc (no dependencies): the tree's summed anonymous a
 memory (what training allocates, pinned buffers included), its file-backed resident pages
 (memory-mapped checkpoints: the kernel can drop these under pressure) and, with ``nvidia-smi``,
 each visible GPU's used memory. Writes the peaks as JSON when the command ends and exits with
-its return code. Used by the device runbooks to report host peaks next to the memory plan.
+its return code, with a once-a-second timeline of the host figures. Used by the device runbooks to report host peaks next to the memory plan.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 GIB = 2**30
 
@@ -69,7 +70,9 @@ def main() -> int:
     out_path, command = sys.argv[1], sys.argv[3:]
     child = subprocess.Popen(command, start_new_session=True)
     peaks = {"anon_shmem_gib": 0.0, "file_gib": 0.0, "gpu_used_gib": []}
+    timeline = []  # (seconds, anon + shmem GiB, file-backed GiB), once a second
     done = threading.Event()
+    began = time.monotonic()
 
     def sample() -> None:
         while not done.is_set():
@@ -80,6 +83,11 @@ def main() -> int:
                 file += rss.get("RssFile", 0)
             peaks["anon_shmem_gib"] = max(peaks["anon_shmem_gib"], anon * 1024 / GIB)
             peaks["file_gib"] = max(peaks["file_gib"], file * 1024 / GIB)
+            now = time.monotonic() - began
+            if not timeline or now - timeline[-1][0] >= 1.0:
+                timeline.append(
+                    (round(now, 1), round(anon * 1024 / GIB, 2), round(file * 1024 / GIB, 2))
+                )
             gpus = _gpu_used_mib()
             if len(peaks["gpu_used_gib"]) < len(gpus):
                 peaks["gpu_used_gib"] += [0.0] * (len(gpus) - len(peaks["gpu_used_gib"]))
@@ -102,6 +110,7 @@ def main() -> int:
         for k, v in peaks.items()
     }
     peaks["returncode"] = code
+    peaks["timeline"] = timeline
     with open(out_path, "w") as f:
         json.dump(peaks, f, indent=1)
     return code
