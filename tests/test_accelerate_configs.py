@@ -10,13 +10,13 @@ import dataclasses
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from accelerate.commands.config.config_args import load_config_from_file
+from launched import ONE_PROCESS, SEVERAL_PROCESSES, run_launched
 
 from hf_superoffload.integrations.arguments import SuperOffloadArgumentsMixin
 from hf_superoffload.integrations.plugin import known_env_names
@@ -119,7 +119,7 @@ def test_single_process_config_launches_the_example(tmp_path, path):
         str(REPO / "examples" / "sft.py"),
         "--max-steps", "10", "--output-dir", str(tmp_path / "out"),
     ]  # fmt: skip
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    result = run_launched(cmd, timeout=ONE_PROCESS, env=env)
     assert result.returncode in (0, 1), result.stderr[-3000:]  # 1: loss did not fall in 4 steps
     assert (tmp_path / "out" / "config.json").exists(), (
         result.stdout[-2000:] + result.stderr[-2000:]
@@ -139,7 +139,7 @@ def test_data_parallel_config_launches_the_example_on_cpu_processes(tmp_path, pa
         str(REPO / "examples" / "sft.py"),
         "--max-steps", "6", "--output-dir", str(tmp_path / "out"),
     ]  # fmt: skip
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    result = run_launched(cmd, timeout=SEVERAL_PROCESSES, env=env)
     assert result.returncode == 0, result.stderr[-3000:]  # the loss falls within 6 steps
     assert (tmp_path / "out" / "config.json").exists(), result.stderr[-3000:]
     # The example's summary has a speculation line only when SuperOffload trained.
@@ -178,7 +178,8 @@ def test_deepspeed_config_launches_the_example_through_our_zero3_optimizer(tmp_p
     processes = load_config_from_file(str(REPO / "accelerate_configs" / name)).num_processes
     if processes > 1:
         cmd += ["--use_cpu", "true"]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    timeout = SEVERAL_PROCESSES if processes > 1 else ONE_PROCESS
+    result = run_launched(cmd, timeout=timeout, env=env, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     output = result.stdout + result.stderr
     assert "SuperOffload on ZeRO-3 runs in place of DeepSpeed's" in output, output[-3000:]

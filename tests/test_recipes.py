@@ -21,6 +21,7 @@ import pytest
 import torch
 import yaml
 from engine_reference import PARAM_TOL
+from launched import ONE_PROCESS, QUICK, run_launched
 from zero3_reference import free_port
 
 from hf_superoffload.cli import model_source
@@ -215,10 +216,9 @@ def _launch(tmp_path: Path, name: str, *args: str, **variables: str) -> subproce
     env.pop("RATIO", None)
     env.update(variables)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
-    return subprocess.run(
-        ["bash", str(REPO / "examples" / f"finetune_{name}.sh"), *args],
-        env=env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    return run_launched(
+        ["bash", str(REPO / "examples" / f"finetune_{name}.sh"), *args], timeout=QUICK, env=env
+    )
 
 
 @pytest.mark.parametrize("mode", ["superoffload", "zerooffload"])
@@ -336,7 +336,7 @@ def test_two_gpu_moe_recipe_trains_on_the_zero3_path_of_its_mode(mode, optimizer
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
            "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}  # fmt: skip
-    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_launched(argv, timeout=ONE_PROCESS, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     summary = json.loads((tmp_path / "out" / "sft_summary.json").read_text())
     assert summary["steps"] == 2 and all(math.isfinite(x) for x in summary["losses"])
