@@ -56,6 +56,7 @@ from .save import (
     masters_from_checkpoint,
     record_saved_dtype,
     weights_to_save,
+    with_empty_groups_of,
 )
 
 logger = logging.getLogger("hf_superoffload")
@@ -188,7 +189,7 @@ class SuperOffloadTrainerMixin:
             {"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
             {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
         ]
-        groups = [g for g in groups if g["params"]]
+        # An empty group stays, as in the Trainer's AdamW: checkpoints then cross both ways.
         self.optimizer = SuperOffloadOptimizer(
             groups,
             lr=self.args.learning_rate,
@@ -224,7 +225,7 @@ class SuperOffloadTrainerMixin:
         # optimizer's own buffers, on one process or many.
         check_torch_load_is_safe()
         state = torch.load(optimizer_file, map_location="cpu", weights_only=True, mmap=True)
-        optimizer.load_state_dict(state)
+        optimizer.load_state_dict(with_empty_groups_of(optimizer, state))
         del state
         with warnings.catch_warnings(record=True) as caught_warnings:
             check_torch_load_is_safe()
