@@ -72,7 +72,7 @@ def test_a_config_named_superoffload_carries_the_setting(path):
     zero = _deepspeed_json(path)["zero_optimization"]
     assert zero["stage"] == 3
     assert zero["offload_optimizer"]["device"] == "cpu"
-    assert zero["offload_optimizer"]["super_offload"] is True
+    assert zero["offload_optimizer"]["super_offload"] == "hf_superoffload"  # ours, or refused
     assert "import hf_superoffload" in _header(path)  # the one line a plain script needs
 
 
@@ -163,7 +163,8 @@ def test_deepspeed_configs_name_an_existing_super_offload_config():
     for path in DEEPSPEED:
         ds = _deepspeed_json(path)
         assert ds["zero_optimization"]["stage"] == 3, path.name
-        assert ds["zero_optimization"]["offload_optimizer"]["super_offload"] is True, path.name
+        offload = ds["zero_optimization"]["offload_optimizer"]
+        assert offload["super_offload"] == "hf_superoffload", path.name
 
 
 @pytest.mark.parametrize("name", LAUNCHED_DEEPSPEED)
@@ -222,3 +223,64 @@ def test_plain_sft_trainer_with_the_one_gpu_config_json_builds_our_optimizer(tmp
     result = torch.load(tmp_path / "result.pt", weights_only=False)
     assert result["optimizer"] == "SuperOffloadZero3Optimizer"
     assert result["losses"][-1] < result["losses"][0], result["losses"]
+
+
+# A plain Trainer script, as a user writes one: it imports hf_superoffload only when asked to.
+PLAIN_TRAINER_SCRIPT = """
+import json, sys
+import torch
+if "--import" in sys.argv:
+    import hf_superoffload  # noqa: F401
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+args = TrainingArguments(
+    output_dir=sys.argv[1], max_steps=3, per_device_train_batch_size=2, learning_rate=1e-3,
+    logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True, use_cpu=True,
+)
+torch.manual_seed(0)
+config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
+model = LlamaForCausalLM(config)
+ids = torch.randint(0, 64, (16, 16), generator=torch.Generator().manual_seed(0))
+trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in ids])
+trainer.train()
+logs = [log for log in trainer.state.log_history if "loss" in log]
+print("RESULT " + json.dumps({"optimizer": type(trainer.deepspeed.optimizer).__name__,
+                              "keys": sorted(logs[-1])}))
+"""
+
+
+def _launch_plain_trainer(tmp_path, *script_args: str):
+    script = tmp_path / "train.py"
+    script.write_text(PLAIN_TRAINER_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu"}
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--config_file", "accelerate_configs/x86_zero3_superoffload.yaml",
+        str(script), str(tmp_path / "out"), *script_args,
+    ]  # fmt: skip
+    return run_launched(cmd, timeout=ONE_PROCESS, env=env, cwd=REPO)
+
+
+def test_a_plain_script_without_the_import_stops_at_start_naming_the_package(tmp_path):
+    """A shipped *_superoffload config under a script that never imports hf_superoffload: not
+    DeepSpeed's own SuperOffload (an assertion about CUDA on CPU, its slower engine on a GPU)
+    but a stop when DeepSpeed reads the config, naming the value only this package reads."""
+    result = _launch_plain_trainer(tmp_path)
+    assert result.returncode != 0
+    assert "offload_optimizer.super_offload" in result.stderr, result.stderr[-3000:]
+    assert "input_value='hf_superoffload'" in result.stderr, result.stderr[-3000:]
+    assert "RESULT" not in result.stdout
+
+
+def test_a_plain_trainer_with_the_import_runs_ours_and_logs_its_metrics(tmp_path):
+    """The same script with `import hf_superoffload`: the plain Trainer trains through our
+    ZeRO-3 optimizer, says so, and logs tokens/s and the stv/ counters as ours does."""
+    result = _launch_plain_trainer(tmp_path, "--import")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "SuperOffload on ZeRO-3 runs in place of DeepSpeed's" in result.stdout + result.stderr
+    line = next(x for x in result.stdout.splitlines() if x.startswith("RESULT "))
+    found = json.loads(line.removeprefix("RESULT "))
+    assert found["optimizer"] == "SuperOffloadZero3Optimizer"
+    assert "tokens_per_second" in found["keys"], found["keys"]
+    assert {"stv/rollbacks_clip", "stv/speculative_steps"} <= set(found["keys"]), found["keys"]

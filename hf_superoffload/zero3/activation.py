@@ -1,4 +1,4 @@
-"""Make DeepSpeed's ``"super_offload": true`` run hf_superoffload's ZeRO-3 optimizer.
+"""Make DeepSpeed's ``"super_offload"`` run hf_superoffload's ZeRO-3 optimizer.
 
 DeepSpeed's engine imports its SuperOffload class from
 ``deepspeed.runtime.superoffload.superoffload_stage3`` when it builds a stage-3 optimizer with
@@ -7,10 +7,13 @@ DeepSpeed's engine imports its SuperOffload class from
 TRL) then builds ours with the arguments it would have given its own. ``import hf_superoffload``
 activates; ``HF_SUPEROFFLOAD_DEEPSPEED=0`` keeps DeepSpeed's own SuperOffload.
 
-DeepSpeed reads ``super_offload`` only when it builds a stage-3 optimizer; under stage 1 or 2
-(or 0) the flag is dropped without a word and the run is plain ZeRO-Offload. Activation also
-wraps the engine's ``_configure_optimizer`` so that such a config is refused, saying to use
-stage 3 (``config.refuse_super_offload_below_stage3``).
+The shipped configs say ``"super_offload": "hf_superoffload"``, which DeepSpeed alone rejects:
+a script that never imports this package stops when DeepSpeed reads its config, naming that
+value, rather than running DeepSpeed's own engine. Activation reads it as ``true``.
+
+The other changes (``patches.py`` lists them) refuse configs this path cannot run before
+DeepSpeed builds anything, keep DeepSpeed and accelerate from compiling a CPU Adam that would
+never step, and stop a DeepSpeed op build from waiting forever on a lock its builder left.
 """
 
 from __future__ import annotations
@@ -20,11 +23,19 @@ import logging
 import os
 import sys
 
+from . import patches
+
 logger = logging.getLogger("hf_superoffload")
 
 TARGET_MODULE = "deepspeed.runtime.superoffload.superoffload_stage3"
 TARGET_NAME = "SuperOffloadOptimizer_Stage3"
 ENGINE_MODULE = "deepspeed.runtime.engine"
+CONFIG_MODULE = "deepspeed.runtime.config"
+ZERO_UTILS_MODULE = "deepspeed.runtime.zero.utils"
+BUILDER_MODULE = "deepspeed.ops.op_builder.builder"
+ACCELERATE_MODULE = "accelerate.accelerator"
+COMM_MODULE = "deepspeed.comm.comm"
+TRAINER_MODULE = "transformers.trainer"
 OPT_OUT_ENV = "HF_SUPEROFFLOAD_DEEPSPEED"
 
 
@@ -36,13 +47,15 @@ def enabled() -> bool:
 
 
 def activate() -> None:
-    """Rebind DeepSpeed's SuperOffload class now if its module is loaded, else as soon as it
-    is imported. Idempotent; does not import DeepSpeed itself (that takes seconds)."""
+    """Patch the modules of ``_patches()`` now if they are loaded, else as soon as each is
+    imported. Idempotent; imports neither DeepSpeed nor accelerate itself (that takes
+    seconds)."""
+    global _active
     if not enabled():
         logger.info("hf_superoffload: %s=0, DeepSpeed's own SuperOffload stays", OPT_OUT_ENV)
-        return
+    _active = _patches(enabled())
     pending = False
-    for name, patch in _PATCHES.items():
+    for name, patch in _active.items():
         module = sys.modules.get(name)
         if module is not None:
             patch(module)
@@ -52,6 +65,28 @@ def activate() -> None:
         sys.meta_path.insert(0, _RebindOnImport())
 
 
+def _patches(engine: bool) -> dict:
+    """What activation does to each module, when it is (or has been) imported."""
+    always = {
+        CONFIG_MODULE: patches.read_our_engine_value,
+        BUILDER_MODULE: patches.check_build_locks,
+        COMM_MODULE: patches.one_process_without_launcher,
+    }
+    if not engine:
+        return always
+    return {
+        **always,
+        TARGET_MODULE: patches.rebind_superoffload,
+        ENGINE_MODULE: patches.guard_engine,
+        ZERO_UTILS_MODULE: patches.accept_host_adam_state,
+        ACCELERATE_MODULE: patches.map_client_optimizer,
+        TRAINER_MODULE: patches.log_zero3_metrics,
+    }
+
+
+_active: dict = {}
+
+
 def is_active() -> bool:
     module = sys.modules.get(TARGET_MODULE)
     return module is not None and getattr(module, TARGET_NAME).__module__.startswith(
@@ -59,45 +94,19 @@ def is_active() -> bool:
     )
 
 
-def _rebind(module) -> None:
-    from .optimizer import SuperOffloadZero3Optimizer
-
-    setattr(module, TARGET_NAME, SuperOffloadZero3Optimizer)
-
-
-def _guard_stage(module) -> None:
-    engine_class = module.DeepSpeedEngine
-    original = engine_class._configure_optimizer
-    if getattr(original, "_hf_superoffload_guard", False):
-        return  # already wrapped
-
-    def configure_optimizer(self, client_optimizer, model_parameters):
-        from .config import refuse_super_offload_below_stage3
-
-        refuse_super_offload_below_stage3(self.zero_optimization_stage(), self.super_offload())
-        return original(self, client_optimizer, model_parameters)
-
-    configure_optimizer._hf_superoffload_guard = True
-    engine_class._configure_optimizer = configure_optimizer
-
-
-# What activation does to each DeepSpeed module, when it is (or has been) imported.
-_PATCHES = {TARGET_MODULE: _rebind, ENGINE_MODULE: _guard_stage}
-
-
 class _RebindOnImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: for the modules of ``_PATCHES`` it wraps the real loader so that
+    """Finds nothing itself: for the modules of ``_patches()`` it wraps the real loader so that
     the patch follows the module's own execution."""
 
     def find_spec(self, fullname, path, target=None):
-        if fullname not in _PATCHES:
+        if fullname not in _active:
             return None
         for finder in sys.meta_path:  # the real finders, in their order
             if finder is self or not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None and spec.loader is not None:
-                spec.loader = _RebindingLoader(spec.loader, _PATCHES[fullname])
+                spec.loader = _RebindingLoader(spec.loader, _active[fullname])
                 return spec
         return None
 
