@@ -3,9 +3,10 @@ in a process group of its own, and kills the whole group when it runs out of tim
 stops: ``subprocess.run(timeout=...)`` kills only the launcher, and the training processes it
 started live on as orphans, holding cores and ports for the tests after it.
 
-Timeouts: the CPU tier runs on 2 cores shared with other jobs. A launch of the examples takes
-30-90 s on an idle 2-core machine and up to 4x that when the cores are busy, so the budgets
-below are about 5x the idle time; a run that needs them is stuck, not slow.
+Timeouts: the CPU tier runs on 2 cores shared with other jobs. A launch of the examples took
+8-45 s there with the cores about twice oversubscribed (load 3-4), most of it imports and
+DeepSpeed's start-up; the budgets below leave 10x and more for a busier machine, so a run that
+needs them is stuck, not slow.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import subprocess
 import tempfile
 from collections.abc import Sequence
 
-# Seconds, by what the command does (measured idle on 2 cores: see each user's docstring).
+# Seconds, by what the command does.
 QUICK = 120  # a shell launcher's dry run, a script that only parses its arguments
 ONE_PROCESS = 600  # one training process of the examples (plain or DeepSpeed ZeRO-3 on CPU)
 SEVERAL_PROCESSES = 900  # two or more ranks launched together

@@ -186,6 +186,11 @@ def test_deepspeed_config_launches_the_example_through_our_zero3_optimizer(tmp_p
     assert "SuperOffload on ZeRO-3 runs in place of DeepSpeed's" in output, output[-3000:]
     summary = json.loads((tmp_path / "out" / "sft_summary.json").read_text())
     assert summary["optimizer"] == "SuperOffloadZero3Optimizer"
+    # The optimizer that ran and the bytes its state held on this rank (not 0, as counted from
+    # the partitioned model before).
+    state = summary["optimizer_state"]
+    assert state["optimizer"] == "SuperOffloadZero3Optimizer" and state["host_bytes"] > 0
+    assert "optimizer state: SuperOffloadZero3Optimizer" in result.stdout, result.stdout[-2000:]
     # One job of `processes` ranks, not processes that each train the whole job alone.
     assert summary["processes"] == processes
     assert "steps speculated" in result.stdout, result.stdout[-2000:]
