@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate.commands.config.config_args import load_config_from_file
-from launched import ONE_PROCESS, SEVERAL_PROCESSES, run_launched
+from launched import ONE_PROCESS, QUICK, SEVERAL_PROCESSES, run_launched
 
 from hf_superoffload.integrations.arguments import SuperOffloadArgumentsMixin
 from hf_superoffload.integrations.plugin import known_env_names
@@ -267,6 +267,26 @@ def _launch_plain_trainer(tmp_path, *script_args: str):
     return run_launched(cmd, timeout=ONE_PROCESS, env=env, cwd=REPO)
 
 
+# Without hf_superoffload imported: DeepSpeed reads the shipped JSON as it would at start-up.
+READ_WITHOUT_THE_PACKAGE = """
+import json, sys
+from deepspeed.runtime.zero.config import get_zero_config
+get_zero_config(json.load(open(sys.argv[1])))
+assert "hf_superoffload" not in sys.modules
+"""
+
+
+def test_deepspeed_alone_rejects_the_shipped_json_naming_the_package():
+    ds_file = REPO / "accelerate_configs" / "deepspeed" / "zero3_superoffload.json"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    cmd = [sys.executable, "-c", READ_WITHOUT_THE_PACKAGE, str(ds_file)]
+    result = run_launched(cmd, timeout=QUICK, env=env)
+    assert result.returncode != 0
+    assert "offload_optimizer.super_offload" in result.stderr, result.stderr[-3000:]
+    assert "input_value='hf_superoffload'" in result.stderr, result.stderr[-3000:]
+
+
+@pytest.mark.slow  # two launches of a plain Trainer script (about 35 s each on 2 busy cores)
 def test_a_plain_script_without_the_import_stops_at_start_naming_the_package(tmp_path):
     """A shipped *_superoffload config under a script that never imports hf_superoffload: not
     DeepSpeed's own SuperOffload (an assertion about CUDA on CPU, its slower engine on a GPU)
@@ -278,6 +298,7 @@ def test_a_plain_script_without_the_import_stops_at_start_naming_the_package(tmp
     assert "RESULT" not in result.stdout
 
 
+@pytest.mark.slow  # test_zero3_trainer.py checks the same logs in-process, for TRL's trainer
 def test_a_plain_trainer_with_the_import_runs_ours_and_logs_its_metrics(tmp_path):
     """The same script with `import hf_superoffload`: the plain Trainer trains through our
     ZeRO-3 optimizer, says so, and logs tokens/s and the stv/ counters as ours does."""

@@ -87,9 +87,11 @@ def _sft(out_dir: str, trainer_kind: str, ds_config: dict) -> dict:
     trainer.train()
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log and "step" in log]
     kind = type(trainer.deepspeed.optimizer).__name__
+    base = type(trainer.deepspeed.optimizer.optimizer).__name__
     stats = getattr(trainer, "superoffload_stats", None)
+    keys = sorted({k for log in trainer.state.log_history if "loss" in log for k in log})
     trainer.deepspeed.destroy()
-    return {"losses": losses, "optimizer": kind, "stats": stats}
+    return {"losses": losses, "optimizer": kind, "base": base, "stats": stats, "log_keys": keys}
 
 
 def _three_runs(rank, port, out_dir) -> None:
@@ -124,6 +126,13 @@ def test_plain_sfttrainer_with_the_flag_trains_through_our_zero3_optimizer(runs)
     assert len(ours["losses"]) == len(ref["losses"]) == STEPS
     torch.testing.assert_close(ours["losses"], ref["losses"], rtol=1e-4, atol=0)
     assert ours["losses"][-1] < ours["losses"][0]  # it learned: the comparison is not vacuous
+    # TRL's own trainer logs what the SuperOffload trainers log (Zero3MetricsCallback).
+    assert {"tokens_per_second", "stv/rollbacks_clip", "stv/speculative_steps"} <= set(
+        ours["log_keys"]
+    ), ours["log_keys"]
+    assert not any(k.startswith("stv/") for k in ref["log_keys"])  # not on DeepSpeed's own
+    # accelerate swapped the Trainer's AdamW for a state holder, not a CPU Adam to compile.
+    assert (ours["base"], ref["base"]) == ("HostAdamState", "DeepSpeedCPUAdam")
 
 
 def test_superoffload_sfttrainer_turns_the_flag_on_and_logs_stv_counters(runs):

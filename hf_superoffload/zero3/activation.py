@@ -50,10 +50,10 @@ def activate() -> None:
     """Patch the modules of ``_patches()`` now if they are loaded, else as soon as each is
     imported. Idempotent; imports neither DeepSpeed nor accelerate itself (that takes
     seconds)."""
-    global _active
     if not enabled():
         logger.info("hf_superoffload: %s=0, DeepSpeed's own SuperOffload stays", OPT_OUT_ENV)
-    _active = _patches(enabled())
+    # Added to, never taken from: a module an earlier call was waiting for is still patched.
+    _active.update(_patches(enabled()))
     pending = False
     for name, patch in _active.items():
         module = sys.modules.get(name)
