@@ -52,10 +52,11 @@ def activate() -> None:
     seconds)."""
     if not enabled():
         logger.info("hf_superoffload: %s=0, DeepSpeed's own SuperOffload stays", OPT_OUT_ENV)
+    current = _patches(enabled())
     # Added to, never taken from: a module an earlier call was waiting for is still patched.
-    _active.update(_patches(enabled()))
+    _active.update(current)
     pending = False
-    for name, patch in _active.items():
+    for name, patch in current.items():
         module = sys.modules.get(name)
         if module is not None:
             patch(module)
