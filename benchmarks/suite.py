@@ -15,10 +15,12 @@ the last line of its error, not a number.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -51,6 +53,8 @@ COLUMNS = [
     "config",
 ]  # fmt: skip
 
+
+TERM_GRACE_S = 40  # torchrun waits 30 s for its workers to end on SIGTERM before it kills them
 
 # What builds (or loads from its cache) each system's CPU Adam extensions.
 _DEEPSPEED_CPU_ADAM = "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()"
@@ -171,24 +175,14 @@ def run_system(
     else:
         cmd += ["--warmup", str(args.warmup)]
     start = time.perf_counter()
-    try:
-        with HostMemoryPeak() as host:
-            result = subprocess.run(
-                cmd, capture_output=True, text=True, timeout=args.timeout, env=env
-            )
-    except subprocess.TimeoutExpired as timeout:
-        # What it printed so far (bytes: run() does not decode a partial output).
-        partial = [
-            o.decode() if isinstance(o, bytes) else o or ""
-            for o in (timeout.stdout, timeout.stderr)
-        ]
-        (logs / f"{name}.log").write_text("".join(partial))
-        return {"system": name, "status": "timed out", "error": f"over {args.timeout} s",
-                "wall_s": round(time.perf_counter() - start, 1)}  # fmt: skip
+    with HostMemoryPeak() as host:
+        returncode, stdout, stderr = run_logged(cmd, env, args.timeout, logs / f"{name}.log")
     wall = round(time.perf_counter() - start, 1)
-    (logs / f"{name}.log").write_text(result.stdout + result.stderr)  # e.g. auto's moves
-    rows = [line for line in result.stdout.splitlines() if line.startswith("{")]
-    if result.returncode == 0 and rows:
+    if returncode is None:
+        return {"system": name, "status": "timed out", "error": f"over {args.timeout} s",
+                "wall_s": wall}  # fmt: skip
+    rows = [line for line in stdout.splitlines() if line.startswith("{")]
+    if returncode == 0 and rows:
         measured = {
             "system": name,
             "status": "ok",
@@ -201,8 +195,43 @@ def run_system(
             return {"system": name, "status": "failed", "error": mismatch, "wall_s": wall,
                     "optimizer": row.get("optimizer")}  # fmt: skip
         return row
-    status, error = classify_failure(result.returncode, result.stderr)
+    status, error = classify_failure(returncode, stderr)
     return {"system": name, "status": status, "error": error[:300], "wall_s": wall}
+
+
+def run_logged(
+    cmd: list[str], env: dict | None, timeout: float, log: Path
+) -> tuple[int | None, str, str]:
+    """Run one system process, its output written to files as it comes (so a run cut short
+    leaves its log, e.g. how far a large model's start-up got); return (exit code, or None if
+    it ran past ``timeout``, stdout, stderr). The log ends up as stdout then stderr.
+
+    A timeout sends SIGTERM first: torchrun starts each worker in a session of its own, so
+    only torchrun itself can end them, which it does on SIGTERM (a SIGKILL would orphan them,
+    holding the GPUs and host memory the next system needs). SIGKILL follows after a grace
+    period, to the process's whole group."""
+    out_path = log.with_suffix(".stdout")
+    with open(out_path, "w") as out, open(log, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, start_new_session=True)
+        try:
+            returncode = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=TERM_GRACE_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            returncode = None
+        finally:
+            # A worker that outlived its launcher (or a launcher that exited without its
+            # workers) would hold the next system's memory: end the group in every case.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    stdout, stderr = out_path.read_text(), log.read_text()
+    log.write_text(stdout + stderr)
+    out_path.unlink()
+    return returncode, stdout, stderr
 
 
 def optimizer_mismatch(row: dict) -> str | None:
@@ -221,10 +250,24 @@ def classify_failure(returncode: int, stderr: str) -> tuple[str, str]:
         name = signal.Signals(number).name if number in set(signal.Signals) else f"signal {number}"
         hint = " (host out of memory?)" if name == "SIGKILL" else ""
         return "killed", name + hint
-    tracebacks = stderr.split("Traceback (most recent call last):")
-    lines = tracebacks[-1].strip().splitlines() if len(tracebacks) > 1 else []
+    text = re.sub(r"^\[rank\d+\]: ?", "", stderr, flags=re.MULTILINE)  # torchrun's prefix
+    status = "out of memory" if "OutOfMemoryError" in text else "failed"
+    if "ChildFailedError" in text:  # torchrun: a worker failed, and its summary ends the log
+        root = text.split("Root Cause (first observed failure):")[-1]
+        signalled = re.search(r"Signal \d+ \((\w+)\) received", root)
+        if signalled:  # e.g. the host's OOM killer took a rank
+            hint = " (host out of memory?)" if signalled.group(1) == "SIGKILL" else ""
+            return "killed", f"a rank: {signalled.group(1)}{hint}"
+        text = text[: text.rfind("Traceback (most recent call last):")]  # not torchrun's own
+    tracebacks = text.split("Traceback (most recent call last):")
+    block = tracebacks[-1].strip().splitlines() if len(tracebacks) > 1 else []
+    # The exception's line: not a frame (indented) nor a torch log line after it ("E1126 ...")
+    lines = [line for line in block if line[:1].strip() and not TORCH_LOG.match(line)]
     error = lines[-1] if lines else f"exit code {returncode}"
-    return ("out of memory" if "OutOfMemoryError" in stderr else "failed"), error
+    return status, error
+
+
+TORCH_LOG = re.compile(r"[DIWEF]\d{4} \d\d:\d\d:\d\d")
 
 
 def append_rows(csv_path: Path, rows: list[dict]) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import ClassVar
 
 import torch
@@ -144,7 +145,10 @@ class DeepSpeedZeroOffload(TrainingSystem):
                            ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):  # fmt: skip
             os.environ.setdefault(key, value)
         deepspeed.init_distributed()
+        began = time.perf_counter()
         model = _model(config, torch.bfloat16)
+        if int(os.environ["RANK"]) == 0:  # where a large model's start-up spends its time
+            logger.info("model built on the GPU in %.1f s", time.perf_counter() - began)
         offload = {"device": "cpu", "pin_memory": True, "ratio": args.ratio}
         if self.super_offload:
             offload["super_offload"] = True
@@ -169,6 +173,11 @@ class DeepSpeedZeroOffload(TrainingSystem):
             model=model, model_parameters=model.parameters(), config=ds_config
         )
         self.optimizer_name = qualified_name(type(self.engine.optimizer))
+        if int(os.environ["RANK"]) == 0:
+            logger.info(
+                "deepspeed.initialize done %.1f s after the model began",
+                time.perf_counter() - began,
+            )
         logger.info(
             "%s=%s: the engine's ZeRO optimizer is %s (base optimizer %s)",
             OPT_OUT_ENV, os.environ.get(OPT_OUT_ENV), self.optimizer_name,

@@ -109,6 +109,15 @@ def _tail_moves(system) -> int | None:
     return stats.get("tail_moves") if isinstance(stats, dict) else None
 
 
+def progress(rank: int, began: float, what: str) -> None:
+    """Rank 0's progress on stderr, as it happens: a run cut short (a large model's start-up,
+    a time limit) still shows how far it got and at what pace."""
+    if rank == 0:
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        print(f"[{time.perf_counter() - began:7.1f} s] {what} (GPU peak {peak:.1f} GiB)",
+              file=sys.stderr, flush=True)  # fmt: skip
+
+
 def start_ranks() -> tuple[int, int]:
     """(rank, world) of this process; under torchrun, its GPU and the NCCL group (DeepSpeed's
     init_distributed then finds the group made)."""
@@ -128,12 +137,15 @@ def planned(args, config, world: int) -> dict | None:
         return None
     from hf_superoffload.zero3.memory_plan import Zero3Run, zero3_memory_plan
 
-    plan = zero3_memory_plan(
-        config, Zero3Run(seq=args.seq, batch=args.batch, ranks=world, ratio=args.ratio)
-    )
+    # systems.py's DeepSpeed config: one param group, DeepSpeed's persistence threshold.
+    run = Zero3Run(
+        seq=args.seq, batch=args.batch, ranks=world, ratio=args.ratio, decay_groups=False,
+        persistence_threshold=100_000,
+    )  # fmt: skip
+    plan = zero3_memory_plan(config, run)
     return {
         "gpu_gib": round(plan.gpu_bytes / 2**30, 2),
-        "host_gib": round(plan.host_bytes / 2**30, 2),
+        "host_gib": round(plan.host_bytes_without_resume / 2**30, 2),  # it loads no checkpoint
     }
 
 
@@ -210,11 +222,13 @@ def main() -> None:
     os.environ.update(environment)
     from hf_superoffload.integrations.metrics import model_flops_per_token, peak_tflops
 
+    began = time.perf_counter()
     rank, world = start_ranks()
     torch.manual_seed(0)
     config = model_config(args)
     system = SYSTEMS[args.system](config, args)
     rss_after_init = host_rss_gib()
+    progress(rank, began, f"built {args.system}, host RSS {rss_after_init['now']} GiB")
     n_params, n_matmul = count_params(config)
     if world > 1:
         torch.manual_seed(1000 + rank)  # each rank its own data
@@ -237,6 +251,7 @@ def main() -> None:
         phases.append(timed_phases(system, batch, scale))
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+        progress(rank, began, f"step {step + 1}/{warmup + args.steps}: {times[-1]:.3f} s")
         if control:
             control.record(system.grad_norm())
         if step == warmup - 1:

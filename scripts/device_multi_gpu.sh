@@ -1,84 +1,190 @@
 #!/usr/bin/env bash
-# The multi-GPU checks of the ZeRO-3 path, one stage per device call (each fits the tool's 600 s):
+# The multi-GPU checks of the ZeRO-3 path. Several stages run in one device call, in the order
+# given, inside one time budget:
 #
-#   bash scripts/device_multi_gpu.sh tests       # multi_gpu tests: ZeRO-3 vs DeepSpeed, Ulysses, failure watch
-#   bash scripts/device_multi_gpu.sh scaling     # 3.37B on N GPUs (ZeRO-3, replicas) and on 1, same host
-#   bash scripts/device_multi_gpu.sh qwen3-14b   # the issue's 2-GPU model: ours, then DeepSpeed ZeRO-Offload
-#   bash scripts/device_multi_gpu.sh qwen3-30b-a3b   # the issue's 4-GPU MoE model (needs 4 GPUs), the same
+#   bash scripts/device_multi_gpu.sh scaling scaling-noclip qwen3-30b-a3b qwen3-30b-a3b-deepspeed
+#
+# Stages:
+#   tests                multi_gpu tests: ZeRO-3 vs DeepSpeed, Ulysses, failure watch
+#   scaling              3.37B, clip 1.0: ZeRO-3 SuperOffload on GPUS GPUs, then on 1 GPU of the
+#                        same host (tokens/s per GPU, target >= 0.95 of one GPU's)
+#   scaling-noclip       3.37B, no clipping: DDP without offload, then ZeRO-3 SuperOffload, both
+#                        on GPUS GPUs
+#   qwen3-14b            the 2-GPU model: ZeRO-3 SuperOffload at the memory plan's ratio
+#   qwen3-30b-a3b        the 4-GPU MoE model, the same
+#   <model>-deepspeed    DeepSpeed ZeRO-Offload (all optimizer state on the host) at that size
+#
+# Environment:
+#   GPUS=N          GPUs of the scaling stages (default: all this machine has)
+#   DEADLINE_S=S    seconds the whole command may take (default 570, inside the device tool's
+#                   600): each system gets what is left, up to its stage's cap, and a stage
+#                   that cannot get its minimum is skipped and listed as such
+#   HOST_MEM_GIB=M  host memory the plan assumes (default 128 per GPU, as the lent H200 and H100
+#                   hosts have; their MemTotal starts low and grows with use, so it is not read)
+#   RATIO=R         the model stages' offload_optimizer.ratio (default: `plan --ratio auto`)
 #
 # Run from the repo root on a machine with >= 2 GPUs, `.whl` carried (scripts/device_env.sh).
-# Writes under $OUT (default ./results): logs, suite.csv, plots; prints a short table last.
+# Writes under $OUT (default ./results): run.log, suite.csv (a row per system), logs.tgz (each
+# system's log), plan_<model>.txt/.json, env.txt, dmesg.txt; prints a short table last.
 set -u
-STAGE="${1:?stage: tests, scaling, qwen3-14b or qwen3-30b-a3b}"
+(($# > 0)) || { sed -n '2,/^set -u/p' "$0" | head -n -1 >&2; exit 2; }
+BEGAN=$(date +%s)
+DEADLINE_S=${DEADLINE_S:-570}
 OUT="${OUT:-results}"
 mkdir -p "$OUT"
-source scripts/device_env.sh || exit 1
-find ~/.cache -name lock -delete 2>/dev/null
-GPUS=$(python -c 'import torch; print(torch.cuda.device_count())')
-NEED=2; [ "$STAGE" = qwen3-30b-a3b ] && NEED=4
-[ "$GPUS" -ge "$NEED" ] || { echo "stage $STAGE needs >= $NEED GPUs, found $GPUS" >&2; exit 2; }
-start=$(date +%s)
-python -c "import hf_superoffload.ops as o; o.prepare()" > "$OUT/build_ours.log" 2>&1 &
-python -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()" \
-    > "$OUT/build_deepspeed.log" 2>&1 &
-wait
-echo "CPU Adams built in $(( $(date +%s) - start )) s"
+exec > >(tee -a "$OUT/run.log") 2>&1
+WORK=${WORK:-/tmp/multi_gpu}  # the suite's own tree (plots, nested logs); $OUT gets copies
+mkdir -p "$WORK"
+RESERVE=25                    # for the table, the copies and dmesg at the end
+SKIPPED=()
 
-point="--hidden 3072 --layers 28 --seq 4096 --batch 4 --steps 6 --warmup 3 --superoffload-warmup 4 --clip 1.0"
-# One of the issue's models on N GPUs of one H200 host (128 GiB of host memory per GPU there):
-# the memory plan, then ours at RATIO and DeepSpeed ZeRO-Offload, 10 steps each.
-model_stage() {
-  local name=$1 gpus=$2 ratio=$3
-  python -m hf_superoffload plan "$name" --gpus "$gpus" --gpu-mem 139 --cpu-mem $((128 * gpus)) \
-      --ratio "$ratio" > "$OUT/plan.txt" 2>&1
-  local model="--model-config hf_superoffload/model_configs/$name.json --seq 4096 --batch 4 --steps 7 --warmup 3 --clip 1.0 --nproc $gpus"
-  # shellcheck disable=SC2086
-  timeout 330 python benchmarks/suite.py $model --ratio "$ratio" --systems superoffload_zero3 \
-      --out-dir "$OUT/suite" --timeout 320 | tail -2
-  # shellcheck disable=SC2086
-  timeout 200 python benchmarks/suite.py $model --systems deepspeed_zero_offload --out-dir "$OUT/suite" \
-      --timeout 190 | tail -2
+left() { echo $((DEADLINE_S - ($(date +%s) - BEGAN) - RESERVE)); }
+note() { echo "[$(($(date +%s) - BEGAN)) s] $*"; }
+
+source scripts/device_env.sh || exit 1
+if ! command -v python >/dev/null; then  # the image may name its interpreter python3 only
+  mkdir -p /tmp/python_shim && ln -sf "$(command -v python3)" /tmp/python_shim/python
+  export PATH="/tmp/python_shim:$PATH"
+fi
+find ~/.cache -name lock -delete 2>/dev/null
+FOUND=$(python -c 'import torch; print(torch.cuda.device_count())')
+GPUS=${GPUS:-$FOUND}
+GPU_MEM=${GPU_MEM_GIB:-$(python -c 'import torch; print(int(torch.cuda.get_device_properties(0).total_memory / 2**30))')}
+HOST_MEM_GIB=${HOST_MEM_GIB:-$((128 * FOUND))}
+{
+  date -u +%FT%TZ
+  # A copy of the tree without its .git names its commit in a COMMIT file.
+  if [[ -f COMMIT ]]; then echo "commit $(cat COMMIT)"; else git log -1 --format='commit %H %s'; fi
+  nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
+  nvidia-smi topo -m
+  echo "cores: $(nproc)"; free -g; uname -r
+  python -c 'import torch, transformers, deepspeed; print("torch", torch.__version__, "| transformers", transformers.__version__, "| deepspeed", deepspeed.__version__, "| nccl", torch.cuda.nccl.version())'
+} > "$OUT/env.txt" 2>&1
+note "$FOUND GPUs of $GPU_MEM GiB, host planned as $HOST_MEM_GIB GiB; stages: $*"
+
+# Any GPU process a system left behind holds memory the next one needs: end it, by its pid
+# (on the device machine every GPU process is this command's).
+end_leftovers() {
+  local pids
+  pids=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr -d ' ')
+  if [[ -n "$pids" ]]; then
+    note "ending leftover GPU processes: $pids"
+    kill -9 $pids 2>/dev/null
+    sleep 3
+  fi
 }
 
-case "$STAGE" in
-  tests)
-    timeout 420 python -m pytest -m multi_gpu -q -p no:cacheprovider -rs \
-        tests/test_zero3_gpu.py tests/test_zero3_ulysses.py tests/test_failure_watch.py \
-        tests/test_engine_distributed.py > "$OUT/multi_gpu_tests.log" 2>&1
-    tail -8 "$OUT/multi_gpu_tests.log"
-    ;;
-  scaling)
-    # shellcheck disable=SC2086
-    timeout 170 python benchmarks/suite.py $point --nproc 2 --systems superoffload_zero3 \
-        --out-dir "$OUT/suite" --timeout 160 | tail -2
-    # shellcheck disable=SC2086
-    timeout 250 python benchmarks/suite.py $point --nproc 1 --systems superoffload_zero3,superoffload \
-        --gpu-buckets 0 --out-dir "$OUT/suite" --timeout 120 | tail -3
-    ;;
-  qwen3-14b)
-    # ratio 0.85: the first 15% of the sub groups' state on the GPU (16 B/param there), so the
-    # host holds 12.2 B/param (the issue's target: <= 13); the plan says 74.8 of 139 GiB GPU.
-    model_stage qwen3-14b 2 0.85
-    ;;
-  qwen3-30b-a3b)
-    # MoE, 30.5B params over 4 ranks of one 512 GiB host: ratio 0.9 plans 12.9 host B/param.
-    # Experts without tokens in a step are DeepSpeed's leaf-module case (Qwen3MoeSparseMoeBlock
-    # is a default leaf in 0.19.8), tested on CPU in tests/test_zero3_moe.py.
-    model_stage qwen3-30b-a3b 4 0.9
-    ;;
-  *) echo "unknown stage $STAGE: tests, scaling, qwen3-14b or qwen3-30b-a3b" >&2; exit 2 ;;
-esac
-if [ -f "$OUT/suite/suite.csv" ]; then
-  tar -czf "$OUT/suite_logs.tgz" -C "$OUT/suite" logs 2>/dev/null
-  python - "$OUT/suite/suite.csv" <<'PY'
-import csv, json, sys
-print(f"{'system':<20} {'gpus':>4} {'status':<8} {'s/step':>7} {'tok/s/GPU':>9} {'GPU GiB':>7} {'host GiB':>8} plan GPU/host per rank")
-for r in csv.DictReader(open(sys.argv[1])):
-    plan = json.loads(r["plan_per_rank"]) if r.get("plan_per_rank") else None
-    plan = f"{plan['gpu_gib']}/{plan['host_gib']}" if plan else "-"
-    print(f"{r['system']:<20} {r['world'] or '?':>4} {r['status']:<8} {r['s_per_step'] or '-':>7} "
-          f"{r['tokens_per_s_per_gpu'] or '-':>9} {r['peak_gpu_gib'] or '-':>7} "
-          f"{r['peak_host_rss_gib'] or '-':>8} {plan}")
-PY
+# Copies of what the suite wrote so far: $OUT comes back even when the call is cut short.
+save() {
+  [[ -f "$WORK/suite/suite.csv" ]] && cp "$WORK/suite/suite.csv" "$OUT/suite.csv"
+  [[ -d "$WORK/suite/logs" ]] && tar -czf "$OUT/logs.tgz" -C "$WORK/suite" logs 2>/dev/null
+}
+
+# suite LABEL CAP MIN [suite.py args]: one system (one suite.py process) with min(CAP, time
+# left) seconds, or skipped when less than MIN is left.
+suite() {
+  local label=$1 cap=$2 min=$3
+  shift 3
+  local budget
+  budget=$(left)
+  ((budget > cap)) && budget=$cap
+  if ((budget < min)); then
+    note "skipped $label: $budget s left, it needs $min"
+    SKIPPED+=("$label (needed $min s, $budget s left)")
+    return
+  fi
+  note "$label: up to $budget s"
+  # suite.py's own limit ends the system (SIGTERM, then SIGKILL 40 s on) and writes its row;
+  # the outer one only guards against the suite itself hanging.
+  timeout -k 10 $((budget + 45)) python benchmarks/suite.py "$@" --out-dir "$WORK/suite" \
+    --timeout $((budget - 15))
+  end_leftovers
+  save
+  note "$label: done"
+}
+
+BUILDS=()
+build_extensions() {  # in the background; BUILDS holds their pids (a bare `wait` would also
+  # wait for the log's tee)
+  python -c "import hf_superoffload.ops as o; o.prepare()" > "$WORK/build_ours.log" 2>&1 &
+  BUILDS+=($!)
+  python -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()" \
+    > "$WORK/build_deepspeed.log" 2>&1 &
+  BUILDS+=($!)
+}
+
+POINT=(--hidden 3072 --layers 28 --seq 4096 --batch 4 --steps 6 --warmup 3 --superoffload-warmup 4)
+
+model_stage() {  # model gpus [deepspeed]
+  local name=$1 gpus=$2 ds=${3:-}
+  ((FOUND >= gpus)) || { SKIPPED+=("$name${ds:+-deepspeed} (needs $gpus GPUs, found $FOUND)"); return; }
+  local model=(--model-config "hf_superoffload/model_configs/$name.json" --seq 4096 --batch 4
+               --steps 7 --warmup 3 --clip 1.0 --nproc "$gpus")
+  if [[ -n "$ds" ]]; then  # DeepSpeed's plain CPU offload, all optimizer state on the host
+    suite "$name-deepspeed" 600 90 "${model[@]}" --systems deepspeed_zero_offload
+    return
+  fi
+  local hw=(--gpus "$gpus" --gpu-mem "$GPU_MEM" --cpu-mem "$HOST_MEM_GIB")
+  local ratio=${RATIO:-}
+  if [[ -z "$ratio" ]]; then
+    python -m hf_superoffload plan "$name" "${hw[@]}" --ratio auto --json > "$OUT/plan_$name.json"
+    ratio=$(python -c 'import json, sys; p = json.load(open(sys.argv[1])); print(p["run"]["ratio"] if p["fits"] else "")' "$OUT/plan_$name.json")
+    [[ -n "$ratio" ]] || { SKIPPED+=("$name (the plan fits at no ratio: $OUT/plan_$name.json)"); return; }
+  fi
+  python -m hf_superoffload plan "$name" "${hw[@]}" --ratio "$ratio" > "$OUT/plan_$name.txt" 2>&1
+  note "$name: ratio $ratio ($(grep -m1 'host bytes per param' "$OUT/plan_$name.txt"))"
+  suite "$name" 600 120 "${model[@]}" --ratio "$ratio" --systems superoffload_zero3
+}
+
+for STAGE in "$@"; do
+  case "$STAGE" in
+    tests | scaling | scaling-noclip | qwen3-14b | qwen3-30b-a3b | qwen3-14b-deepspeed | qwen3-30b-a3b-deepspeed) ;;
+    *) echo "unknown stage $STAGE (see the header of $0)" >&2; exit 2 ;;
+  esac
+done
+
+build_extensions
+DDP_DONE=0
+if [[ " $* " == *" scaling-noclip "* ]]; then
+  # DDP without offload needs neither CPU Adam: it runs while they compile (on a few of the
+  # cores; its step is the GPUs' work), and the wait for the builds follows it.
+  suite "no offload, clip 0, $GPUS GPUs" 150 60 "${POINT[@]}" --clip 0 --nproc "$GPUS" --systems no_offload
+  DDP_DONE=1
 fi
-echo "stage $STAGE done in $(( $(date +%s) - start )) s"
+wait "${BUILDS[@]}"
+mkdir -p "$WORK/suite/logs"
+cp "$WORK"/build_*.log "$WORK/suite/logs/"
+note "CPU Adams built: $(tail -qn1 "$WORK"/build_*.log | tr '\n' ' ')"
+
+for STAGE in "$@"; do
+  case "$STAGE" in
+    tests)
+      timeout "$(left)" python -m pytest -m multi_gpu -q -p no:cacheprovider -rs \
+          tests/test_zero3_gpu.py tests/test_zero3_ulysses.py tests/test_failure_watch.py \
+          tests/test_engine_distributed.py > "$OUT/multi_gpu_tests.log" 2>&1
+      tail -8 "$OUT/multi_gpu_tests.log"
+      ;;
+    scaling)
+      suite "ZeRO-3, clip 1, $GPUS GPUs" 150 70 "${POINT[@]}" --clip 1.0 --nproc "$GPUS" --systems superoffload_zero3
+      suite "ZeRO-3, clip 1, 1 GPU" 150 70 "${POINT[@]}" --clip 1.0 --nproc 1 --systems superoffload_zero3
+      ;;
+    scaling-noclip)
+      ((DDP_DONE)) || suite "no offload, clip 0, $GPUS GPUs" 150 60 "${POINT[@]}" --clip 0 --nproc "$GPUS" --systems no_offload
+      suite "ZeRO-3, clip 0, $GPUS GPUs" 150 70 "${POINT[@]}" --clip 0 --nproc "$GPUS" --systems superoffload_zero3
+      ;;
+    qwen3-14b) model_stage qwen3-14b 2 ;;
+    qwen3-30b-a3b) model_stage qwen3-30b-a3b 4 ;;
+    qwen3-14b-deepspeed) model_stage qwen3-14b 2 deepspeed ;;
+    qwen3-30b-a3b-deepspeed) model_stage qwen3-30b-a3b 4 deepspeed ;;
+  esac
+done
+
+# The kernel's word on any process it killed (the host's OOM killer), then the table.
+dmesg -T > "$WORK/dmesg.txt" 2>&1 || dmesg > "$WORK/dmesg.txt" 2>&1
+tail -300 "$WORK/dmesg.txt" > "$OUT/dmesg.txt"
+grep -iE 'out of memory|oom-kill|killed process' "$WORK/dmesg.txt" | tail -8
+save
+echo
+note "stages done"
+[[ -f "$WORK/suite/suite.csv" ]] && python benchmarks/multi_gpu_table.py "$WORK/suite/suite.csv"
+for s in "${SKIPPED[@]+"${SKIPPED[@]}"}"; do echo "not run: $s"; done

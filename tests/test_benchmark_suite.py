@@ -121,3 +121,83 @@ def test_host_memory_peak_is_the_highest_use_above_the_start(monkeypatch):
         assert seen_all.wait(timeout=10)
     assert host.peak_bytes == 20 * gib  # 30 GiB at the peak, 10 when the block started
     assert host.peak_gib == 20.0
+
+
+def test_a_system_past_its_timeout_is_ended_with_its_group_and_leaves_its_log(
+    tmp_path, monkeypatch
+):
+    """A process cut at its time limit leaves what it printed so far (how far a start-up got),
+    and nothing it started outlives it (a worker left behind holds the next system's memory)."""
+    import os
+    import time
+
+    monkeypatch.setattr(suite, "TERM_GRACE_S", 10)
+    pid_file = tmp_path / "worker.pid"
+    code = (
+        "import subprocess, sys, time\n"
+        "w = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(w.pid))\n"
+        "print('row so far', flush=True)\n"
+        "print('loading shards', file=sys.stderr, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    log = tmp_path / "system.log"
+    returncode, stdout, stderr = suite.run_logged([sys.executable, "-c", code], None, 8, log)
+    assert returncode is None
+    assert (stdout, stderr) == ("row so far\n", "loading shards\n")
+    assert log.read_text() == stdout + stderr
+    assert not log.with_suffix(".stdout").exists()
+    worker = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # gone, or a zombie its new parent has yet to reap
+        try:
+            stat = Path(f"/proc/{worker}/stat").read_text()
+        except FileNotFoundError:
+            break
+        if stat.rsplit(")", 1)[1].split()[0] == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(worker, 9)
+        raise AssertionError("the system's worker outlived the timeout")
+
+
+def test_a_finished_system_gives_its_exit_code_and_output(tmp_path):
+    code = "import sys; print('{}'); print('warn', file=sys.stderr); sys.exit(3)"
+    log = tmp_path / "system.log"
+    assert suite.run_logged([sys.executable, "-c", code], None, 60, log) == (3, "{}\n", "warn\n")
+    assert log.read_text() == "{}\nwarn\n"
+
+
+TORCHRUN_SUMMARY = """Traceback (most recent call last):
+  File "torchrun", line 8, in <module>
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+benchmarks/train_step.py FAILED
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  rank      : 2 (local_rank: 2)
+  exitcode  : {code} (pid: 4242)
+  traceback : {why}
+============================================================
+"""
+
+
+def test_a_torchrun_failure_names_the_workers_error_or_the_signal_that_ended_it():
+    """torchrun's own traceback and summary box end its log; the row needs the rank's error."""
+    worker = (
+        "[rank1]: Traceback (most recent call last):\n[rank1]:   File train_step.py\n"
+        "[rank1]: RuntimeError: NCCL error in: init\n"
+        "W1126 04:57:39.660000 11464 torch/distributed/elastic/api.py:1028] Sending SIGTERM\n"
+    )
+    failed = worker + TORCHRUN_SUMMARY.format(code=1, why="To enable traceback see: ...")
+    assert suite.classify_failure(1, failed) == ("failed", "RuntimeError: NCCL error in: init")
+    oom = worker.replace("RuntimeError: NCCL error in: init", "torch.OutOfMemoryError: CUDA out")
+    assert suite.classify_failure(1, oom + TORCHRUN_SUMMARY.format(code=1, why="..."))[0] == (
+        "out of memory"
+    )
+    killed = "loading\n" + TORCHRUN_SUMMARY.format(
+        code="-9", why="Signal 9 (SIGKILL) received by PID 4242"
+    )
+    assert suite.classify_failure(1, killed) == ("killed", "a rank: SIGKILL (host out of memory?)")

@@ -202,27 +202,106 @@ def test_standalone_host_parts_follow_the_bucket_layout(
     assert sum(parts.values()) - parts["param_copy_out"] == per_element * n
 
 
-def test_zero3_host_parts_partition_over_the_ranks_and_ratio():
-    import types
+def test_zero3_host_parts_follow_the_optimizers_sub_groups_and_count_a_resume():
+    from hf_superoffload.zero3.host_check import zero3_host_parts, zero3_sub_groups
+    from hf_superoffload.zero3.memory_plan import resume_extra_host_bytes, start_up_host_bytes
 
-    from hf_superoffload.zero3.host_check import zero3_host_parts
+    def param(numel, trainable=True):
+        return torch.nn.Parameter(torch.zeros(numel, dtype=torch.bfloat16), trainable)
 
-    params = [torch.nn.Parameter(torch.zeros(1000, dtype=torch.bfloat16)) for _ in range(4)]
-    frozen = torch.nn.Parameter(torch.zeros(500, dtype=torch.bfloat16), requires_grad=False)
-    optimizer = torch.optim.AdamW([{"params": params[:2]}, {"params": [*params[2:], frozen]}])
+    big, b, c, norm1, d, norm2 = (param(n) for n in (6000, 1000, 1000, 50, 1000, 50))
+    frozen = param(500, trainable=False)
+    optimizer = torch.optim.AdamW([{"params": [big, b, c, norm1]}, {"params": [d, norm2, frozen]}])
     kwargs = {
-        "offload_optimizer_config": types.SimpleNamespace(ratio=0.5),
+        "offload_ratio": 0.5,
         "gradient_accumulation_dtype": torch.bfloat16,
-        "sub_group_size": 100,
+        "sub_group_size": 2500,
+        "param_persistence_threshold": 100,  # the norms persist: sub groups of their own
         "gradient_accumulation_steps": 2,
     }
-    parts = zero3_host_parts(optimizer, kwargs)  # one process: the partition is all 4000
-    assert parts["master"] == 4 * 2000 and parts["moments"] == 8 * 2000
-    assert parts["gradients"] == 2 * 2000 and parts["accumulation"] == 2 * 4000
-    assert parts["param_copy_out"] == 3 * 1000 * 2  # three slots of the largest param
+    # Sub groups (one process: each holds its params whole): [big], [b, c], [norm1] of the
+    # first group, [d], [norm2] of the second; ratio 0.5 keeps int(0.5 * 5) = 2 on the
+    # device, 8000 of the 9100 elements (an element share would have left 4550 on the host).
+    parts = zero3_host_parts(optimizer, kwargs)
+    assert parts["master"] == 4 * 1100 and parts["moments"] == 8 * 1100
+    assert parts["gradients"] == 2 * 1100 and parts["accumulation"] == 2 * 9100
+    assert parts["param_copy_out"] == 3 * 1000 * 2  # three slots of the largest host sub group
+    # A resume reads the whole partition's masters and moments beside the live state.
+    split = zero3_sub_groups(optimizer, kwargs)
+    assert split.numels == (6000, 2000, 50, 1000, 50) and split.device_count == 2
+    assert parts["resume_beyond_training"] == resume_extra_host_bytes(split) > 0
     assert parts["start_up_beyond_training"] == 0
-    # Nearly all on the GPU: building the optimizer (DeepSpeed's fp32 masters of the whole
-    # partition and its accumulation buffer, 6 B/param) is the peak.
-    kwargs["offload_optimizer_config"] = types.SimpleNamespace(ratio=0.0)
-    kwargs["gradient_accumulation_steps"] = 1
-    assert sum(zero3_host_parts(optimizer, kwargs).values()) == 6 * 4000
+    # All on the device and nothing accumulating: nothing while training, and the larger of
+    # building the optimizer (DeepSpeed's fp32 masters of the partition and its accumulation
+    # buffer) and a resume.
+    kwargs.update(offload_ratio=0.0, gradient_accumulation_steps=1)
+    parts = zero3_host_parts(optimizer, kwargs)
+    assert parts["master"] == parts["accumulation"] == 0
+    resume = resume_extra_host_bytes(zero3_sub_groups(optimizer, kwargs))
+    peak = max(start_up_host_bytes(9100, 2), resume)
+    assert sum(parts.values()) == peak
+
+
+def _count_ranks(rank: int, rendezvous: str, out_dir: str) -> None:
+    import datetime
+    import json
+    import time
+
+    import torch.distributed as dist
+
+    from hf_superoffload.engine import checks, host_memory, replicas
+
+    for name in host_memory.LAUNCHER_LOCAL_SIZES:  # as under `deepspeed` or mpirun: no count
+        os.environ.pop(name, None)
+    os.environ[host_memory.HOST_MEMORY_ENV] = "10"
+    dist.init_process_group(
+        "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2,
+        timeout=datetime.timedelta(seconds=60),
+    )  # fmt: skip
+    outcome = {"ranks": host_memory.ranks_on_this_host(), "cores": checks.cores_of_this_rank(False)}
+    try:  # 6 GiB a rank fits the host's 10 for one rank, not for two
+        host_memory.check_host_memory({"master": 6 * GiB}, "change something")
+    except host_memory.HostMemoryError as error:
+        outcome["refused"] = str(error)
+    # A peer that failed and said so ends the wait for its host name at once.
+    host_memory.HOST_KEY = "test/again/rank{}"
+    if rank == 1:
+        replicas.publish_failure(RuntimeError("injected before the count"))
+        time.sleep(1)  # alive a while, never writing its host name (the store keeps its error)
+    else:
+        start = time.monotonic()
+        try:
+            host_memory.ranks_on_this_host()
+        except replicas.PeerRankError as error:
+            outcome.update(peer=str(error), seconds=time.monotonic() - start)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(outcome, f)
+
+
+def test_ranks_per_host_are_counted_whatever_the_launcher(tmp_path):
+    """Two gloo ranks with no launcher count in the environment (LOCAL_WORLD_SIZE unset, as
+    under ``deepspeed train.py`` or mpirun): each counts two ranks on its host, sizes the host
+    check for both and shares the cores with the other."""
+    import json
+
+    from ranks import spawn_ranks
+
+    spawn_ranks(_count_ranks, (str(tmp_path / "rendezvous"), str(tmp_path)), 2, timeout=120)
+    outcomes = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    cores = len(os.sched_getaffinity(0))
+    for outcome in outcomes:
+        assert outcome["ranks"] == 2 and outcome["cores"] == max(1, cores // 2), outcome
+        assert "x 2 rank(s) on this host (host names over torch.distributed)" in outcome["refused"]
+    assert "rank 1 failed with RuntimeError: injected before the count" in outcomes[0]["peer"]
+    assert outcomes[0]["seconds"] < 5
+
+
+def test_before_torch_distributed_the_launchers_count_is_read(monkeypatch):
+    for name in host_memory.LAUNCHER_LOCAL_SIZES:
+        monkeypatch.delenv(name, raising=False)
+    assert host_memory.ranks_on_this_host() == 1
+    monkeypatch.setenv("LOCAL_SIZE", "3")  # the deepspeed launcher's
+    assert host_memory.ranks_on_this_host() == 3
+    monkeypatch.delenv("LOCAL_SIZE")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "4")  # Open MPI's
+    assert host_memory.ranks_on_this_host() == 4

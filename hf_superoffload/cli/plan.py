@@ -68,12 +68,21 @@ def add_parser(commands) -> None:
     parser.add_argument(
         "--ratio",
         default="1.0",
-        help="share of the optimizer state on the host; DeepSpeed's offload_optimizer.ratio "
+        help="share of the sub groups whose optimizer state is on the host (the first "
+        "1 - ratio of them stay on the GPU); DeepSpeed's offload_optimizer.ratio "
         "(default 1.0: all of it), or 'auto': the lowest ratio down to 0.5 that fits, keeping "
-        "the GPU need within 90%% of the card",
+        f"the GPU need within {ratio_auto.GPU_SHARE:.0%}% of the card",  # %% for argparse
     )
     parser.add_argument(
         "--offload-param", action="store_true", help="bf16 params on the host too (ZeRO-3)"
+    )
+    parser.add_argument(
+        "--sub-group-size",
+        type=int,
+        default=Zero3Run.sub_group_size,
+        metavar="N",
+        help="DeepSpeed's sub_group_size, elements (default: the shipped configs' "
+        f"{Zero3Run.sub_group_size}); --ratio keeps a share of these sub groups on the GPU",
     )
     parser.add_argument(
         "--gradient-accumulation-steps",
@@ -108,7 +117,12 @@ class Verdict:
 
 
 def _check(args) -> None:
-    for option, value in (("--gpus", args.gpus), ("--seq", args.seq), ("--batch", args.batch)):
+    for option, value in (
+        ("--gpus", args.gpus),
+        ("--seq", args.seq),
+        ("--batch", args.batch),
+        ("--sub-group-size", args.sub_group_size),
+    ):
         if value is not None and value < 1:
             raise UsageError(f"{option} must be at least 1, got {value}")
     if args.gradient_accumulation_steps < 1:
@@ -196,6 +210,7 @@ def run(args: argparse.Namespace) -> int:
         ratio=1.0 if args.ratio == "auto" else float(args.ratio),
         offload_param=args.offload_param,
         gradient_accumulation=args.gradient_accumulation_steps,
+        sub_group_size=args.sub_group_size,
     )
     shape = _shape(source.config)
     auto_notes, auto_suggestions = [], []
@@ -265,15 +280,17 @@ def _model_line(source, plan: MemoryPlan) -> str:
 
 
 def _run_line(plan: MemoryPlan) -> str:
-    run = plan.run
-    on_gpu = plan.gpu["optimizer_on_gpu"] // 16
+    run, split = plan.run, plan.split
     where = (
         "all optimizer state on the host"
-        if not on_gpu
-        else f"{on_gpu / 1e9:.2f}B params' optimizer state on the GPU (n', the first sub groups)"
+        if not split.device_count
+        else f"the first {split.device_count} sub groups' optimizer state on the GPU "
+        f"({split.device_numel / 1e9:.2f}B params, {split.device_numel / split.partition:.0%} "
+        "of the partition)"
     )
     extras = [
-        f"sub groups (speculation buckets) of up to {run.sub_group_size / 1e6:.1f}M params",
+        f"{len(split.numels)} sub groups (speculation buckets) of up to "
+        f"{run.sub_group_size / 1e6:.1f}M params (a larger param alone)",
         where,
     ]
     if run.offload_param:
@@ -302,8 +319,8 @@ def _as_text(source, capacity, verdict: Verdict, suggestions, notes) -> str:
         f"({verdict.gpu_need / verdict.gpu_memory:.0%})",
         f"host, {per_host} rank(s): needs {_gib(verdict.host_need)} with the system's share, "
         f"has {_gib(verdict.host_memory)} ({verdict.host_need / verdict.host_memory:.0%})",
-        f"host bytes per param: {plan.host_bytes_per_param:.1f} (a lower --ratio moves the "
-        "state of the first sub groups to the GPU, 16 bytes per param there)",
+        f"host bytes per param while training: {plan.host_bytes_per_param:.1f} (a lower "
+        "--ratio moves the state of the first sub groups to the GPU, 16 bytes per param there)",
         *(f"note: {note}" for note in notes),
         "",
     ]
@@ -316,13 +333,14 @@ def _as_text(source, capacity, verdict: Verdict, suggestions, notes) -> str:
 
 
 def _as_json(source, capacity, verdict: Verdict, suggestions, notes) -> dict:
-    plan = verdict.plan
+    plan, split = verdict.plan, verdict.plan.split
+    per_param = ("param_numels", "param_decays")  # the model's every param: not for the output
     return {
         "model": {
             "name": source.name,
             "config": source.path,
             "model_type": source.config.model_type,
-            **dataclasses.asdict(plan.shape),
+            **{k: v for k, v in dataclasses.asdict(plan.shape).items() if k not in per_param},
         },
         "run": dataclasses.asdict(plan.run),
         "hardware": {
@@ -335,8 +353,17 @@ def _as_json(source, capacity, verdict: Verdict, suggestions, notes) -> dict:
         "gpu_bytes_per_rank": plan.gpu,
         "host_bytes_per_rank": plan.host,
         "gpu_total_bytes": plan.gpu_bytes,
+        "sub_groups": {
+            "count": len(split.numels),
+            "on_gpu": split.device_count,
+            "gpu_params_per_rank": split.device_numel,
+            "host_params_per_rank": split.host_numel,
+        },
         "host_total_bytes_per_rank": plan.host_bytes,
+        "host_training_bytes_per_rank": plan.host_training,
         "host_start_up_bytes_per_rank": plan.host_start_up,
+        "host_resume_bytes_per_rank": plan.host_resume,
+        "host_peak": plan.host_peak_phase,
         "host_total_bytes_per_host": plan.host_bytes_per_host,
         "host_bytes_per_param": plan.host_bytes_per_param,
         "gpu_need_bytes": verdict.gpu_need,

@@ -10,6 +10,8 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from .host_memory import ranks_on_this_host
+
 HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
 
 logger = logging.getLogger("hf_superoffload")
@@ -180,7 +182,7 @@ def cores_of_this_rank(bound: bool) -> int:
     """The cores this process may use, shared out between the ranks of one host unless each
     rank is ``bound`` to cores of its own."""
     cores = len(os.sched_getaffinity(0))
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local_ranks = ranks_on_this_host()  # whatever the launcher
     if local_ranks > 1 and not bound:
         cores = max(1, cores // local_ranks)
     return cores

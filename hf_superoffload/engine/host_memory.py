@@ -17,9 +17,14 @@ from __future__ import annotations
 
 import mmap
 import os
+import socket
+import time
 import weakref
 
 import torch
+import torch.distributed as dist
+
+from .replicas import PeerRankError, published_failures
 
 PAGE = mmap.PAGESIZE
 
@@ -131,10 +136,65 @@ def host_bytes_available() -> int:
     return available
 
 
+# Processes of the job on this host, as launchers that set one say it (torchrun and
+# accelerate, deepspeed's launcher, Open MPI, MVAPICH2, MPICH and Intel MPI): read only before
+# torch.distributed is initialized, which counts them itself.
+LAUNCHER_LOCAL_SIZES = (
+    "LOCAL_WORLD_SIZE",
+    "LOCAL_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
+    "MV2_COMM_WORLD_LOCAL_SIZE",
+    "MPI_LOCALNRANKS",
+)
+HOST_KEY = "hf_superoffload/host/rank{}"  # in torch.distributed's store: each rank's host
+
+
 def ranks_on_this_host() -> int:
-    """Processes of this job on this host (the launcher's ``LOCAL_WORLD_SIZE``), each of
-    which allocates its own host state at about the same time."""
-    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    """Processes of this job on this host, each of which allocates its own host state and
+    runs its own CPU Adam team at about the same time."""
+    return _ranks_on_this_host()[0]
+
+
+def _ranks_on_this_host() -> tuple[int, str]:
+    """The count, and how it was found. With torch.distributed initialized every rank writes
+    its host name into the job's store and reads the others': whatever started the ranks
+    (torchrun, accelerate, ``deepspeed``, mpirun, srun). Before that, the launcher's count."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        hosts = _host_of_every_rank()
+        return hosts.count(hosts[dist.get_rank()]), "host names over torch.distributed"
+    for name in LAUNCHER_LOCAL_SIZES:
+        value = os.environ.get(name, "").strip()
+        if value.isdigit():
+            return max(1, int(value)), name
+    return 1, "no launcher count, torch.distributed not initialized"
+
+
+def _host_of_every_rank() -> list[str]:
+    """Every rank's host name, by rank, through the default group's store (no collective:
+    ranks may ask at different points, and no device is needed). Waits for ranks that have
+    not written theirs yet; a rank that failed and published its error ends the wait."""
+    # NOTE: torch has no public accessor of the default group's store (replicas.py says so).
+    store = dist.distributed_c10d._get_default_store()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    keys = [HOST_KEY.format(r) for r in range(world)]
+    store.set(keys[rank], socket.gethostname())
+    deadline = time.monotonic() + store.timeout.total_seconds()
+    while not store.check(keys):
+        failures = published_failures()
+        if failures:
+            raise PeerRankError(
+                "counting the ranks on this host: "
+                + "; ".join(f"rank {r} failed with {text}" for r, text in sorted(failures.items()))
+            )
+        if time.monotonic() > deadline:
+            missing = [r for r, key in enumerate(keys) if not store.check([key])]
+            raise RuntimeError(
+                f"rank(s) {missing} did not say which host they run on within "
+                f"{store.timeout}: every rank of the job must build the optimizer (a rank that "
+                "ended before it leaves the others waiting)"
+            )
+        time.sleep(0.05)
+    return [value.decode() for value in store.multi_get(keys)]
 
 
 def check_host_memory(parts: dict[str, int], remedies: str) -> None:
@@ -142,14 +202,14 @@ def check_host_memory(parts: dict[str, int], remedies: str) -> None:
     what they hold) that this host cannot hold for all of its ranks; the kernel's OOM killer
     would otherwise end the run part-way. ``remedies`` says what to change."""
     per_rank = sum(parts.values())
-    ranks = ranks_on_this_host()
+    ranks, how = _ranks_on_this_host()
     available = host_bytes_available()
     if per_rank * ranks <= available:
         return
     listed = ", ".join(f"{name} {nbytes / 2**30:.2f}" for name, nbytes in parts.items() if nbytes)
     raise HostMemoryError(
         f"the optimizer's host state needs {per_rank / 2**30:.2f} GiB per rank ({listed} GiB) "
-        f"x {ranks} rank(s) on this host (LOCAL_WORLD_SIZE) = {per_rank * ranks / 2**30:.2f} "
+        f"x {ranks} rank(s) on this host ({how}) = {per_rank * ranks / 2**30:.2f} "
         f"GiB of host memory (pinned and pageable), but only {available / 2**30:.2f} GiB is "
         f"available (MemAvailable, or the container's limit); the kernel would kill the run "
         f"part-way. {remedies} (Where memory grows as it is used, as on some VMs, and "

@@ -65,7 +65,8 @@ def train(kind: str, argv: list[str] | None = None, prog: str | None = None) -> 
     """Train, save the model, its state, the loss curve and ``<kind>_summary.json`` to the
     output directory; return the summary."""
     recipe, trainer, model = build_trainer(kind, argv, prog)
-    result = trainer.train()
+    # TrainingArguments carries --resume_from_checkpoint, but the Trainer reads it only here.
+    result = trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
     out = Path(trainer.args.output_dir)
     trainer.save_model(str(out))  # model, config and tokenizer
     trainer.save_state()  # trainer_state.json, with every logged loss

@@ -14,6 +14,9 @@ value, rather than running DeepSpeed's own engine. Activation reads it as ``true
 The other changes (``patches.py`` lists them) refuse configs this path cannot run before
 DeepSpeed builds anything, keep DeepSpeed and accelerate from compiling a CPU Adam that would
 never step, and stop a DeepSpeed op build from waiting forever on a lock its builder left.
+Activation also changes how DeepSpeed reads ZeRO-3 checkpoints (``checkpoint_hooks.py``): ours
+are memory-mapped, and DeepSpeed's own optimizers read a checkpoint of ours; that reader is
+installed under ``HF_SUPEROFFLOAD_DEEPSPEED=0`` too.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ BUILDER_MODULE = "deepspeed.ops.op_builder.builder"
 ACCELERATE_MODULE = "accelerate.accelerator"
 COMM_MODULE = "deepspeed.comm.comm"
 TRAINER_MODULE = "transformers.trainer"
+STAGE3_MODULE = "deepspeed.runtime.zero.stage3"
 OPT_OUT_ENV = "HF_SUPEROFFLOAD_DEEPSPEED"
 
 
@@ -72,13 +76,14 @@ def _patches(engine: bool) -> dict:
         CONFIG_MODULE: patches.read_our_engine_value,
         BUILDER_MODULE: patches.check_build_locks,
         COMM_MODULE: patches.one_process_without_launcher,
+        STAGE3_MODULE: _read_our_cut,  # it resumes from our checkpoints (checkpoint_hooks.py)
     }
     if not engine:
         return always
     return {
         **always,
         TARGET_MODULE: patches.rebind_superoffload,
-        ENGINE_MODULE: patches.guard_engine,
+        ENGINE_MODULE: _patch_engine,
         ZERO_UTILS_MODULE: patches.accept_host_adam_state,
         ACCELERATE_MODULE: patches.map_client_optimizer,
         TRAINER_MODULE: patches.log_zero3_metrics,
@@ -86,6 +91,19 @@ def _patches(engine: bool) -> dict:
 
 
 _active: dict = {}
+
+
+def _patch_engine(module) -> None:
+    from .checkpoint_hooks import map_optimizer_files
+
+    patches.guard_engine(module)
+    map_optimizer_files(module)
+
+
+def _read_our_cut(module) -> None:
+    from .checkpoint_hooks import read_our_cut
+
+    read_our_cut(module)
 
 
 def is_active() -> bool:

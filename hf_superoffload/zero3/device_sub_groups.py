@@ -24,10 +24,12 @@ from ..engine.partition import HostPartition
 
 
 def device_sub_group_count(ratio: float, sub_groups: int) -> int:
-    """How many of the first sub groups stay on the device: DeepSpeed's rule for ``ratio``
-    (the share offloaded to the host; its config checks the range), so a config means what
-    it meant under DeepSpeed."""
-    return int((1 - ratio) * sub_groups)
+    """How many of the first sub groups stay on the device: DeepSpeed's rule for ``ratio``,
+    which the memory plan and the host check count by too (``sub_group_cut.py`` holds it,
+    beside the cut into sub groups)."""
+    from .sub_group_cut import device_sub_group_count as rule
+
+    return rule(ratio, sub_groups)
 
 
 class DeviceSubGroup(HostPartition):

@@ -1,54 +1,105 @@
 """Refuse, before DeepSpeed allocates it, a ZeRO-3 optimizer state this host cannot hold.
 
 Each rank holds its partition of the trainable params (``1 / data-parallel ranks`` of them) and,
-for the share ``ratio`` offloads, the host state ``optimizer.py`` describes: fp32 master (4
-B/param), both moments (8), the gradient buffer in DeepSpeed's accumulation dtype, DeepSpeed's
-accumulation buffer when micro-batches accumulate, and the copy-out ring. DeepSpeed's own fp32
-gradient buffers are never made (``host_state.py``). While the optimizer is built DeepSpeed
-holds the fp32 masters of the whole partition and its accumulation buffer, before the GPU
-tail's masters move and that buffer goes: below a ``ratio`` of about 0.4 that start-up is the
-peak, and the check counts what it holds beyond training's. Params that ``offload_param``
-keeps on the host were partitioned before the optimizer is built and are no longer in the
-available memory.
+for the sub groups ``ratio`` offloads, the host state ``optimizer.py`` describes: fp32 master
+(4 B/param), both moments (8), the gradient buffer in DeepSpeed's accumulation dtype,
+DeepSpeed's accumulation buffer when micro-batches accumulate, and the copy-out ring. Which sub
+groups those are comes from ``sub_group_cut``, the rule the optimizer cuts by, applied to the
+same inputs: the base optimizer's param groups, DeepSpeed's persistence thresholds,
+``sub_group_size`` and the rank's partition. DeepSpeed's own fp32 gradient buffers are never
+made (``host_state.py``). Two moments hold more than training: while the optimizer is built
+DeepSpeed holds the fp32 masters of the whole partition and its accumulation buffer, before
+the GPU tail's masters move and that buffer goes (below a ``ratio`` of about 0.4 that is the
+peak); and a resume loads a checkpoint beside the live state (``memory_plan
+.resume_extra_host_bytes``). The check counts the larger of the two beyond training's, so a
+run that trains here can also resume here. Params that ``offload_param`` keeps on the host
+were partitioned before the optimizer is built and are no longer in the available memory.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.distributed as dist
 
 from ..engine.host_memory import check_host_memory
 from ..engine.replicas import Replicas
-from .memory_plan import copy_out_bytes, optimizer_host_parts, start_up_host_bytes
+from .memory_plan import (
+    copy_out_bytes,
+    optimizer_host_parts,
+    resume_extra_host_bytes,
+    start_up_host_bytes,
+)
+from .sub_group_cut import (
+    DEEPSPEED_PERSISTENCE_THRESHOLD,
+    NO_MODEL_PERSISTENCE_LIMIT,
+    Param,
+    SubGroupSplit,
+    persistent_params,
+    split_sub_groups,
+    sub_group_numels,
+)
 
 REMEDIES = (
     "Use fewer GPUs per host (or more hosts: the state is partitioned over all ranks), keep "
     'part of the optimizer state on the GPU ("ratio" below 1 in "offload_optimizer"), drop '
     '"offload_param" if it is set (it puts the 16-bit params on the host too), train a '
-    "smaller model, or free host memory."
+    "smaller model, or free host memory. The count leaves room for a resume "
+    "(resume_beyond_training: DeepSpeed loads a checkpoint's optimizer state beside the live "
+    "state), so that a run that trains here can resume here."
 )
 
 
-def zero3_host_parts(init_optimizer, kwargs: dict) -> dict[str, int]:
-    """Host bytes per rank of the optimizer DeepSpeed is about to build (its constructor's
-    ``kwargs``). Params not yet partitioned count whole (``ds_numel`` is set once they are)."""
-    params = [p for g in init_optimizer.param_groups for p in g["params"] if p.requires_grad]
-    numel = sum(getattr(p, "ds_numel", p.numel()) for p in params)
-    largest = max((getattr(p, "ds_numel", p.numel()) for p in params), default=0)
+def zero3_sub_groups(init_optimizer, kwargs: dict) -> SubGroupSplit:
+    """The sub groups the optimizer DeepSpeed is about to build (its constructor's
+    ``kwargs``) will have, and ``ratio``'s cut of them. Params not yet partitioned count
+    whole (``ds_numel`` is set once they are). Persistence is DeepSpeed's mark where
+    ``zero.Init`` set it, else its rule, applied in the optimizer's param order (DeepSpeed
+    counts ``stage3_model_persistence_threshold`` in the module's: the same unless that limit
+    is set)."""
+    from .options import sub_group_size  # options imports this module
+
+    groups = [
+        [p for p in group["params"] if p.requires_grad and _numel(p) > 0]
+        for group in init_optimizer.param_groups
+    ]
+    every = [p for group in groups for p in group]
+    marks = persistent_params(
+        [_numel(p) for p in every],
+        kwargs.get("param_persistence_threshold", DEEPSPEED_PERSISTENCE_THRESHOLD),
+        kwargs.get("model_persistence_threshold", NO_MODEL_PERSISTENCE_LIMIT),
+    )
+    persists = {
+        id(p): bool(getattr(p, "ds_persist", False)) or mark
+        for p, mark in zip(every, marks, strict=True)
+    }
     group = kwargs.get("dp_process_group")
     ranks = dist.get_world_size(group=group) if dist.is_initialized() else 1
-    partition = math.ceil(numel / ranks)
-    ratio = getattr(kwargs.get("offload_optimizer_config"), "ratio", 1.0)
-    on_host = int(partition * ratio)
+    numels = sub_group_numels(
+        [[Param(_numel(p), persists[id(p)]) for p in params] for params in groups],
+        ranks,
+        sub_group_size(kwargs.get("sub_group_size", 0)),
+    )
+    return split_sub_groups(numels, kwargs.get("offload_ratio", 1.0))
+
+
+def _numel(param) -> int:
+    return getattr(param, "ds_numel", param.numel())
+
+
+def zero3_host_parts(init_optimizer, kwargs: dict) -> dict[str, int]:
+    """Host bytes per rank of the optimizer DeepSpeed is about to build, by what holds them:
+    training's parts, and what start-up or a resume holds beyond them (the larger)."""
+    split = zero3_sub_groups(init_optimizer, kwargs)
+    params = [p for g in init_optimizer.param_groups for p in g["params"] if p.requires_grad]
     grad = kwargs.get("gradient_accumulation_dtype", torch.float32).itemsize
     low = params[0].dtype.itemsize if params and params[0].dtype != torch.float32 else 0
-    copy_out = copy_out_bytes(kwargs.get("sub_group_size", 0), largest, ranks, low)
+    copy_out = copy_out_bytes(split.largest_host_sub_group, low)
     accumulating = kwargs.get("gradient_accumulation_steps", 1) > 1
-    parts = optimizer_host_parts(partition, on_host, grad, copy_out, accumulating)
-    start_up = start_up_host_bytes(partition, grad)
-    parts["start_up_beyond_training"] = max(0, start_up - sum(parts.values()))
+    parts = optimizer_host_parts(split.partition, split.host_numel, grad, copy_out, accumulating)
+    start_up = start_up_host_bytes(split.partition, grad) - sum(parts.values())
+    resume = resume_extra_host_bytes(split)
+    parts["start_up_beyond_training"] = start_up if start_up > max(resume, 0) else 0
+    parts["resume_beyond_training"] = resume if resume >= start_up else 0
     return parts
 
 

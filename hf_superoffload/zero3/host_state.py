@@ -83,16 +83,3 @@ class HostState:
         if type(self.optimizer).__name__ in ("DeepSpeedCPUAdam", "HostAdamState"):
             return step
         return torch.tensor(float(step))
-
-    def _adopt_loaded_state(self) -> None:
-        """torch's load_state_dict put new tensors into the base optimizer's state: make them
-        the moments the kernels update, in place where the old ones were."""
-        for part in self._host_parts + self._device_parts:
-            state = self.optimizer.state[part.master]
-            part.exp_avg.copy_(state["exp_avg"])
-            part.exp_avg_sq.copy_(state["exp_avg_sq"])
-            state["exp_avg"], state["exp_avg_sq"] = part.exp_avg, part.exp_avg_sq
-            part.step = int(state["step"])
-            state["step"] = self._step_value(part.step)
-        for part in self._device_parts:
-            self._tail.set_step(part)

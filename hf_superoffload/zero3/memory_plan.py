@@ -19,8 +19,16 @@ checkpointed decoder: each layer's input, one layer recomputed in backward, and 
 the loss's fp32 copies (12 B per logit: bf16 logits, the fp32 upcast, its fp32 gradient and the
 bf16 gradient).
 
-Checked against measured peaks (docs/benchmarks.md, "Memory plan"); the figures it prints are
-estimates within about 10% for dense decoders, not guarantees.
+``ratio`` is a share of the optimizer's sub groups, as in DeepSpeed: the plan cuts the params
+into sub groups as the optimizer does (``sub_group_cut.py``: the Trainer's decay and no-decay
+param groups, DeepSpeed's persistent params apart, ``sub_group_size``), so it counts the same
+sub groups on the GPU. A resume holds a little more host memory than training (about two
+sub groups' saved state, ``resume_extra_host_bytes``): the plan's host peak, which ``plan``
+checks and ``--ratio auto`` sizes by, is the largest of training, start-up and resume.
+
+Checked against every measured peak of dense decoders (docs/benchmarks.md; Llama-3.1-8B and
+3.37B on one H100 at ``ratio`` 1.0 down to 0.3, Qwen3-14B on 2 x H200 at 0.85): GPU 0.6-2.0%
+above the measured allocation, host 0.0-3.3% above the measured resident memory.
 """
 
 from __future__ import annotations
@@ -31,6 +39,14 @@ import math
 import torch
 
 from ..engine.copy_out import COPY_OUT_PIECE, COPY_OUT_SLOTS
+from . import checkpoint_memory
+from .sub_group_cut import (
+    Param,
+    SubGroupSplit,
+    persistent_params,
+    split_sub_groups,
+    sub_group_numels,
+)
 
 HOST_PROCESS_BYTES = int(2.3 * 2**30)  # RSS beyond the optimizer's buffers (H100, torch 2.11)
 CUDA_CONTEXT_BYTES = int(0.6 * 2**30)  # device memory torch's allocator does not count
@@ -51,9 +67,14 @@ class Zero3Run:
     ratio: float = 1.0  # share of sub groups whose optimizer state is on the host
     offload_param: bool = False
     gradient_accumulation: int = 1
-    sub_group_size: int = 1 << 25
+    sub_group_size: int = 1 << 25  # the shipped DeepSpeed configs'
     reduce_bucket_size: int = 1 << 25
     dtype_bytes: int = 2  # bf16 params, gradients and activations
+    # stage3_param_persistence_threshold; None: the Trainer's "auto", 10 x hidden_size.
+    persistence_threshold: int | None = None
+    # The base optimizer's param groups: the Trainer's decay and no-decay groups, or one
+    # group of model.parameters() (a plain DeepSpeed script, benchmarks/suite.py).
+    decay_groups: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +86,10 @@ class ModelShape:
     vocab: int
     layer_params: int  # the largest decoder layer's
     active_intermediate: int  # MLP width a token goes through (top-k experts' in MoE)
+    # Every param in the model's order (named_parameters): its elements, and whether the
+    # Trainer decays it (its first param group; norms and biases go to the second).
+    param_numels: tuple[int, ...] = dataclasses.field(default=(), repr=False)
+    param_decays: tuple[bool, ...] = dataclasses.field(default=(), repr=False)
 
     @classmethod
     def of(cls, config) -> ModelShape:
@@ -72,7 +97,10 @@ class ModelShape:
 
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(config)
-        sizes = [p.numel() for p in model.parameters()]
+        named = list(model.named_parameters())
+        sizes = [p.numel() for _, p in named]
+        # The Trainer's own rule (it reads nothing of the Trainer but the model).
+        decays = set(transformers.Trainer.get_decay_parameter_names(None, model))
         layers = _decoder_layers(model)
         return cls(
             params=sum(sizes),
@@ -82,6 +110,8 @@ class ModelShape:
             vocab=config.vocab_size,
             layer_params=max(sum(p.numel() for p in layer.parameters()) for layer in layers),
             active_intermediate=active_intermediate(config),
+            param_numels=tuple(sizes),
+            param_decays=tuple(name in decays for name, _ in named),
         )
 
 
@@ -120,22 +150,44 @@ class MemoryPlan:
     # Per rank, while the optimizer is built: DeepSpeed's fp32 masters of the whole partition
     # and its accumulation buffer, before the GPU tail's masters move and that buffer goes.
     host_start_up: int = 0
+    # Per rank, while a checkpoint is loaded into the built optimizer (resume_host_bytes).
+    host_resume: int = 0
+    split: SubGroupSplit | None = None  # the optimizer's sub groups and ratio's cut of them
 
     @property
     def gpu_bytes(self) -> int:
         return sum(self.gpu.values())
 
     @property
+    def host_training(self) -> int:
+        return sum(self.host.values())
+
+    @property
     def host_bytes(self) -> int:
-        """The host peak per rank: training's, or the start-up's when a low ``ratio`` keeps
-        so much on the GPU that start-up needs more."""
-        return max(sum(self.host.values()), self.host_start_up)
+        """The host peak per rank: training's, the start-up's (when a low ``ratio`` keeps so
+        much on the GPU that building the optimizer needs more), or a resume's."""
+        return max(self.host_training, self.host_start_up, self.host_resume)
+
+    @property
+    def host_bytes_without_resume(self) -> int:
+        """The host peak per rank of a run that loads no checkpoint (what a benchmark's
+        resident memory measures)."""
+        return max(self.host_training, self.host_start_up)
+
+    @property
+    def host_peak_phase(self) -> str:
+        """Which of training, start-up and resume holds the most (training on a tie)."""
+        peak = self.host_bytes
+        if self.host_training == peak:
+            return "training"
+        return "start-up" if self.host_start_up == peak else "resume"
 
     @property
     def host_bytes_per_param(self) -> float:
-        """Host bytes per param of this rank's partition, the process included: 14 plus the
-        process at ``ratio`` 1.0 in bf16, less where ``ratio`` keeps state on the GPU."""
-        return self.host_bytes / math.ceil(self.shape.params / self.run.ranks)
+        """Host bytes per param of this rank's partition while training, the process
+        included: 14 plus the process at ``ratio`` 1.0 in bf16, less where ``ratio`` keeps
+        state on the GPU."""
+        return self.host_training / math.ceil(self.shape.params / self.run.ranks)
 
     @property
     def host_bytes_per_host(self) -> int:
@@ -156,44 +208,73 @@ class MemoryPlan:
             )
         host_need = self.host_bytes_per_host * (1 + HOST_HEADROOM)
         if host_need > host_memory:
+            phase = self.host_peak_phase
+            why = {
+                "training": "",
+                "start-up": " while the optimizer is built",
+                "resume": " while a checkpoint is loaded (a resume maps the optimizer file "
+                "and copies it in a sub group at a time, beside the live state)",
+            }[phase]
             reasons.append(
                 f"host: needs {host_need / 2**30:.1f} GiB (with the system's share) for "
-                f"{self.run.ranks_per_host or self.run.ranks} rank(s), has "
-                f"{host_memory / 2**30:.1f}; use more hosts (fewer ranks per host), fewer "
-                "accumulation buffers (gradient_accumulation_steps 1), or a smaller model"
+                f"{self.run.ranks_per_host or self.run.ranks} rank(s){why}, has "
+                f"{host_memory / 2**30:.1f}; use more hosts (fewer ranks per host), a lower "
+                "ratio (more optimizer state on the GPU), fewer accumulation buffers "
+                "(gradient_accumulation_steps 1), or a smaller model"
             )
         return reasons
 
     def table(self) -> str:
-        def rows(parts: dict[str, int]) -> list[str]:
-            return [f"  {name:<22} {nbytes / 2**30:8.2f} GiB" for name, nbytes in parts.items()]
+        def row(name: str, nbytes: int, note: str = "") -> str:
+            return f"  {name:<22} {nbytes / 2**30:8.2f} GiB{note}"
 
         per_host = self.run.ranks_per_host or self.run.ranks
+        phase = self.host_peak_phase
         return "\n".join(
             [
                 f"{self.shape.params / 1e9:.2f}B params, {self.run.ranks} rank(s), seq "
                 f"{self.run.seq} x batch {self.run.batch} per GPU",
                 f"GPU per rank (allocated; +{CUDA_CONTEXT_BYTES / 2**30:.1f} GiB CUDA context):",
-                *rows(self.gpu),
-                f"  {'total':<22} {self.gpu_bytes / 2**30:8.2f} GiB",
-                "host per rank:",
-                *rows(self.host),
-                *(
-                    [f"  {'start-up (the peak)':<22} {self.host_start_up / 2**30:8.2f} GiB"]
-                    if self.host_start_up > sum(self.host.values())
-                    else []
-                ),
-                f"  {'total':<22} {self.host_bytes / 2**30:8.2f} GiB "
+                *(row(name, nbytes) for name, nbytes in self.gpu.items()),
+                row("total", self.gpu_bytes),
+                "host per rank, while training:",
+                *(row(name, nbytes) for name, nbytes in self.host.items()),
+                row("training", self.host_training, " (the peak)" * (phase == "training")),
+                row("start-up", self.host_start_up, " (the peak)" * (phase == "start-up")),
+                row("resume", self.host_resume, " (the peak)" * (phase == "resume")),
+                f"  {'peak':<22} {self.host_bytes / 2**30:8.2f} GiB "
                 f"({self.host_bytes_per_host / 2**30:.1f} GiB for {per_host} rank(s) per host)",
             ]
         )
 
 
-def copy_out_bytes(sub_group_size: int, largest_param: int, ranks: int, low_bytes: int) -> int:
-    """The copy-out ring (engine/copy_out.py): a few pieces of the largest sub group, in the
-    model's 16-bit dtype (``low_bytes`` 0: an fp32 model has none)."""
-    piece = min(max(sub_group_size, math.ceil(largest_param / ranks)), COPY_OUT_PIECE)
-    return COPY_OUT_SLOTS * piece * low_bytes
+def plan_sub_groups(shape: ModelShape, run: Zero3Run) -> SubGroupSplit:
+    """The optimizer's sub groups for ``run`` and ``ratio``'s cut of them, as
+    ``sub_group_cut`` makes them from the model's params: the base optimizer's groups (the
+    Trainer's decay and no-decay ones, or one), DeepSpeed's persistence threshold,
+    ``sub_group_size`` and the rank's partition."""
+    if not shape.param_numels:
+        raise ValueError("the model shape lists no params (build it with ModelShape.of)")
+    threshold = run.persistence_threshold
+    if threshold is None:
+        threshold = 10 * shape.hidden  # transformers' value for "auto"
+    flags = persistent_params(shape.param_numels, threshold)
+    params = [Param(n, keep) for n, keep in zip(shape.param_numels, flags, strict=True)]
+    if run.decay_groups:
+        decays = shape.param_decays
+        groups = [
+            [p for p, decay in zip(params, decays, strict=True) if decay],
+            [p for p, decay in zip(params, decays, strict=True) if not decay],
+        ]
+    else:
+        groups = [params]
+    return split_sub_groups(sub_group_numels(groups, run.ranks, run.sub_group_size), run.ratio)
+
+
+def copy_out_bytes(largest_host_sub_group: int, low_bytes: int) -> int:
+    """The copy-out ring (engine/copy_out.py): a few pieces of the largest host sub group,
+    in the model's 16-bit dtype (``low_bytes`` 0: an fp32 model has none)."""
+    return COPY_OUT_SLOTS * min(largest_host_sub_group, COPY_OUT_PIECE) * low_bytes
 
 
 def optimizer_host_parts(
@@ -216,6 +297,15 @@ def start_up_host_bytes(partition: int, grad_bytes: int) -> int:
     return (4 + grad_bytes) * partition
 
 
+def resume_extra_host_bytes(split: SubGroupSplit) -> int:
+    """Host bytes per rank that loading a checkpoint into the built optimizer holds beyond
+    training's (``split``: the rank's sub groups): the optimizer file is mapped from disk and
+    copied into the live state a sub group at a time, so about two saved sub groups' masters and
+    moments at once (``checkpoint_memory.resume_extra_host_bytes`` says why). The one place the
+    plan and the host check take this figure from."""
+    return checkpoint_memory.resume_extra_host_bytes(split.partition, split.largest_sub_group)
+
+
 def zero3_memory_plan(config, run: Zero3Run, shape: ModelShape | None = None) -> MemoryPlan:
     """Per-rank GPU and host bytes of training ``config``'s model on the ZeRO-3 path
     (``shape``: ``ModelShape.of(config)`` when the caller has it, for plans of many runs)."""
@@ -223,14 +313,15 @@ def zero3_memory_plan(config, run: Zero3Run, shape: ModelShape | None = None) ->
         raise ValueError(f"ratio must be within [0, 1], got {run.ratio}")
     shape = shape or ModelShape.of(config)
     low = run.dtype_bytes
-    partition = math.ceil(shape.params / run.ranks)  # padding is at most one element a param
-    on_host = int(partition * run.ratio)
-    on_gpu = partition - on_host
+    split = plan_sub_groups(shape, run)
+    partition = split.partition  # padding included: at most one element a param
     tokens = run.seq * run.batch
 
-    copy_out = copy_out_bytes(run.sub_group_size, shape.largest_param, run.ranks, low)
+    copy_out = copy_out_bytes(split.largest_host_sub_group, low)
     host = {
-        **optimizer_host_parts(partition, on_host, low, copy_out, run.gradient_accumulation > 1),
+        **optimizer_host_parts(
+            partition, split.host_numel, low, copy_out, run.gradient_accumulation > 1
+        ),
         "offloaded_params": low * partition if run.offload_param else 0,
         "process": HOST_PROCESS_BYTES,
     }
@@ -240,11 +331,12 @@ def zero3_memory_plan(config, run: Zero3Run, shape: ModelShape | None = None) ->
     gpu = {
         "param_partition": 0 if run.offload_param else low * partition,
         "gathered_params": gathered,
-        "optimizer_on_gpu": 16 * on_gpu,
+        "optimizer_on_gpu": 16 * split.device_numel,
         "reduce_bucket": low * run.reduce_bucket_size,
         "layer_inputs": low * shape.layers * tokens * shape.hidden,
         "layer_recompute": 3 * low * tokens * shape.active_intermediate,
         "logits_and_loss": LOGIT_BYTES * tokens * shape.vocab,
     }
     start_up = start_up_host_bytes(partition, low) + host["offloaded_params"] + host["process"]
-    return MemoryPlan(shape, run, gpu, host, start_up)
+    resume = sum(host.values()) + resume_extra_host_bytes(split)
+    return MemoryPlan(shape, run, gpu, host, start_up, resume, split)

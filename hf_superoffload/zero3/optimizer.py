@@ -16,7 +16,9 @@ checkpoints (``zero_to_fp32`` included). This class changes four things:
    Persistent params (DeepSpeed keeps small ones gathered and re-gathers them at the end of
    ``step``) get sub groups of their own, settled first, so that gather waits only for them.
 4. The Adam moments of the host sub groups live in the base optimizer's state (keyed by the
-   fp32 partitions, as with DeepSpeed's CPU Adam), so DeepSpeed's checkpoints carry them.
+   fp32 partitions, as with DeepSpeed's CPU Adam), so DeepSpeed's checkpoints carry them; a
+   resume reads them back memory-mapped, in place, from our sub-group cut or DeepSpeed's
+   (``checkpoint_load.py``, ``checkpoint_universal.py``).
 
 Each rank holds only its partition: fp32 master, both moments and a gradient buffer in
 DeepSpeed's gradient accumulation dtype (bf16 unless configured otherwise; DeepSpeed's own fp32
@@ -30,6 +32,7 @@ import logging
 import weakref
 
 import torch
+from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.utils import combine_grad_norm_groups, is_invalid_grad_norm
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
@@ -44,6 +47,9 @@ from ..engine.replicas import Replicas, closes_replicas_on_failure
 from ..engine.stv import Stv, Verdict, validate
 from .accessors import HostGradientAccessors
 from .activation import OPT_OUT_ENV
+from .checkpoint_layout import LAYOUT_KEY, as_record, live_layout
+from .checkpoint_load import load_rank_state
+from .checkpoint_universal import load_universal_state
 from .device_sub_groups import DeviceSubGroups, device_sub_group_count
 from .gather_waits import wrap_gathers
 from .host_state import HostState
@@ -334,15 +340,40 @@ class SuperOffloadZero3Optimizer(
             "device_params": sum(part.numel for part in self._device_parts),
         }
 
+    # Checkpoints: DeepSpeed's format, with our sub-group cut recorded beside it so that
+    # DeepSpeed's own optimizers read it back (checkpoint_hooks.py); read memory-mapped, in place.
+    reads_mapped_checkpoints = True  # checkpoint_hooks.map_optimizer_files
+
     def state_dict(self):
         self.synchronize()
-        return super().state_dict()
+        state = super().state_dict()
+        state[LAYOUT_KEY] = as_record(live_layout(self))
+        return state
 
-    def load_state_dict(self, state_dict_list, load_optimizer_states=True, **kwargs):
+    def load_state_dict(
+        self,
+        state_dict_list,
+        load_optimizer_states=True,
+        load_from_fp32_weights=False,
+        checkpoint_folder=None,
+        load_serial=None,
+        param_shapes=None,
+    ):
         self.synchronize()
-        super().load_state_dict(state_dict_list, load_optimizer_states, **kwargs)
-        if load_optimizer_states:
-            self._adopt_loaded_state()
+        if checkpoint_folder:
+            load_universal_state(
+                self, checkpoint_folder, load_optimizer_states, load_from_fp32_weights
+            )
+            return
+        rank = dist.get_rank(group=self.dp_process_group)
+        load_rank_state(self, state_dict_list[rank], load_optimizer_states)
+        if load_serial is not None:  # DeepSpeed's serial loading: let the next rank load
+            load_serial += 1
+            del state_dict_list[rank]
+            if dist.get_local_rank() != dist.get_world_size() - 1:
+                dist.send(tensor=load_serial, dst=dist.get_rank() + 1)
+        if self.persistent_parameters:  # DeepSpeed's checkpoint epilogue gathers them again
+            self.persistent_parameters[0].partition(self.persistent_parameters)
 
     def destroy(self):
         self._finalizer()

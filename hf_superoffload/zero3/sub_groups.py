@@ -8,25 +8,21 @@ constructor calls ``_create_fp16_sub_groups``.
 
 from __future__ import annotations
 
+from .sub_group_cut import cut_sub_groups
+
 
 class SubGroupLayout:
     def _create_fp16_sub_groups(self, params_group):
         """Sub groups of at most ``sub_group_size`` elements of this rank's partition, with
         the persistent params (gathered again at every step's end) in sub groups of their
-        own, so that gather waits only for them."""
-        persistent = [p for p in params_group if getattr(p, "ds_persist", False)]
-        others = [p for p in params_group if not getattr(p, "ds_persist", False)]
-        return self._chunks(others) + self._chunks(persistent)
-
-    def _chunks(self, params) -> list[list]:
-        chunks, current, size = [], [], 0
-        for param in params:
-            if current and size + param.partition_numel() > self.sub_group_size:
-                chunks.append(current)
-                current, size = [], 0
-            current.append(param)
-            size += param.partition_numel()
-        return [*chunks, current] if current else chunks
+        own, so that gather waits only for them: ``sub_group_cut``'s rule, which the memory
+        plan and the host check count by."""
+        return cut_sub_groups(
+            params_group,
+            self.sub_group_size,
+            numel=lambda p: p.partition_numel(),
+            persistent=lambda p: getattr(p, "ds_persist", False),
+        )
 
     def _holds_persistent(self, sub_group: int) -> bool:
         return any(getattr(p, "ds_persist", False) for p in self.fp16_groups[sub_group])

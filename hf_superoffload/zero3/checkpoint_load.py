@@ -1,0 +1,124 @@
+"""Resume SuperOffloadZero3Optimizer from a rank's ZeRO-3 optimizer file, in place.
+
+DeepSpeed's loader hands the whole file (fp32 masters and both moments: 12 B/param of the
+rank's partition) to torch's ``Optimizer.load_state_dict``, which keeps the loaded tensors as
+the new state; the live ones are dropped only afterwards. Here the file is memory-mapped
+(``checkpoint_hooks.py``) and each sub group's master and moments are copied from the mapping
+straight into the tensors the kernels update, so no second copy of the state is ever made.
+The file may have been cut into sub groups by DeepSpeed's own rule (a run without
+``super_offload``) or by ours: ``checkpoint_layout.py`` matches them param by param.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .checkpoint_layout import (
+    BASE_OPTIMIZER_STATE,
+    FP32_FLAT_GROUPS,
+    MOMENTS,
+    CheckpointLayoutError,
+    Recut,
+    live_layout,
+    saved_layout,
+)
+from .checkpoint_memory import MAPPED_KEY, release_mapped_pages
+
+# Keys of a base optimizer's per-sub-group state this path restores (AdamW's).
+STATE_KEYS = {"step", *MOMENTS}
+
+
+def restore_group_hyperparameters(live_groups: list[dict], saved_groups: list[dict]) -> None:
+    """Each param group takes its own saved hyperparameters (lr, weight_decay, betas, ...)."""
+    if len(saved_groups) != len(live_groups):
+        raise CheckpointLayoutError(
+            f"the checkpoint has {len(saved_groups)} param groups, this optimizer "
+            f"{len(live_groups)}: resume with the param groups that saved it."
+        )
+    for live, saved in zip(live_groups, saved_groups, strict=True):
+        live.update({k: v for k, v in saved.items() if k != "params"})
+
+
+def saved_sub_group_states(saved: dict) -> list[dict]:
+    """The base optimizer's state of each saved sub group, in sub group order ({} where the
+    saved optimizer had not stepped yet)."""
+    base = saved[BASE_OPTIMIZER_STATE]
+    indices = sorted(i for group in base["param_groups"] for i in group["params"])
+    states = [base["state"].get(i, {}) for i in indices]
+    for state in states:
+        unknown = set(state) - STATE_KEYS
+        if unknown:
+            raise CheckpointLayoutError(
+                f"the checkpoint's optimizer state has {sorted(unknown)} besides AdamW's "
+                f"{sorted(STATE_KEYS)}: it was saved with another optimizer."
+            )
+    if any(states) and not all(states):
+        raise CheckpointLayoutError("the checkpoint has Adam state for some sub groups only.")
+    return states
+
+
+def agreed_step(states: list[dict], sources: set[int]) -> int:
+    """The step count of the saved sub groups that fill one of ours: they must agree."""
+    steps = {int(states[s]["step"]) for s in sources} if states[0] else {0}
+    if len(steps) != 1:
+        raise CheckpointLayoutError(
+            f"the checkpoint's sub groups that hold one sub group's params here were stepped "
+            f"{sorted(steps)} times: they cannot share one step count."
+        )
+    return steps.pop()
+
+
+def live_part(zero, t: int):
+    """The partition object (host or device) that holds sub group ``t``'s moments and step."""
+    return zero._host_part_at[t] if t in zero._host_part_at else zero._device_part_at[t]
+
+
+@torch.no_grad()
+def load_rank_state(zero, saved: dict, load_optimizer_states: bool) -> None:
+    """Restore this rank's fp32 masters (always, as DeepSpeed does) and, if asked, both moments,
+    the step counts and each param group's hyperparameters, then the 16-bit partitions."""
+    recut = Recut(saved_layout(zero, saved), live_layout(zero))
+    if load_optimizer_states:  # every check before anything changes
+        states = saved_sub_group_states(saved)
+        steps = [agreed_step(states, recut.source_sub_groups(t)) for t in range(len(recut.sources))]
+        restore_group_hyperparameters(
+            zero.optimizer.param_groups, saved[BASE_OPTIMIZER_STATE]["param_groups"]
+        )
+    zero.loss_scaler = saved["loss_scaler"]
+    zero.dynamic_loss_scale = saved["dynamic_loss_scale"]
+    zero.overflow = saved["overflow"]
+    masters = saved[FP32_FLAT_GROUPS]
+    moments = (
+        [[state[key] for state in states] for key in MOMENTS]
+        if load_optimizer_states and states[0]
+        else []
+    )
+    for t, master in enumerate(zero.fp32_partitioned_groups_flat):
+        recut.copy_into(t, master, masters)
+        if load_optimizer_states:
+            part = live_part(zero, t)
+            for saved_moment, live in zip(
+                moments or [None, None], (part.exp_avg, part.exp_avg_sq), strict=True
+            ):
+                if saved_moment is None:  # saved before the first step
+                    live.zero_()
+                else:
+                    recut.copy_into(t, live, saved_moment)
+            part.step = steps[t]
+            zero.optimizer.state[master]["step"] = zero._step_value(part.step)
+            if t in zero._device_part_at:
+                zero._tail.set_step(part)
+        if saved.get(MAPPED_KEY, False):  # what is copied leaves the process (checkpoint_memory.py)
+            for s in recut.done_after[t]:
+                for tensors in (masters, *moments):
+                    release_mapped_pages(tensors[s])
+    refresh_partitions(zero)
+
+
+@torch.no_grad()
+def refresh_partitions(zero) -> None:
+    """The 16-bit partitions from the restored fp32 masters, and the params pointed at them."""
+    for i, master in enumerate(zero.fp32_partitioned_groups_flat):
+        if master.numel():
+            zero.fp16_partitioned_groups_flat[i].data.copy_(master.data)
+        zero._unflatten_partitioned_parameters(i)
