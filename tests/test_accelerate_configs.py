@@ -192,9 +192,10 @@ def test_deepspeed_config_launches_the_example_through_our_zero3_optimizer(tmp_p
     assert state["optimizer"] == "SuperOffloadZero3Optimizer" and state["host_bytes"] > 0
     assert "optimizer state: SuperOffloadZero3Optimizer" in result.stdout, result.stdout[-2000:]
     card = (tmp_path / "out" / "README.md").read_text()
-    assert re.search(
-        r"\| optimizer \| `SuperOffloadZero3Optimizer \(DeepSpeed ZeRO-3.*host [1-9]", card
+    row = re.search(
+        r"\| optimizer \| `SuperOffloadZero3Optimizer \(DeepSpeed.*host ([\d.]+) MiB", card
     )
+    assert row and float(row.group(1)) > 0, card[-3000:]
     # One job of `processes` ranks, not processes that each train the whole job alone.
     assert summary["processes"] == processes
     assert "steps speculated" in result.stdout, result.stdout[-2000:]
