@@ -10,13 +10,13 @@ import dataclasses
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from accelerate.commands.config.config_args import load_config_from_file
+from launched import ONE_PROCESS, QUICK, SEVERAL_PROCESSES, run_launched
 
 from hf_superoffload.integrations.arguments import SuperOffloadArgumentsMixin
 from hf_superoffload.integrations.plugin import known_env_names
@@ -72,7 +72,7 @@ def test_a_config_named_superoffload_carries_the_setting(path):
     zero = _deepspeed_json(path)["zero_optimization"]
     assert zero["stage"] == 3
     assert zero["offload_optimizer"]["device"] == "cpu"
-    assert zero["offload_optimizer"]["super_offload"] is True
+    assert zero["offload_optimizer"]["super_offload"] == "hf_superoffload"  # ours, or refused
     assert "import hf_superoffload" in _header(path)  # the one line a plain script needs
 
 
@@ -119,7 +119,7 @@ def test_single_process_config_launches_the_example(tmp_path, path):
         str(REPO / "examples" / "sft.py"),
         "--max-steps", "10", "--output-dir", str(tmp_path / "out"),
     ]  # fmt: skip
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    result = run_launched(cmd, timeout=ONE_PROCESS, env=env)
     assert result.returncode in (0, 1), result.stderr[-3000:]  # 1: loss did not fall in 4 steps
     assert (tmp_path / "out" / "config.json").exists(), (
         result.stdout[-2000:] + result.stderr[-2000:]
@@ -139,7 +139,7 @@ def test_data_parallel_config_launches_the_example_on_cpu_processes(tmp_path, pa
         str(REPO / "examples" / "sft.py"),
         "--max-steps", "6", "--output-dir", str(tmp_path / "out"),
     ]  # fmt: skip
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    result = run_launched(cmd, timeout=SEVERAL_PROCESSES, env=env)
     assert result.returncode == 0, result.stderr[-3000:]  # the loss falls within 6 steps
     assert (tmp_path / "out" / "config.json").exists(), result.stderr[-3000:]
     # The example's summary has a speculation line only when SuperOffload trained.
@@ -163,7 +163,8 @@ def test_deepspeed_configs_name_an_existing_super_offload_config():
     for path in DEEPSPEED:
         ds = _deepspeed_json(path)
         assert ds["zero_optimization"]["stage"] == 3, path.name
-        assert ds["zero_optimization"]["offload_optimizer"]["super_offload"] is True, path.name
+        offload = ds["zero_optimization"]["offload_optimizer"]
+        assert offload["super_offload"] == "hf_superoffload", path.name
 
 
 @pytest.mark.parametrize("name", LAUNCHED_DEEPSPEED)
@@ -178,12 +179,23 @@ def test_deepspeed_config_launches_the_example_through_our_zero3_optimizer(tmp_p
     processes = load_config_from_file(str(REPO / "accelerate_configs" / name)).num_processes
     if processes > 1:
         cmd += ["--use_cpu", "true"]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    timeout = SEVERAL_PROCESSES if processes > 1 else ONE_PROCESS
+    result = run_launched(cmd, timeout=timeout, env=env, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     output = result.stdout + result.stderr
     assert "SuperOffload on ZeRO-3 runs in place of DeepSpeed's" in output, output[-3000:]
     summary = json.loads((tmp_path / "out" / "sft_summary.json").read_text())
     assert summary["optimizer"] == "SuperOffloadZero3Optimizer"
+    # The optimizer that ran and the bytes its state held on this rank (not 0, as counted from
+    # the partitioned model before).
+    state = summary["optimizer_state"]
+    assert state["optimizer"] == "SuperOffloadZero3Optimizer" and state["host_bytes"] > 0
+    assert "optimizer state: SuperOffloadZero3Optimizer" in result.stdout, result.stdout[-2000:]
+    card = (tmp_path / "out" / "README.md").read_text()
+    row = re.search(
+        r"\| optimizer \| `SuperOffloadZero3Optimizer \(DeepSpeed.*host ([\d.]+) MiB", card
+    )
+    assert row and float(row.group(1)) > 0, card[-3000:]
     # One job of `processes` ranks, not processes that each train the whole job alone.
     assert summary["processes"] == processes
     assert "steps speculated" in result.stdout, result.stdout[-2000:]
@@ -221,3 +233,85 @@ def test_plain_sft_trainer_with_the_one_gpu_config_json_builds_our_optimizer(tmp
     result = torch.load(tmp_path / "result.pt", weights_only=False)
     assert result["optimizer"] == "SuperOffloadZero3Optimizer"
     assert result["losses"][-1] < result["losses"][0], result["losses"]
+
+
+# A plain Trainer script, as a user writes one: it imports hf_superoffload only when asked to.
+PLAIN_TRAINER_SCRIPT = """
+import json, sys
+import torch
+if "--import" in sys.argv:
+    import hf_superoffload  # noqa: F401
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+args = TrainingArguments(
+    output_dir=sys.argv[1], max_steps=3, per_device_train_batch_size=2, learning_rate=1e-3,
+    logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True, use_cpu=True,
+)
+torch.manual_seed(0)
+config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
+model = LlamaForCausalLM(config)
+ids = torch.randint(0, 64, (16, 16), generator=torch.Generator().manual_seed(0))
+trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in ids])
+trainer.train()
+logs = [log for log in trainer.state.log_history if "loss" in log]
+print("RESULT " + json.dumps({"optimizer": type(trainer.deepspeed.optimizer).__name__,
+                              "keys": sorted(logs[-1])}))
+"""
+
+
+def _launch_plain_trainer(tmp_path, *script_args: str):
+    script = tmp_path / "train.py"
+    script.write_text(PLAIN_TRAINER_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu"}
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--config_file", "accelerate_configs/x86_zero3_superoffload.yaml",
+        str(script), str(tmp_path / "out"), *script_args,
+    ]  # fmt: skip
+    return run_launched(cmd, timeout=ONE_PROCESS, env=env, cwd=REPO)
+
+
+# Without hf_superoffload imported: DeepSpeed reads the shipped JSON as it would at start-up.
+READ_WITHOUT_THE_PACKAGE = """
+import json, sys
+from deepspeed.runtime.zero.config import get_zero_config
+get_zero_config(json.load(open(sys.argv[1])))
+assert "hf_superoffload" not in sys.modules
+"""
+
+
+def test_deepspeed_alone_rejects_the_shipped_json_naming_the_package():
+    ds_file = REPO / "accelerate_configs" / "deepspeed" / "zero3_superoffload.json"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    cmd = [sys.executable, "-c", READ_WITHOUT_THE_PACKAGE, str(ds_file)]
+    result = run_launched(cmd, timeout=QUICK, env=env)
+    assert result.returncode != 0
+    assert "offload_optimizer.super_offload" in result.stderr, result.stderr[-3000:]
+    assert "input_value='hf_superoffload'" in result.stderr, result.stderr[-3000:]
+
+
+@pytest.mark.slow  # two launches of a plain Trainer script (about 35 s each on 2 busy cores)
+def test_a_plain_script_without_the_import_stops_at_start_naming_the_package(tmp_path):
+    """A shipped *_superoffload config under a script that never imports hf_superoffload: not
+    DeepSpeed's own SuperOffload (an assertion about CUDA on CPU, its slower engine on a GPU)
+    but a stop when DeepSpeed reads the config, naming the value only this package reads."""
+    result = _launch_plain_trainer(tmp_path)
+    assert result.returncode != 0
+    assert "offload_optimizer.super_offload" in result.stderr, result.stderr[-3000:]
+    assert "input_value='hf_superoffload'" in result.stderr, result.stderr[-3000:]
+    assert "RESULT" not in result.stdout
+
+
+@pytest.mark.slow  # test_zero3_trainer.py checks the same logs in-process, for TRL's trainer
+def test_a_plain_trainer_with_the_import_runs_ours_and_logs_its_metrics(tmp_path):
+    """The same script with `import hf_superoffload`: the plain Trainer trains through our
+    ZeRO-3 optimizer, says so, and logs tokens/s and the stv/ counters as ours does."""
+    result = _launch_plain_trainer(tmp_path, "--import")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "SuperOffload on ZeRO-3 runs in place of DeepSpeed's" in result.stdout + result.stderr
+    line = next(x for x in result.stdout.splitlines() if x.startswith("RESULT "))
+    found = json.loads(line.removeprefix("RESULT "))
+    assert found["optimizer"] == "SuperOffloadZero3Optimizer"
+    assert "tokens_per_second" in found["keys"], found["keys"]
+    assert {"stv/rollbacks_clip", "stv/speculative_steps"} <= set(found["keys"]), found["keys"]

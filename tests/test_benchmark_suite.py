@@ -57,12 +57,13 @@ def test_suite_records_a_row_per_system_even_when_none_can_run(tmp_path):
     """On this GPU-less machine train_step.py cannot run: the suite still writes a row a
     system, in its columns, with the status and error, plus the logs and the table."""
     import csv
-    import subprocess
+
+    from launched import ONE_PROCESS, run_launched
 
     out = tmp_path / "results"
     small = ["--hidden", "64", "--layers", "1", "--seq", "16", "--batch", "1", "--steps", "1"]
     cmd = [sys.executable, str(Path(suite.__file__)), "--systems", "no_offload,torchao_offload"]
-    done = subprocess.run(cmd + small + ["--out-dir", str(out)], capture_output=True, text=True)
+    done = run_launched(cmd + small + ["--out-dir", str(out)], timeout=ONE_PROCESS)
     assert done.returncode == 0, done.stderr
     with open(out / "suite.csv", newline="") as handle:
         rows = list(csv.DictReader(handle))
@@ -73,11 +74,12 @@ def test_suite_records_a_row_per_system_even_when_none_can_run(tmp_path):
     assert (logs / "no_offload.log").read_text()  # the failing process's own output
     assert "no_offload               failed:" in done.stdout
     # A second point appends under the same header; a file of other columns is refused.
-    subprocess.run(cmd + small + ["--out-dir", str(out)], capture_output=True, check=True)
+    again = run_launched(cmd + small + ["--out-dir", str(out)], timeout=ONE_PROCESS)
+    assert again.returncode == 0, again.stderr
     with open(out / "suite.csv", newline="") as handle:
         assert len(list(csv.DictReader(handle))) == 4
     (out / "suite.csv").write_text("date,gpu\n")
-    refused = subprocess.run(cmd + small + ["--out-dir", str(out)], capture_output=True, text=True)
+    refused = run_launched(cmd + small + ["--out-dir", str(out)], timeout=ONE_PROCESS)
     assert refused.returncode != 0 and "other columns" in refused.stderr
 
 

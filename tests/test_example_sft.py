@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from launched import ONE_PROCESS, run_launched
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_superoffload.recipes import arguments
@@ -144,10 +145,7 @@ def test_example_sft_learns_and_saves_a_reloadable_model(tmp_path):
     env["OMP_NUM_THREADS"] = "1"
 
     def run(*args: str) -> subprocess.CompletedProcess:
-        proc = subprocess.run(
-            [sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True,
-            timeout=300,
-        )  # fmt: skip
+        proc = run_launched([sys.executable, *args], timeout=ONE_PROCESS, env=env, cwd=tmp_path)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         return proc
 

@@ -1,7 +1,9 @@
 """The model card a SuperOffload trainer writes to output_dir/README.md (CPU, a few seconds).
 
 A 3-step run of the tiny random Llama of `hf_superoffload.toy`, with `SuperOffloadTrainer` and
-with `SuperOffloadSFTTrainer`: the card is written at the end of train(), parses with
+with `SuperOffloadSFTTrainer`: the card is written where the parent writes its own
+(`create_model_card`, which `push_to_hub` calls, and TRL's checkpoint saves), not by train()
+alone; it parses with
 `huggingface_hub.ModelCard.load`, carries our tags and card data, keeps what the parent's card
 function wrote, and its Reproduce section holds the versions, the command and a tokens/s
 figure. Nothing here touches the network (`push_to_hub` is never called).
@@ -75,7 +77,7 @@ def _assert_reproduce_section(section: str) -> None:
     assert "| host memory |" in section and "| bucket_size | `4096` |" in section
 
 
-def test_trainer_writes_the_card_at_the_end_of_train(tmp_path):
+def test_train_writes_no_card_and_create_model_card_does(tmp_path):
     output_dir = tmp_path / "run"
     args = SuperOffloadTrainingArguments(
         **cpu_training_args(output_dir, superoffload_bucket_size=1 << 12, **TRAINING)
@@ -83,8 +85,10 @@ def test_trainer_writes_the_card_at_the_end_of_train(tmp_path):
     trainer = SuperOffloadTrainer(model=_tiny_model(), args=args, train_dataset=_token_rows())
     trainer.train()
     trainer.superoffload_optimizer.close()
-
     path = output_dir / "README.md"
+    assert not path.exists()  # the plain Trainer writes none unasked either
+
+    trainer.create_model_card()  # what push_to_hub calls
     card = ModelCard.load(path)
     assert "superoffload" in card.data.tags
     assert "generated_from_trainer" in card.data.tags  # the Trainer's own card is kept
@@ -92,42 +96,61 @@ def test_trainer_writes_the_card_at_the_end_of_train(tmp_path):
     assert card.data.library_name == "transformers"
     assert card.data.get("datasets") is None  # built in memory: no Hub dataset to name
     assert "Training hyperparameters" in card.text  # the Trainer's section
-    _assert_reproduce_section(_reproduce(card))
+    assert "# run" in card.text  # the model is named after the output directory
+    section = _reproduce(card)
+    _assert_reproduce_section(section)
+    # The optimizer that ran and where its state lived, in bytes.
+    assert re.search(r"\| optimizer \| `SuperOffloadOptimizer, host [\d.]+ MiB, device", section)
 
-    # create_model_card (what push_to_hub calls) rewrites it: one Reproduce section, our tags.
+    # Asked again: rewritten, one Reproduce section, our tags and the caller's.
     trainer.create_model_card(model_name="run", tags=["mine"])
     card = ModelCard.load(path)
     assert {"superoffload", "mine"} <= set(card.data.tags)
     _assert_reproduce_section(_reproduce(card))
 
 
-def test_sft_trainer_card_has_the_sft_tag(tmp_path):
+def _sft_trainer(output_dir, **overrides):
     from hf_superoffload import SuperOffloadSFTConfig, SuperOffloadSFTTrainer
 
     rows = [{"prompt": f"{a}+{a}=", "completion": f"{2 * a}"} for a in range(32)]
     config = SuperOffloadSFTConfig(
         **cpu_training_args(
-            tmp_path / "sft", superoffload_bucket_size=1 << 14, max_length=32, **TRAINING
+            output_dir, superoffload_bucket_size=1 << 14, max_length=32, **TRAINING, **overrides
         )
     )
-    trainer = SuperOffloadSFTTrainer(
+    return SuperOffloadSFTTrainer(
         model=build_tiny_llama(seed=0),
         args=config,
         train_dataset=Dataset.from_list(rows),
         processing_class=make_char_tokenizer(),
     )
+
+
+def test_sft_trainer_writes_the_card_with_its_checkpoints_as_trl_does(tmp_path):
+    trainer = _sft_trainer(tmp_path / "sft", save_strategy="steps", save_steps=STEPS)
     trainer.train()
     trainer.superoffload_optimizer.close()
+    assert (tmp_path / "sft" / f"checkpoint-{STEPS}").is_dir()
 
     card = ModelCard.load(tmp_path / "sft" / "README.md")
     assert {"superoffload", "sft", "trl"} <= set(card.data.tags)
     assert "SFT" in card.text  # TRL's own card text is kept
+    # ... without its boilerplate for what it does not know (no base model, no Hub id).
+    assert "[None]" not in card.text and 'model="None"' not in card.text
+    assert f'model="{tmp_path / "sft"}"' in card.text
     section = _reproduce(card)
     assert "| max_length | `32` |" in section
     assert re.search(r"\| tokens/s \| `\d+\.\d", section)
 
 
-def test_no_card_when_the_process_does_not_save(tmp_path):
+def test_sft_trainer_writes_no_card_without_a_checkpoint_or_a_request(tmp_path):
+    trainer = _sft_trainer(tmp_path / "sft")
+    trainer.train()
+    trainer.superoffload_optimizer.close()
+    assert not (tmp_path / "sft" / "README.md").exists()
+
+
+def test_no_card_from_a_process_that_does_not_save(tmp_path):
     args = SuperOffloadTrainingArguments(
         **cpu_training_args(tmp_path / "run", superoffload_bucket_size=1 << 12, **TRAINING)
     )
@@ -135,6 +158,7 @@ def test_no_card_when_the_process_does_not_save(tmp_path):
     trainer.is_world_process_zero = lambda: False  # as on a rank other than 0
     trainer.train()
     trainer.superoffload_optimizer.close()
+    trainer.create_model_card()
     assert not (tmp_path / "run" / "README.md").exists()
 
 

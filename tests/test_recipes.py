@@ -21,6 +21,7 @@ import pytest
 import torch
 import yaml
 from engine_reference import PARAM_TOL
+from launched import ONE_PROCESS, QUICK, run_launched
 from zero3_reference import free_port
 
 from hf_superoffload.cli import model_source
@@ -215,10 +216,9 @@ def _launch(tmp_path: Path, name: str, *args: str, **variables: str) -> subproce
     env.pop("RATIO", None)
     env.update(variables)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
-    return subprocess.run(
-        ["bash", str(REPO / "examples" / f"finetune_{name}.sh"), *args],
-        env=env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    return run_launched(
+        ["bash", str(REPO / "examples" / f"finetune_{name}.sh"), *args], timeout=QUICK, env=env
+    )
 
 
 @pytest.mark.parametrize("mode", ["superoffload", "zerooffload"])
@@ -234,7 +234,8 @@ def test_launcher_writes_the_configs_it_uses_and_a_command_that_parses(mode, tmp
     )
     offload = json.loads((run_dir / "deepspeed.json").read_text())["zero_optimization"]
     assert offload["stage"] == 3 and offload["offload_optimizer"]["device"] == "cpu"
-    assert offload["offload_optimizer"].get("super_offload", False) is (mode == "superoffload")
+    flag = offload["offload_optimizer"].get("super_offload", False)
+    assert flag == ("hf_superoffload" if mode == "superoffload" else False)
     assert (run_dir / "recipe.yaml").read_text() == (
         REPO / "examples" / "recipes" / "qwen3-30b-a3b.yaml"
     ).read_text()
@@ -336,7 +337,7 @@ def test_two_gpu_moe_recipe_trains_on_the_zero3_path_of_its_mode(mode, optimizer
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
            "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}  # fmt: skip
-    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_launched(argv, timeout=ONE_PROCESS, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     summary = json.loads((tmp_path / "out" / "sft_summary.json").read_text())
     assert summary["steps"] == 2 and all(math.isfinite(x) for x in summary["losses"])
@@ -367,6 +368,6 @@ def test_zerooffload_json_is_the_superoffload_one_without_the_flag():
     for config in (ours, baseline):
         config.pop("_comment")
     offload = ours["zero_optimization"]["offload_optimizer"]
-    assert offload.pop("super_offload") is True
+    assert offload.pop("super_offload") == "hf_superoffload"
     offload.pop("cpuadam_cores_perc")
     assert ours == baseline

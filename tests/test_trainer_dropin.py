@@ -578,3 +578,83 @@ def test_lr_schedulers_like_trainer(tmp_path, scheduler):
     assert ours.lr_scheduler.get_last_lr() == ref.lr_scheduler.get_last_lr()
     torch.testing.assert_close(_losses(ours), _losses(ref), rtol=LOSS_RTOL, atol=0)
     _assert_params_close(_params(ours.model), _params(ref.model), **PARAM_TOL)
+
+
+def _model_with_frozen_norms():
+    """The Trainer's no-decay group (norm weights; the tiny Llama has no biases) is empty."""
+    model = _model()
+    for name, param in model.named_parameters():
+        param.requires_grad_("norm" not in name)
+    return model
+
+
+def _assert_moments_close(ours, ref) -> None:
+    named = dict(ours.model.named_parameters())
+    checked = 0
+    for name, param in ref.model.named_parameters():
+        if not param.requires_grad:
+            continue
+        expected = ref.optimizer.state[param]
+        actual = ours.superoffload_optimizer.master_state(named[name])
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(actual[key], expected[key], **PARAM_TOL, msg=name)
+        assert int(actual["step"]) == int(expected["step"]) == 6
+        checked += 1
+    assert checked > 0
+
+
+def test_checkpoints_with_an_empty_param_group_cross_between_the_trainers(tmp_path):
+    """Item 20: the plain Trainer keeps an empty no-decay group in optimizer.pt; ours resumes
+    from that checkpoint (and the plain Trainer from ours) and ends where the plain Trainer
+    resuming from the same checkpoint ends: params and both moments."""
+
+    def run_to_3(name: str, superoffload: bool) -> str:
+        extra = PINNED_TAIL if superoffload else {}
+        _run(tmp_path / name, superoffload, model=_model_with_frozen_norms(), max_steps=3,
+             **RESUME_ARGS, **extra)  # fmt: skip
+        checkpoint = tmp_path / name / "checkpoint-3"
+        saved = torch.load(checkpoint / "optimizer.pt", weights_only=True)
+        assert [bool(g["params"]) for g in saved["param_groups"]] == [True, False]
+        return str(checkpoint)
+
+    def resume(name: str, superoffload: bool, checkpoint: str):
+        extra = PINNED_TAIL if superoffload else {}
+        trainer = _run(tmp_path / name, superoffload, model=_model_with_frozen_norms(),
+                       train=False, max_steps=6, **RESUME_ARGS, **extra)  # fmt: skip
+        trainer.train(resume_from_checkpoint=checkpoint)
+        assert trainer.state.global_step == 6
+        return trainer
+
+    plain_checkpoint = run_to_3("plain", False)
+    ours, ref = resume("ours", True, plain_checkpoint), resume("ref", False, plain_checkpoint)
+    _assert_params_close(_params(ours.model), _params(ref.model), **PARAM_TOL)
+    _assert_moments_close(ours, ref)
+    torch.testing.assert_close(_after(ours, "loss"), _after(ref, "loss"), rtol=LOSS_RTOL, atol=0)
+
+    # Ours saved the empty group too, so the plain Trainer resumes from our checkpoint.
+    plain_from_ours = resume("plain_from_ours", False, run_to_3("ours_first", True))
+    _assert_params_close(_params(plain_from_ours.model), _params(ref.model), **PARAM_TOL)
+
+
+def test_a_checkpoint_without_the_empty_group_still_loads(tmp_path):
+    """optimizer.pt files this trainer wrote before it kept the empty group lack it: the
+    group is put back in its place (it holds no state), and the resumed run is the same."""
+    args = {**RESUME_ARGS, **PINNED_TAIL}
+    _run(tmp_path / "first", True, model=_model_with_frozen_norms(), max_steps=3, **args)
+    checkpoint = tmp_path / "first" / "checkpoint-3"
+    old = tmp_path / "old"
+    old.mkdir()
+    for path in checkpoint.iterdir():
+        (old / path.name).write_bytes(path.read_bytes())
+    saved = torch.load(old / "optimizer.pt", weights_only=True)
+    saved["param_groups"] = [g for g in saved["param_groups"] if g["params"]]
+    torch.save(saved, old / "optimizer.pt")
+
+    def resume(name: str, source) -> SuperOffloadTrainer:
+        trainer = _run(tmp_path / name, True, model=_model_with_frozen_norms(), train=False,
+                       max_steps=6, **args)  # fmt: skip
+        trainer.train(resume_from_checkpoint=str(source))
+        return trainer
+
+    from_old, from_new = resume("from_old", old), resume("from_new", checkpoint)
+    _assert_params_close(_params(from_old.model), _params(from_new.model), rtol=0, atol=0)

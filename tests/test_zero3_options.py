@@ -48,3 +48,29 @@ def test_cpu_threads_follow_the_standalone_default_unless_the_config_sets_a_shar
     assert resolve_options(0.5, cuda).cpu_threads == 8
     monkeypatch.setenv("SUPEROFFLOAD_CPU_THREADS", "3")
     assert resolve_options(0.5, cuda).cpu_threads == 3
+
+
+def _config(value) -> dict:
+    offload = {"device": "cpu", "super_offload": value}
+    return {"zero_optimization": {"stage": 3, "offload_optimizer": offload}}
+
+
+def test_our_engine_value_reads_as_the_flag_once_the_package_is_imported():
+    import deepspeed.runtime.config as ds_config
+
+    import hf_superoffload  # noqa: F401  (activates)
+
+    config = _config("hf_superoffload")
+    assert ds_config.get_zero_config(config).offload_optimizer.super_offload is True
+    assert config["zero_optimization"]["offload_optimizer"]["super_offload"] == "hf_superoffload"
+    assert ds_config.get_zero_config(_config(False)).offload_optimizer.super_offload is False
+
+
+def test_the_superoffload_trainers_keep_our_engine_value():
+    from hf_superoffload.zero3.config import require_super_offload, super_offload_requested
+
+    config = _config("hf_superoffload")
+    require_super_offload(config)
+    assert config["zero_optimization"]["offload_optimizer"]["super_offload"] == "hf_superoffload"
+    assert super_offload_requested(True) and super_offload_requested("hf_superoffload")
+    assert not super_offload_requested("yes") and not super_offload_requested(None)

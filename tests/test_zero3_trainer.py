@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -86,9 +87,11 @@ def _sft(out_dir: str, trainer_kind: str, ds_config: dict) -> dict:
     trainer.train()
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log and "step" in log]
     kind = type(trainer.deepspeed.optimizer).__name__
+    base = type(trainer.deepspeed.optimizer.optimizer).__name__
     stats = getattr(trainer, "superoffload_stats", None)
+    keys = sorted({k for log in trainer.state.log_history if "loss" in log for k in log})
     trainer.deepspeed.destroy()
-    return {"losses": losses, "optimizer": kind, "stats": stats}
+    return {"losses": losses, "optimizer": kind, "base": base, "stats": stats, "log_keys": keys}
 
 
 def _three_runs(rank, port, out_dir) -> None:
@@ -123,6 +126,13 @@ def test_plain_sfttrainer_with_the_flag_trains_through_our_zero3_optimizer(runs)
     assert len(ours["losses"]) == len(ref["losses"]) == STEPS
     torch.testing.assert_close(ours["losses"], ref["losses"], rtol=1e-4, atol=0)
     assert ours["losses"][-1] < ours["losses"][0]  # it learned: the comparison is not vacuous
+    # TRL's own trainer logs what the SuperOffload trainers log (Zero3MetricsCallback).
+    assert {"tokens_per_second", "stv/rollbacks_clip", "stv/speculative_steps"} <= set(
+        ours["log_keys"]
+    ), ours["log_keys"]
+    assert not any(k.startswith("stv/") for k in ref["log_keys"])  # not on DeepSpeed's own
+    # accelerate swapped the Trainer's AdamW for a state holder, not a CPU Adam to compile.
+    assert (ours["base"], ref["base"]) == ("HostAdamState", "DeepSpeedCPUAdam")
 
 
 def test_superoffload_sfttrainer_turns_the_flag_on_and_logs_stv_counters(runs):
@@ -140,3 +150,56 @@ def test_superoffload_trainer_refuses_a_deepspeed_config_it_cannot_run():
     config = copy.deepcopy(ZERO3_CPU_OFFLOAD)
     require_super_offload(config)
     assert config["zero_optimization"]["offload_optimizer"]["super_offload"] is True
+
+
+REPO = Path(__file__).resolve().parents[1]
+LAUNCHER_VARIABLES = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE", "MPI_LOCALNRANKS",
+    "SLURM_NTASKS",
+)  # fmt: skip
+
+
+def test_python_train_py_with_a_deepspeed_config_and_no_launcher_runs_one_process(tmp_path):
+    """`python examples/sft.py --deepspeed <the shipped JSON>` with no launcher (and no MPI):
+    DeepSpeed's MPI discovery would fail on mpi4py after the model has loaded; it trains as one
+    process. TRL's own SFTTrainer (--optimizer adamw) drives our ZeRO-3 optimizer here, and
+    its logs, the summary and the printed summary line say which optimizer ran and the bytes
+    its state held."""
+    from launched import ONE_PROCESS, run_launched
+
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
+    out = tmp_path / "out"
+    argv = [
+        sys.executable, str(REPO / "examples" / "sft.py"),
+        "--deepspeed", str(REPO / "accelerate_configs" / "deepspeed" / "zero3_superoffload.json"),
+        "--optimizer", "adamw", "--use_cpu", "true", "--max_steps", "3",
+        "--output_dir", str(out), "--require_loss_decrease", "false",
+    ]  # fmt: skip
+    done = run_launched(argv, timeout=ONE_PROCESS, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "DeepSpeed runs it as one process" in done.stderr
+    summary = json.loads((out / "sft_summary.json").read_text())
+    assert summary["steps"] == 3 and summary["processes"] == 1
+    assert summary["optimizer"] == "SuperOffloadZero3Optimizer"
+    state = summary["optimizer_state"]
+    assert state["optimizer"] == "SuperOffloadZero3Optimizer"
+    params = sum(p.numel() for p in _demo_model().parameters())
+    # This rank holds every sub group on the host: fp32 master and two moments, 12 B/param
+    # (and no padding with one rank).
+    assert (state["host_bytes"], state["device_bytes"]) == (12 * params, 0)
+    assert summary["superoffload_stats"]["steps"] == 3
+    line = next(x for x in done.stdout.splitlines() if x.startswith("optimizer state:"))
+    assert "SuperOffloadZero3Optimizer" in line and f"host {12 * params / 2**20:.2f} MiB" in line
+    logged = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    step_logs = [log for log in logged if "loss" in log]
+    assert all("tokens_per_second" in log and "stv/rollbacks_clip" in log for log in step_logs)
+
+
+def _demo_model():
+    from hf_superoffload.recipes.arguments import parse
+    from hf_superoffload.recipes.model import build_model, load_tokenizer
+
+    recipe, args = parse("sft", ["--output_dir", "unused"])
+    return build_model(recipe, load_tokenizer(recipe), args.seed)

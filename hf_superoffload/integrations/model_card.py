@@ -10,6 +10,7 @@ hyperparameters and results table, TRL's quick start and citations) is kept.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import re
@@ -22,6 +23,8 @@ from pathlib import Path
 
 import torch
 from huggingface_hub import ModelCard
+
+from .optimizer_report import describe, optimizer_state_placement
 
 BEGIN = "<!-- superoffload:reproduce -->"
 END = "<!-- /superoffload:reproduce -->"
@@ -195,8 +198,6 @@ def trainer_kind_tags(trainer) -> list[str]:
 def training_arguments(args) -> dict:
     out = {name: getattr(args, name) for name in ARGUMENTS if hasattr(args, name)}
     out = {k: getattr(v, "value", v) for k, v in out.items()}  # enums by their value
-    # NOTE: the Trainer's own card names the ``optim`` argument, which SuperOffload replaces.
-    out["optimizer"] = "SuperOffloadOptimizer (Adam(W), fp32 master and moments on the CPU)"
     if getattr(args, "max_steps", -1) > 0:
         out.pop("num_train_epochs", None)
     world = getattr(args, "world_size", 1)
@@ -258,6 +259,11 @@ def _file_block(title: str, path: str | None, note: str | None = None) -> str:
 
 def reproduce_section(trainer) -> str:
     run = launch()
+    arguments = training_arguments(trainer.args)
+    # NOTE: the Trainer's own card names the ``optim`` argument; the optimizer that ran, and
+    # where its fp32 master and moments lived, is this one.
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    arguments["optimizer"] = describe(optimizer_state_placement(trainer, model))
     parts = [
         BEGIN,
         HEADING,
@@ -270,7 +276,7 @@ def reproduce_section(trainer) -> str:
         "### Environment\n\n" + (_table(environment()) if environment() else "none set"),
         "### Versions\n\n" + _table(package_versions()),
         "### Hardware\n\n" + _table(hardware(trainer.accelerator.num_processes)),
-        "### Training arguments\n\n" + _table(training_arguments(trainer.args)),
+        "### Training arguments\n\n" + _table(arguments),
         "### SuperOffload options\n\n" + _table(superoffload_options(trainer)),
         "### Results\n\n" + _table(results(trainer.state.log_history, _stats(trainer))),
         END,
@@ -320,8 +326,21 @@ def add_superoffload_section(trainer, path: str, tags: list[str], datasets: list
     old_tags = list(data.get("tags") or [])
     data.tags = old_tags + [t for t in tags if t not in old_tags]
     section = reproduce_section(trainer)
-    text = card.text
+    text = _without_empty_names(card.text, trainer.args.output_dir)
     pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.DOTALL)
     text = pattern.sub(lambda _: section, text) if pattern.search(text) else f"{text}\n\n{section}"
     card.text = text.strip() + "\n"
     card.save(path)
+
+
+# TRL's card template names the base model and the Hub id whether or not they are known.
+_FINETUNED_FROM_NONE = "This model is a fine-tuned version of [None](https://huggingface.co/None)"
+_PIPELINE_OF_NONE = 'model="None"'
+
+
+def _without_empty_names(text: str, output_dir: str) -> str:
+    """TRL's card with no base model and no Hub id says "a fine-tuned version of [None]" and
+    loads ``model="None"`` in its quick start: say what is known instead (the model was
+    trained; it loads from the output directory)."""
+    text = text.replace(_FINETUNED_FROM_NONE, "This model was trained")
+    return text.replace(_PIPELINE_OF_NONE, f"model={json.dumps(str(output_dir))}")

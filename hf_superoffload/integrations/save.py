@@ -198,3 +198,27 @@ def last_complete_checkpoint(run_dir: str) -> str | None:
             continue
         return folder
     return None
+
+
+def with_empty_groups_of(optimizer, state_dict: dict) -> dict:
+    """``state_dict`` with the empty param groups laid out as ``optimizer`` has them. The
+    Trainer builds [decay, no-decay] groups and keeps one that is empty (a model whose no-decay
+    params are all frozen); checkpoints written before this trainer kept it too lack it. Empty
+    groups hold no state, so only their place changes; any other difference is left for
+    ``load_state_dict`` to refuse."""
+    ours = optimizer.param_groups
+    theirs = state_dict.get("param_groups")
+    if not isinstance(theirs, list) or len(theirs) == len(ours):
+        return state_dict
+    filled = [group for group in theirs if group.get("params")]
+    if len(filled) != sum(1 for group in ours if group["params"]):
+        return state_dict
+    remaining = iter(filled)
+    groups = [
+        next(remaining) if group["params"] else {**_hypers(group), "params": []} for group in ours
+    ]
+    return {**state_dict, "param_groups": groups}
+
+
+def _hypers(group: dict) -> dict:
+    return {key: value for key, value in group.items() if key != "params"}

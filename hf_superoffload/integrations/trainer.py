@@ -56,7 +56,9 @@ from .save import (
     masters_from_checkpoint,
     record_saved_dtype,
     weights_to_save,
+    with_empty_groups_of,
 )
+from .zero3_callback import Zero3MetricsCallback
 
 logger = logging.getLogger("hf_superoffload")
 
@@ -92,6 +94,7 @@ class SuperOffloadTrainerMixin:
             check_optimizer_arguments(self)
             self._superoffload_save_dtype()  # a bad SUPEROFFLOAD_SAVE_DTYPE fails here
         self.add_callback(_SuperOffloadCallback(self))
+        self.remove_callback(Zero3MetricsCallback)  # for plain Trainers; this one logs them
 
     @property
     def _on_deepspeed(self) -> bool:
@@ -188,7 +191,7 @@ class SuperOffloadTrainerMixin:
             {"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
             {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
         ]
-        groups = [g for g in groups if g["params"]]
+        # An empty group stays, as in the Trainer's AdamW: checkpoints then cross both ways.
         self.optimizer = SuperOffloadOptimizer(
             groups,
             lr=self.args.learning_rate,
@@ -224,7 +227,7 @@ class SuperOffloadTrainerMixin:
         # optimizer's own buffers, on one process or many.
         check_torch_load_is_safe()
         state = torch.load(optimizer_file, map_location="cpu", weights_only=True, mmap=True)
-        optimizer.load_state_dict(state)
+        optimizer.load_state_dict(with_empty_groups_of(optimizer, state))
         del state
         with warnings.catch_warnings(record=True) as caught_warnings:
             check_torch_load_is_safe()
@@ -307,9 +310,17 @@ class SuperOffloadTrainerMixin:
 
     def create_model_card(self, *args, **kwargs):
         """The parent's card (the Trainer's, or TRL's) in output_dir/README.md, with our card
-        data and a "Reproduce" section added (model_card.py); ``push_to_hub`` uploads it."""
+        data and a "Reproduce" section added (model_card.py). It is written where the parent
+        writes its own: when asked, by ``push_to_hub`` (which uploads it) and, under TRL, with
+        each checkpoint; never by ``train()`` alone. ``model_name`` defaults to the Hub id's
+        name, else the output directory's."""
         if not self.is_world_process_zero():
             return
+        if not args and kwargs.get("model_name") is None:
+            hub_id = self.args.hub_model_id
+            kwargs["model_name"] = (
+                hub_id.split("/")[-1] if hub_id else Path(self.args.output_dir).name
+            )
         os.makedirs(self.args.output_dir, exist_ok=True)
         super().create_model_card(*args, **kwargs)
         path = os.path.join(self.args.output_dir, "README.md")
@@ -348,18 +359,6 @@ class _SuperOffloadCallback(TrainerCallback):
                 # continues with them); the params now hold the final values.
                 optimizer.synchronize()
             self.trainer.superoffload_stats = optimizer.stats  # a snapshot at the end of train()
-        if args.should_save and self.trainer.is_world_process_zero():
-            self._write_model_card(args)
-
-    def _write_model_card(self, args) -> None:
-        """NOTE: a card that cannot be written (an unreadable README, a Hub lookup of the
-        parent's card function failing) must not fail train() after the run: the user's script
-        has not saved the model yet. It is logged instead."""
-        name = args.hub_model_id.split("/")[-1] if args.hub_model_id else None
-        try:
-            self.trainer.create_model_card(model_name=name or Path(args.output_dir).name)
-        except Exception as error:
-            logger.warning("The model card was not written to %s: %r", args.output_dir, error)
 
 
 def _prepare_in_place(accelerator, ours: SuperOffloadOptimizer) -> None:

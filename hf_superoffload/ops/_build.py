@@ -190,9 +190,15 @@ def _build(folder: Path) -> ModuleType:
     start = time.perf_counter()
     sources = _copy_sources(folder)
     stale = folder / "lock"
-    # torch's baton left by a killed builder: under our flock no live builder holds it.
+    # torch's baton left by a killed builder: under our flock (which a dead process cannot
+    # hold) no live builder holds it, and the folder is this package's own.
     if fcntl is not None and stale.exists():
-        logger.info("hf_superoffload: removing the stale build lock %s", stale)
+        logger.warning(
+            "hf_superoffload: removing %s, the build lock of a CPU Adam build that was stopped "
+            "part-way (no builder holds %s)",
+            stale,
+            folder / ".build.lock",
+        )
         stale.unlink(missing_ok=True)
     with BuildProgress(folder, len(SOURCES)):
         module = _compile(

@@ -5,7 +5,6 @@ tqdm shows it on a terminal only (``disable=None``), so logs and CI output stay 
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 from tqdm import tqdm
@@ -21,7 +20,9 @@ class BuildProgress:
         self._thread = threading.Thread(target=self._watch, daemon=True)
 
     def __enter__(self) -> BuildProgress:
-        self._start = time.time()
+        # NOTE: not a start time: file times come from the kernel's coarse clock, a few ms
+        # behind time.time(), so an object written just after the start could look older.
+        self._before = self._objects()
         self._bar = tqdm(
             total=self.sources + 1, desc="compiling the CPU Adam", unit="file", disable=self.disable
         )  # the last unit is the link
@@ -36,8 +37,18 @@ class BuildProgress:
         self._bar.close()
 
     def compiled(self) -> int:
-        """Object files written since the build started."""
-        return sum(1 for o in self.folder.glob("*.o") if o.stat().st_mtime >= self._start)
+        """Object files written since the build started (new, or rewritten since)."""
+        before = self._before
+        return sum(1 for path, mtime in self._objects().items() if before.get(path) != mtime)
+
+    def _objects(self) -> dict[Path, int]:
+        objects = {}
+        for path in self.folder.glob("*.o"):
+            try:
+                objects[path] = path.stat().st_mtime_ns
+            except FileNotFoundError:  # replaced while listed
+                continue
+        return objects
 
     def _watch(self) -> None:
         while not self._stop.wait(self.interval):

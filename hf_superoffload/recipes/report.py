@@ -8,8 +8,12 @@ from pathlib import Path
 
 from transformers.trainer_callback import ProgressCallback
 
-GIB = 2**30
-STATE_BYTES = 12  # per param: fp32 master and the two fp32 Adam moments
+from ..integrations.optimizer_report import (
+    describe,
+    optimizer_state_placement,
+    running_optimizer,
+    stv_stats,
+)
 
 
 class LossBar(ProgressCallback):
@@ -56,41 +60,14 @@ def plot_losses(log_history: list[dict], path: Path, title: str) -> Path:
 def optimizer_placement(trainer, model) -> dict:
     """Where the fp32 master and the Adam moments lived at the end (bytes on the host and on
     the GPU), as far as the optimizer that ran can tell."""
-    stats = getattr(trainer, "superoffload_stats", None)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    if stats is None:  # TRL's own trainer: torch's AdamW, or DeepSpeed's optimizer
-        inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
-        where = (
-            f"DeepSpeed's {type(inner).__name__} (its offload_optimizer settings)"
-            if getattr(trainer, "is_deepspeed_enabled", False)
-            else f"torch {type(inner).__name__} on {trainer.args.device}"
-        )
-        return {"where": where, "host_bytes": None, "device_bytes": None}
-    if "device_params" in stats:  # the standalone engine
-        on_device = int(stats["device_params"])
-        return {
-            "where": "SuperOffloadOptimizer",
-            "host_bytes": STATE_BYTES * (trainable - on_device),
-            "device_bytes": STATE_BYTES * on_device,
-            "device_buckets": int(stats["device_buckets"]),
-            "buckets": int(stats["buckets"]),
-        }
-    # DeepSpeed ZeRO-3: this rank's partition; ratio < 1 keeps DeepSpeed's sub groups on the GPU.
-    engine_optimizer = getattr(getattr(trainer, "deepspeed", None), "optimizer", None)
-    held = engine_optimizer.host_bytes() if hasattr(engine_optimizer, "host_bytes") else {}
-    return {
-        "where": "SuperOffload on DeepSpeed ZeRO-3 (this rank's partition)",
-        "host_bytes": held.get("master", 0) + held.get("moments", 0) if held else None,
-        "device_bytes": None,
-        "buckets": int(stats.get("buckets", 0)),
-    }
+    return optimizer_state_placement(trainer, model)
 
 
 def summarize(trainer, model, kind: str, train_metrics: dict) -> dict:
     history = trainer.state.log_history
     points = losses(history)
     tokens = [log["tokens_per_second"] for log in history if "tokens_per_second" in log]
-    stats = getattr(trainer, "superoffload_stats", None) or {}
+    stats = stv_stats(trainer) or {}
     return {
         "kind": kind,
         "losses": [v for _, v in points],
@@ -102,17 +79,11 @@ def summarize(trainer, model, kind: str, train_metrics: dict) -> dict:
         "device": str(trainer.args.device),
         "processes": trainer.args.world_size,  # data-parallel ranks that trained together
         "bf16": bool(trainer.args.bf16),
-        "optimizer": type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)).__name__,
+        "optimizer": type(running_optimizer(trainer)).__name__,
         "superoffload_stats": stats or None,
         "optimizer_state": optimizer_placement(trainer, model),
         "output_dir": str(Path(trainer.args.output_dir).resolve()),
     }
-
-
-def _gib(nbytes) -> str:
-    if nbytes is None:
-        return "?"
-    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB // 10 else f"{nbytes / 2**20:.2f} MiB"
 
 
 def format_summary(summary: dict) -> str:
@@ -133,15 +104,7 @@ def format_summary(summary: dict) -> str:
             f"partitions stepped before validation, {stats['speculations_withheld']:.0f} "
             f"withheld, {stats['replays']:.0f} replayed)"
         )
-    state = summary["optimizer_state"]
-    where = f"optimizer state: {state['where']}"
-    if state["host_bytes"] is not None:
-        where += f", host {_gib(state['host_bytes'])}"
-    if state["device_bytes"] is not None:
-        where += f", device {_gib(state['device_bytes'])}"
-    if "device_buckets" in state:
-        where += f", {state['device_buckets']} of {state['buckets']} buckets on the device"
-    lines.append(where + " (fp32 master + moments)")
+    lines.append(f"optimizer state: {describe(summary['optimizer_state'])} (fp32 master + moments)")
     written = ", ".join(["model", *summary.get("written", [])])
     lines.append(f"output: {summary['output_dir']} ({written})")
     return "\n".join(lines)

@@ -68,8 +68,10 @@ def train(kind: str, argv: list[str] | None = None, prog: str | None = None) -> 
     # TrainingArguments carries --resume_from_checkpoint, but the Trainer reads it only here.
     result = trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
     out = Path(trainer.args.output_dir)
-    trainer.save_model(str(out))  # model, config and tokenizer (the model card is written)
+    trainer.save_model(str(out))  # model, config and tokenizer
     trainer.save_state()  # trainer_state.json, with every logged loss
+    if recipe.optimizer == "superoffload":
+        trainer.create_model_card()  # README.md with the Reproduce section (rank 0 writes it)
     summary = report.summarize(trainer, model, kind, result.metrics)
     summary["require_loss_decrease"] = recipe.require_loss_decrease
     summary["main_process"] = trainer.is_world_process_zero()
@@ -82,8 +84,8 @@ def train(kind: str, argv: list[str] | None = None, prog: str | None = None) -> 
 
 
 def _written(out: Path) -> list[str]:
-    """What the run left beside the model: the model card (the SuperOffload trainers write it;
-    TRL's own only on a checkpoint or push) and the loss curve."""
+    """What the run left beside the model: the model card (written for the SuperOffload
+    trainers; TRL's own writes one with a checkpoint or a push) and the loss curve."""
     labels = {"README.md": "README.md model card", "loss.png": "loss.png"}
     return [label for name, label in labels.items() if (out / name).is_file()]
 

@@ -1,4 +1,4 @@
-"""Make DeepSpeed's ``"super_offload": true`` run hf_superoffload's ZeRO-3 optimizer.
+"""Make DeepSpeed's ``"super_offload"`` run hf_superoffload's ZeRO-3 optimizer.
 
 DeepSpeed's engine imports its SuperOffload class from
 ``deepspeed.runtime.superoffload.superoffload_stage3`` when it builds a stage-3 optimizer with
@@ -7,12 +7,16 @@ DeepSpeed's engine imports its SuperOffload class from
 TRL) then builds ours with the arguments it would have given its own. ``import hf_superoffload``
 activates; ``HF_SUPEROFFLOAD_DEEPSPEED=0`` keeps DeepSpeed's own SuperOffload.
 
-DeepSpeed reads ``super_offload`` only when it builds a stage-3 optimizer; under stage 1 or 2
-(or 0) the flag is dropped without a word and the run is plain ZeRO-Offload. Activation also
-wraps the engine's ``_configure_optimizer`` so that such a config is refused, saying to use
-stage 3 (``config.refuse_super_offload_below_stage3``), and changes how DeepSpeed reads ZeRO-3
-checkpoints (``checkpoint_hooks.py``): ours are memory-mapped, and DeepSpeed's own optimizers
-read a checkpoint of ours. That reader is installed under ``HF_SUPEROFFLOAD_DEEPSPEED=0`` too.
+The shipped configs say ``"super_offload": "hf_superoffload"``, which DeepSpeed alone rejects:
+a script that never imports this package stops when DeepSpeed reads its config, naming that
+value, rather than running DeepSpeed's own engine. Activation reads it as ``true``.
+
+The other changes (``patches.py`` lists them) refuse configs this path cannot run before
+DeepSpeed builds anything, keep DeepSpeed and accelerate from compiling a CPU Adam that would
+never step, and stop a DeepSpeed op build from waiting forever on a lock its builder left.
+Activation also changes how DeepSpeed reads ZeRO-3 checkpoints (``checkpoint_hooks.py``): ours
+are memory-mapped, and DeepSpeed's own optimizers read a checkpoint of ours; that reader is
+installed under ``HF_SUPEROFFLOAD_DEEPSPEED=0`` too.
 """
 
 from __future__ import annotations
@@ -22,11 +26,19 @@ import logging
 import os
 import sys
 
+from . import patches
+
 logger = logging.getLogger("hf_superoffload")
 
 TARGET_MODULE = "deepspeed.runtime.superoffload.superoffload_stage3"
 TARGET_NAME = "SuperOffloadOptimizer_Stage3"
 ENGINE_MODULE = "deepspeed.runtime.engine"
+CONFIG_MODULE = "deepspeed.runtime.config"
+ZERO_UTILS_MODULE = "deepspeed.runtime.zero.utils"
+BUILDER_MODULE = "deepspeed.ops.op_builder.builder"
+ACCELERATE_MODULE = "accelerate.accelerator"
+COMM_MODULE = "deepspeed.comm.comm"
+TRAINER_MODULE = "transformers.trainer"
 STAGE3_MODULE = "deepspeed.runtime.zero.stage3"
 OPT_OUT_ENV = "HF_SUPEROFFLOAD_DEEPSPEED"
 
@@ -39,62 +51,52 @@ def enabled() -> bool:
 
 
 def activate() -> None:
-    """Rebind DeepSpeed's SuperOffload class now if its module is loaded, else as soon as it
-    is imported. Idempotent; does not import DeepSpeed itself (that takes seconds)."""
+    """Patch the modules of ``_patches()`` now if they are loaded, else as soon as each is
+    imported. Idempotent; imports neither DeepSpeed nor accelerate itself (that takes
+    seconds)."""
     if not enabled():
         logger.info("hf_superoffload: %s=0, DeepSpeed's own SuperOffload stays", OPT_OUT_ENV)
-        _install(_READERS)  # it still resumes from our checkpoints (checkpoint_hooks.py)
-        return
-    _install(_PATCHES)
-
-
-def _install(patches: dict) -> None:
+    current = _patches(enabled())
+    # Added to, never taken from: a module an earlier call was waiting for is still patched.
+    _active.update(current)
     pending = False
-    for name, patch in patches.items():
+    for name, patch in current.items():
         module = sys.modules.get(name)
         if module is not None:
             patch(module)
         else:
             pending = True
-    if pending and not any(
-        isinstance(f, _RebindOnImport) and f.patches is patches for f in sys.meta_path
-    ):
-        sys.meta_path.insert(0, _RebindOnImport(patches))
+    if pending and not any(isinstance(f, _RebindOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RebindOnImport())
 
 
-def is_active() -> bool:
-    module = sys.modules.get(TARGET_MODULE)
-    return module is not None and getattr(module, TARGET_NAME).__module__.startswith(
-        "hf_superoffload."
-    )
+def _patches(engine: bool) -> dict:
+    """What activation does to each module, when it is (or has been) imported."""
+    always = {
+        CONFIG_MODULE: patches.read_our_engine_value,
+        BUILDER_MODULE: patches.check_build_locks,
+        COMM_MODULE: patches.one_process_without_launcher,
+        STAGE3_MODULE: _read_our_cut,  # it resumes from our checkpoints (checkpoint_hooks.py)
+    }
+    if not engine:
+        return always
+    return {
+        **always,
+        TARGET_MODULE: patches.rebind_superoffload,
+        ENGINE_MODULE: _patch_engine,
+        ZERO_UTILS_MODULE: patches.accept_host_adam_state,
+        ACCELERATE_MODULE: patches.map_client_optimizer,
+        TRAINER_MODULE: patches.log_zero3_metrics,
+    }
 
 
-def _rebind(module) -> None:
-    from .optimizer import SuperOffloadZero3Optimizer
-
-    setattr(module, TARGET_NAME, SuperOffloadZero3Optimizer)
-
-
-def _guard_stage(module) -> None:
-    engine_class = module.DeepSpeedEngine
-    original = engine_class._configure_optimizer
-    if getattr(original, "_hf_superoffload_guard", False):
-        return  # already wrapped
-
-    def configure_optimizer(self, client_optimizer, model_parameters):
-        from .config import refuse_super_offload_below_stage3
-
-        refuse_super_offload_below_stage3(self.zero_optimization_stage(), self.super_offload())
-        return original(self, client_optimizer, model_parameters)
-
-    configure_optimizer._hf_superoffload_guard = True
-    engine_class._configure_optimizer = configure_optimizer
+_active: dict = {}
 
 
 def _patch_engine(module) -> None:
     from .checkpoint_hooks import map_optimizer_files
 
-    _guard_stage(module)
+    patches.guard_engine(module)
     map_optimizer_files(module)
 
 
@@ -104,27 +106,26 @@ def _read_our_cut(module) -> None:
     read_our_cut(module)
 
 
-# What activation does to each DeepSpeed module, when it is (or has been) imported.
-_PATCHES = {TARGET_MODULE: _rebind, ENGINE_MODULE: _patch_engine, STAGE3_MODULE: _read_our_cut}
-_READERS = {STAGE3_MODULE: _read_our_cut}  # also with the opt-out
+def is_active() -> bool:
+    module = sys.modules.get(TARGET_MODULE)
+    return module is not None and getattr(module, TARGET_NAME).__module__.startswith(
+        "hf_superoffload."
+    )
 
 
 class _RebindOnImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: for the modules of ``_PATCHES`` it wraps the real loader so that
+    """Finds nothing itself: for the modules of ``_patches()`` it wraps the real loader so that
     the patch follows the module's own execution."""
 
-    def __init__(self, patches: dict):
-        self.patches = patches
-
     def find_spec(self, fullname, path, target=None):
-        if fullname not in self.patches:
+        if fullname not in _active:
             return None
         for finder in sys.meta_path:  # the real finders, in their order
             if finder is self or not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None and spec.loader is not None:
-                spec.loader = _RebindingLoader(spec.loader, self.patches[fullname])
+                spec.loader = _RebindingLoader(spec.loader, _active[fullname])
                 return spec
         return None
 

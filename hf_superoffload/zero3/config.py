@@ -21,6 +21,27 @@ REPLACED_BY_DEEPSPEED = {
 
 logger = logging.getLogger("hf_superoffload")
 
+# The value of ``offload_optimizer.super_offload`` in the shipped configs: SuperOffload by this
+# package. DeepSpeed alone rejects it (``super_offload`` is a boolean there), so a script that
+# never imports hf_superoffload stops at once, naming it, instead of running DeepSpeed's own
+# SuperOffload; with the package imported it reads as ``true``.
+OUR_ENGINE = "hf_superoffload"
+
+
+def super_offload_requested(value) -> bool:
+    return value is True or value == OUR_ENGINE
+
+
+def with_flag_read(param_dict):
+    """``param_dict`` (a whole DeepSpeed config) with ``"super_offload": "hf_superoffload"`` as
+    ``true``, in a copy of the dicts on the way there; anything else is returned as it is."""
+    zero = param_dict.get("zero_optimization") if isinstance(param_dict, dict) else None
+    offload = zero.get("offload_optimizer") if isinstance(zero, dict) else None
+    if not isinstance(offload, dict) or offload.get("super_offload") != OUR_ENGINE:
+        return param_dict
+    offload = {**offload, "super_offload": True}
+    return {**param_dict, "zero_optimization": {**zero, "offload_optimizer": offload}}
+
 
 def require_super_offload(config: dict) -> None:
     """Turn on ``offload_optimizer.super_offload`` in ``config`` (in place): a user of a
@@ -36,7 +57,7 @@ def require_super_offload(config: dict) -> None:
             f"(accelerate_configs/ has ready ones), or drop the DeepSpeed config to use the "
             f"standalone engine."
         )
-    if offload.get("super_offload") is not True:
+    if not super_offload_requested(offload.get("super_offload")):
         logger.info("hf_superoffload: setting offload_optimizer.super_offload = true")
         offload["super_offload"] = True
 

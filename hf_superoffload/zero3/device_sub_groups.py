@@ -88,3 +88,16 @@ class DeviceSubGroups:
             self._tail.step(parts, hypers, coef)
         for part in parts:
             part.grad.zero_()
+
+    def device_bytes(self) -> dict[str, int]:
+        """Device memory the sub groups ``ratio`` keeps there hold, by what they hold."""
+        parts = self._device_parts
+
+        def nbytes(tensors) -> int:
+            return sum(t.numel() * t.element_size() for t in tensors)
+
+        return {
+            "master": nbytes(p.master for p in parts),
+            "gradients": nbytes(p.grad for p in parts),
+            "moments": nbytes([p.exp_avg for p in parts] + [p.exp_avg_sq for p in parts]),
+        }

@@ -78,8 +78,8 @@ class HostState:
         }
 
     def _step_value(self, step: int):
-        """A step count in the base optimizer's own format (DeepSpeed's CPU Adam: an int;
-        torch's optimizers: a float tensor)."""
-        if type(self.optimizer).__name__ == "DeepSpeedCPUAdam":
+        """A step count in the base optimizer's own format (DeepSpeed's CPU Adam, and
+        HostAdamState in its place: an int; torch's optimizers: a float tensor)."""
+        if type(self.optimizer).__name__ in ("DeepSpeedCPUAdam", "HostAdamState"):
             return step
         return torch.tensor(float(step))

@@ -140,19 +140,52 @@ def warn_unused_offload_keys(offload_optimizer_config) -> None:
         )
 
 
+def check_deepspeed_optimizer(engine, client_optimizer) -> None:
+    """Refuse, before DeepSpeed builds anything, an optimizer this path does not step: the
+    config's ``"optimizer"`` (DeepSpeed would build it first, e.g. Lamb's CUDA op) or the
+    client's (accelerate would turn any of them into a CPU Adam), and ZenFlow."""
+    if engine.zenflow_config() is not None:
+        raise ValueError(
+            'ZenFlow and super_offload cannot be combined: remove "zenflow" from '
+            '"zero_optimization", or "super_offload" from "offload_optimizer".'
+        )
+    if client_optimizer is None:
+        name = engine.optimizer_name()
+        if name is not None and str(name).lower() not in ("adam", "adamw"):
+            raise ValueError(
+                f'super_offload steps AdamW on the CPU, and the DeepSpeed config\'s "optimizer" '
+                f'is {name!r}: set its "type" to "AdamW" (or remove "super_offload" to run '
+                f"{name} with DeepSpeed's own ZeRO-3)."
+            )
+    elif isinstance(client_optimizer, torch.optim.Optimizer):
+        check_adamw(client_optimizer)
+
+
 def check_adamw(optimizer) -> None:
-    """The CPU kernel runs AdamW (decoupled weight decay), or Adam without weight decay."""
+    """The CPU kernel runs AdamW (decoupled weight decay), or Adam without weight decay, with
+    bias correction and fp32 moments."""
     name = type(optimizer).__name__
     decoupled = bool(getattr(optimizer, "adam_w_mode", isinstance(optimizer, torch.optim.AdamW)))
-    adam_like = name in ("DeepSpeedCPUAdam", "FusedAdam", "AdamW", "Adam")
+    adam_like = name in ("HostAdamState", "DeepSpeedCPUAdam", "FusedAdam", "AdamW", "Adam")
     if not adam_like:
         raise ValueError(
             f"super_offload steps AdamW on the CPU; the optimizer is {name}. Use "
             f'"optimizer": {{"type": "AdamW"}} in the DeepSpeed config (or AdamW in the Trainer).'
         )
+    if getattr(optimizer, "fp32_optimizer_states", True) is False:
+        raise ValueError(
+            "fp32_optimizer_states=False is not supported with super_offload (its moments are "
+            'fp32): remove it from the DeepSpeed config\'s "optimizer" params.'
+        )
     for group in optimizer.param_groups:
         if group.get("amsgrad"):
             raise ValueError("amsgrad is not supported by super_offload; set amsgrad=False.")
+        if group.get("bias_correction", True) is False:
+            raise ValueError(
+                "bias_correction=False is not supported by super_offload (its kernel corrects "
+                'the moments as AdamW does): remove it from the DeepSpeed config\'s "optimizer" '
+                "params."
+            )
         if not decoupled and group.get("weight_decay", 0.0):
             raise ValueError(
                 f"{name} with weight_decay and adam_w_mode off is L2-regularised Adam, which "

@@ -1,0 +1,219 @@
+"""What activation (``activation.py``) changes in DeepSpeed and accelerate, one function per
+module, each applied once when that module is (or has been) imported. Each wraps a function or
+method by name and leaves it alone when it is already wrapped.
+
+Engine patches (off with ``HF_SUPEROFFLOAD_DEEPSPEED=0``):
+- ``rebind_superoffload``: DeepSpeed's SuperOffload class becomes SuperOffloadZero3Optimizer.
+- ``guard_engine``: a ``super_offload`` config is refused below stage 3 and with an optimizer
+  this path does not step, before DeepSpeed builds anything; DeepSpeed's CPU Adam (for an Adam
+  "optimizer" in the config) becomes ``HostAdamState``, which builds no op.
+- ``accept_host_adam_state``: DeepSpeed counts HostAdamState among ZeRO's optimizers.
+- ``map_client_optimizer``: accelerate's swap of the Trainer's AdamW for DeepSpeed's CPU Adam
+  gives HostAdamState instead when the config runs SuperOffload.
+- ``log_zero3_metrics``: every Trainer gets ``Zero3MetricsCallback``, which logs tokens/s and
+  the ``stv/`` counters when the optimizer that trains is ours (and does nothing otherwise).
+
+Always:
+- ``read_our_engine_value``: ``"super_offload": "hf_superoffload"`` (the shipped configs'
+  value, which DeepSpeed alone rejects) reads as ``true``.
+- ``check_build_locks``: a DeepSpeed op build refuses to wait on a lock its builder left.
+- ``one_process_without_launcher``: ``python train.py`` with a DeepSpeed config (no launcher,
+  no MPI) runs as one process instead of failing on DeepSpeed's MPI discovery.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import socket
+
+from .config import refuse_super_offload_below_stage3, super_offload_requested, with_flag_read
+
+logger = logging.getLogger("hf_superoffload")
+
+_MARK = "_hf_superoffload_wrapped"
+# Variables that MPI launchers (Open MPI, MPICH/Hydra, PMIx, MVAPICH) and Slurm set in each
+# process they start: with one of them DeepSpeed's MPI discovery is what the user wants.
+MPI_LAUNCHER_VARIABLES = (
+    "OMPI_COMM_WORLD_SIZE",
+    "PMI_SIZE",
+    "PMIX_RANK",
+    "MV2_COMM_WORLD_SIZE",
+    "MPI_LOCALNRANKS",
+    "SLURM_NTASKS",
+)
+
+
+def _wrap(owner, name: str, make) -> None:
+    original = getattr(owner, name)
+    if getattr(original, _MARK, False):
+        return
+    wrapper = functools.wraps(original)(make(original))
+    setattr(wrapper, _MARK, True)
+    setattr(owner, name, wrapper)
+
+
+def rebind_superoffload(module) -> None:
+    from .activation import TARGET_NAME
+    from .optimizer import SuperOffloadZero3Optimizer
+
+    setattr(module, TARGET_NAME, SuperOffloadZero3Optimizer)
+
+
+def guard_engine(module) -> None:
+    engine_class = module.DeepSpeedEngine
+
+    def make_configure(original):
+        def configure_optimizer(self, client_optimizer, model_parameters):
+            from .base_optimizer import HostAdamState
+            from .options import check_deepspeed_optimizer
+
+            refuse_super_offload_below_stage3(self.zero_optimization_stage(), self.super_offload())
+            if not self.super_offload():
+                return original(self, client_optimizer, model_parameters)
+            check_deepspeed_optimizer(self, client_optimizer)
+            if not isinstance(client_optimizer, HostAdamState):
+                return original(self, client_optimizer, model_parameters)
+            # DeepSpeed refuses a client optimizer other than its CPU Adam under offload unless
+            # told not to (its performance warning); HostAdamState stands in for that CPU Adam.
+            with _not_forcing_deepspeed_cpu_adam(self._config):
+                return original(self, client_optimizer, model_parameters)
+
+        return configure_optimizer
+
+    def make_get_configuration(original):
+        def get_optimizer_configuration(self, *args, **kwargs):
+            optimizer_class, options = original(self, *args, **kwargs)
+            if self.super_offload() and getattr(optimizer_class, "__name__", "") == (
+                "DeepSpeedCPUAdam"
+            ):
+                from .base_optimizer import HostAdamState
+
+                return HostAdamState, options
+            return optimizer_class, options
+
+        return get_optimizer_configuration
+
+    _wrap(engine_class, "_configure_optimizer", make_configure)
+    _wrap(engine_class, "get_optimizer_configuration", make_get_configuration)
+
+
+@contextlib.contextmanager
+def _not_forcing_deepspeed_cpu_adam(config):
+    saved = config.zero_force_ds_cpu_optimizer
+    config.zero_force_ds_cpu_optimizer = False
+    try:
+        yield
+    finally:
+        config.zero_force_ds_cpu_optimizer = saved
+
+
+def accept_host_adam_state(module) -> None:
+    from .base_optimizer import HostAdamState
+
+    if HostAdamState not in module.ZERO_SUPPORTED_OPTIMIZERS:
+        module.ZERO_SUPPORTED_OPTIMIZERS.append(HostAdamState)
+
+
+def map_client_optimizer(module) -> None:
+    def make(original):
+        def map_pytorch_optim_to_deepspeed(optimizer):
+            if not _accelerate_runs_super_offload():
+                return original(optimizer)
+            from .base_optimizer import HostAdamState
+            from .options import check_adamw
+
+            check_adamw(optimizer)  # accelerate would make any optimizer a CPU Adam, silently
+            return HostAdamState.in_place_of(optimizer)
+
+        return map_pytorch_optim_to_deepspeed
+
+    _wrap(module, "map_pytorch_optim_to_deepspeed", make)
+
+
+def _accelerate_runs_super_offload() -> bool:
+    from accelerate.state import AcceleratorState
+
+    plugin = AcceleratorState().deepspeed_plugin
+    config = getattr(plugin, "deepspeed_config", None) or {}
+    offload = (config.get("zero_optimization") or {}).get("offload_optimizer") or {}
+    return super_offload_requested(offload.get("super_offload"))
+
+
+def log_zero3_metrics(module) -> None:
+    from ..integrations.zero3_callback import Zero3MetricsCallback
+
+    if Zero3MetricsCallback not in module.DEFAULT_CALLBACKS:
+        module.DEFAULT_CALLBACKS.append(Zero3MetricsCallback)
+
+
+def read_our_engine_value(module) -> None:
+    def make(original):
+        def get_zero_config(param_dict):
+            return original(with_flag_read(param_dict))
+
+        return get_zero_config
+
+    _wrap(module, "get_zero_config", make)
+
+
+def check_build_locks(module) -> None:
+    def make(original):
+        def jit_load(self, *args, **kwargs):
+            from ..ops.build_locks import check_torch_extension_lock
+
+            check_torch_extension_lock(self.name, f"DeepSpeed's {self.name} op")
+            return original(self, *args, **kwargs)
+
+        return jit_load
+
+    _wrap(module.OpBuilder, "jit_load", make)
+
+
+def one_process_without_launcher(module) -> None:
+    """DeepSpeed, started without the variables a launcher sets (RANK, WORLD_SIZE, ...), looks
+    for an MPI launcher through mpi4py and fails without it (after the model has loaded). With
+    no MPI launcher around either, this is ``python train.py``: one process."""
+
+    def make(original):
+        def mpi_discovery(*args, **kwargs):
+            if any(name in os.environ for name in MPI_LAUNCHER_VARIABLES):
+                return original(*args, **kwargs)
+            _set_single_process_variables()
+            return None
+
+        return mpi_discovery
+
+    _wrap(module, "mpi_discovery", make)
+
+
+def _set_single_process_variables() -> None:
+    world = os.environ.get("WORLD_SIZE", "1")
+    if world != "1":
+        raise RuntimeError(
+            f"WORLD_SIZE={world} is set, but not RANK, LOCAL_RANK, MASTER_ADDR and MASTER_PORT: "
+            f"start the script with a launcher that sets them all: accelerate launch "
+            f"--config_file <config>.yaml train.py, deepspeed train.py, or torchrun "
+            f"--nproc_per_node N train.py."
+        )
+    defaults = {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+    }
+    for name, value in defaults.items():
+        os.environ.setdefault(name, value)
+    if "MASTER_PORT" not in os.environ:  # a free one: other single runs may share the host
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+    logger.warning(
+        "hf_superoffload: no launcher started this script (RANK, WORLD_SIZE, ... are unset, "
+        "and no MPI launcher is around), so DeepSpeed runs it as one process: rank 0 of 1, "
+        "one GPU. For several GPUs start it with accelerate launch --config_file "
+        "<config>.yaml, deepspeed, or torchrun --nproc_per_node N."
+    )
