@@ -198,6 +198,7 @@ class SuperOffloadOptimizer(GradArrival, TailMoves, ForwardWaits, torch.optim.Op
         if model is not None:
             self._hooks += self._install_forward_waits(model)
         self._waits_in_forward = model is not None
+        self._forward_watch = None  # without model=: see ForwardWaits._watch_all_forwards
         self._finalizer = weakref.finalize(
             self, _shutdown, self._stv, self._hooks, self._link, list(self._slot), self._replicas
         )
@@ -247,10 +248,7 @@ class SuperOffloadOptimizer(GradArrival, TailMoves, ForwardWaits, torch.optim.Op
         super().zero_grad(set_to_none)  # params whose gradients we do not take (frozen ones)
         if not any(self._micro.values()):
             return  # nothing arrived since the last step (the usual call)
-        self._stv.abandon(b for b in self._buckets if not b.on_device)
-        self._reset_arrivals()
-        with self._link.d2h():
-            self._sq_norms.zero_()
+        self._discard_step()
 
     @torch.no_grad()
     def step(self, closure=None):
