@@ -70,7 +70,6 @@ _TORCH_ADAM_SWITCHES = {
     "capturable": None,
     "differentiable": None,
     "decoupled_weight_decay": None,
-    "param_names": None,  # torch >= 2.6 optimizers built from named_parameters()
 }
 
 
