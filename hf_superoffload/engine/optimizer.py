@@ -189,6 +189,7 @@ class SuperOffloadOptimizer(GradArrival, TailMoves, ForwardWaits, torch.optim.Op
             copy_out=self._copy_out_ring(plans, dtype),
         )
         self._stv.clip_threshold = self.max_grad_norm
+        self._stv.worker.publish = self._replicas.publish_failure  # this optimizer's failure
         self.stats_counters = self._stv.stats
         self._tail = DeviceTail()
         for bucket in self._buckets:
@@ -255,6 +256,7 @@ class SuperOffloadOptimizer(GradArrival, TailMoves, ForwardWaits, torch.optim.Op
             return  # nothing arrived since the last step (the usual call)
         self._discard_step()
 
+    @shares_failures  # with replicas, a failure here is published, withdrawn when handled
     @ownership.in_use
     @torch.no_grad()
     def step(self, closure=None):
