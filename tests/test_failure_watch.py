@@ -63,11 +63,11 @@ def _peer_fails_and_lives_on(rank: int, backend: str, port: int, out_dir: str) -
     device = _join(backend, rank, port)
     messages = _Messages()
     logging.getLogger("hf_superoffload").addHandler(messages)
-    watch = watch_failures(poll_s=POLL_S)
+    replicas = Replicas(None, device)
+    watch = watch_failures(replicas.generation, poll_s=POLL_S)  # this optimizer's failures
     fired_at = []
     threading.Thread(target=lambda: watch.fired.wait() and fired_at.append(time.time()),
                      daemon=True).start()  # fmt: skip
-    replicas = Replicas(None, device)
     replicas.agree(1.0, "max")  # together once: NCCL's communicators are formed
     outcome = {"finished": False}
     if rank == 1:
@@ -131,9 +131,9 @@ def test_watch_ignores_its_own_failure_fires_on_a_peers_and_stops():
     watch = FailureWatch(store, rank=0, world_size=2, abort=lambda: aborts.append(1) or True,
                          poll_s=0.05)  # fmt: skip
     assert watch.running and watch._thread.daemon
-    store.set(FAILURE_KEY.format(0), "RuntimeError: this rank's own")
+    store.set(FAILURE_KEY.format(0, 0), "RuntimeError: this rank's own")
     assert not watch.fired.wait(0.5) and aborts == [] and watch.running
-    store.set(FAILURE_KEY.format(1), "RuntimeError: the peer's")
+    store.set(FAILURE_KEY.format(0, 1), "RuntimeError: the peer's")
     assert watch.fired.wait(2.0) and aborts == [1]
     assert watch.failure == (1, "RuntimeError: the peer's")
     with pytest.raises(PeerRankError, match="rank 1 failed with RuntimeError: the peer's"):
@@ -166,3 +166,25 @@ def test_watch_ends_when_the_group_is_destroyed(tmp_path):
     for r in range(WORLD):
         found = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert found == {"started": True, "running": False, "fired": False}, (r, found)
+
+
+def test_a_withdrawn_failure_is_forgotten_and_another_optimizers_is_ignored():
+    """A watch belongs to one optimizer (its generation): an earlier optimizer's failure does
+    not fire it. Without an abort (gloo), a failure its rank withdraws (it caught the error and
+    went on) is forgotten: the watch goes on, and raise_if_fired does not raise for it."""
+    store = dist.HashStore()
+    key = FAILURE_KEY.format(2, 1)
+    watch = FailureWatch(store, rank=0, world_size=2, abort=lambda: False, poll_s=0.05,
+                         generation=2, still_published=lambda r: store.check([key]))  # fmt: skip
+    store.set(FAILURE_KEY.format(1, 1), "RuntimeError: the earlier optimizer's")
+    assert not watch.fired.wait(0.5), "fired for another optimizer's failure"
+    store.set(key, "RuntimeError: caught and handled")
+    assert watch.fired.wait(2.0) and watch.failure == (1, "RuntimeError: caught and handled")
+    store.delete_key(key)
+    watch.raise_if_fired()  # withdrawn: nothing raised, even before the watch polls again
+    assert watch.failure is None and not watch.fired.is_set() and watch.running
+    store.set(key, "RuntimeError: not handled this time")
+    assert watch.fired.wait(2.0)
+    with pytest.raises(PeerRankError, match="not handled this time"):
+        watch.raise_if_fired()
+    watch.stop()

@@ -44,14 +44,14 @@ def _run_rank(rank: int, body, out_dir: str) -> None:
         body()
         outcome["finished"] = True
     except BaseException as error:
-        from hf_superoffload.engine.replicas import published_failures
+        from hf_superoffload.engine.replicas import latest_generation, published_failures
 
         outcome.update(
             type=type(error).__name__,
             message=str(error),
             cause=repr(error.__cause__),
             at=time.time(),
-            published_by_others=published_failures(),
+            published_by_others=published_failures(latest_generation()),
             traceback=traceback.format_exc(),
             # Failure watches still running (a failed constructor must have stopped its own).
             watches=[t.name for t in threading.enumerate() if "failure-watch" in t.name],
@@ -211,3 +211,92 @@ def test_a_failure_on_one_zero3_rank_ends_both_promptly(tmp_path, where):
         assert rank0["type"] == "PeerRankError", rank0["traceback"]
         assert rank0["watches"] == rank1["watches"] == [], (rank0["watches"], rank1["watches"])
         assert rank0["message"].startswith(f"rank 1 failed with {expected[0]}: {expected[1]}")
+
+
+# --- a failure the failing rank catches and handles ------------------------------------------
+
+
+def _handling_rank(rank: int, rendezvous: str, out_dir: str) -> None:
+    """Rank 1's constructor fails after its collectives (caught: rank 0 drops its optimizer
+    too); both build another and train; at step 1 rank 1's step() fails before its collectives
+    (caught, retried after long enough for rank 0's watch to see it). Neither may end."""
+    import logging
+
+    from engine_reference import RunConfig, build_model, make_batches, make_engine
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD,
+        timeout=GROUP_TIMEOUT,
+    )  # fmt: skip
+    cfg = RunConfig(max_grad_norm=1e6)
+    batches = make_batches(cfg, 4)
+    log: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: log.append(record.getMessage())
+    logging.getLogger("hf_superoffload").addHandler(handler)
+    outcome: dict = {"handled": []}
+    try:
+        from hf_superoffload.engine import optimizer as optimizer_module
+
+        model = build_model(cfg)
+        real_check = optimizer_module.check_host_memory
+        if rank == 1:
+
+            def refuse(*args, **kwargs):
+                raise RuntimeError("injected: this rank's host memory check failed")
+
+            optimizer_module.check_host_memory = refuse
+        try:
+            make_engine(model, cfg, gpu_buckets=0).close()
+        except RuntimeError as error:
+            outcome["handled"].append(str(error))
+        optimizer_module.check_host_memory = real_check
+        opt = make_engine(model, cfg, gpu_buckets=0)  # a later optimizer: starts with no failure
+        for step in range(3):
+            x = batches[step]
+            model(input_ids=x, labels=x).loss.backward()
+            if rank == 1 and step == 1:
+                real = opt._check_params_attached
+
+                def fail_once(real=real):
+                    opt._check_params_attached = real
+                    raise RuntimeError("injected: caught by the training loop")
+
+                opt._check_params_attached = fail_once
+                try:
+                    opt.step()
+                except RuntimeError as error:
+                    outcome["handled"].append(str(error))
+                time.sleep(2.5)  # rank 0's watch (0.5 s polls) sees it meanwhile
+            opt.step()
+            opt.zero_grad()
+            time.sleep(1.5)  # a watch that fired would have by the next step's collectives
+        opt.synchronize()
+        outcome["params"] = [float(p.double().sum()) for p in model.parameters()]
+        outcome["watch_failure"] = opt._replicas.failure_watch.failure
+        outcome["finished"] = True
+    except BaseException as error:
+        outcome.update(type=type(error).__name__, message=str(error),
+                       traceback=traceback.format_exc())  # fmt: skip
+    outcome["log"] = log
+    _record(out_dir, rank, outcome)
+    os._exit(0)
+
+
+def test_a_failure_the_failing_rank_handles_is_withdrawn_and_ends_no_rank(tmp_path):
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    rendezvous = str(tmp_path / "rendezvous")
+    spawn_ranks(_handling_rank, (rendezvous, str(out_dir)), WORLD, timeout=180)
+    rank0, rank1 = (json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD))
+    for rank in (rank0, rank1):
+        assert rank.get("finished"), rank.get("traceback", rank)
+        assert rank["watch_failure"] is None
+    assert [m.split(":")[1].strip() for m in rank1["handled"]] == [
+        "this rank's host memory check failed",
+        "caught by the training loop",
+    ]
+    assert rank0["params"] == rank1["params"]  # the replicas stayed in step
+    # Rank 0's watch saw the step failure while rank 1 handled it, and forgot it when withdrawn.
+    assert any("withdrew its failure" in m and "caught by the training" in m for m in rank0["log"])

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import torch
+
 # switch -> (the values that are no-ops here, why any other value is refused)
 SWITCHES: dict[str, tuple[tuple, str]] = {
     "amsgrad": (
@@ -55,7 +57,10 @@ def check_switches(given: dict, where: str = "") -> None:
 
 def without_switches(params: Iterable) -> Iterable:
     """``params`` with each param group's switches checked and taken out (new dicts: the
-    caller's groups stay as they were)."""
+    caller's groups stay as they were). A bare tensor is passed on as it is, for torch's
+    Optimizer to refuse with its TypeError (listing it would iterate over its rows)."""
+    if isinstance(params, torch.Tensor):
+        return params
     params = list(params)
     if not params or not isinstance(params[0], dict):
         return params

@@ -120,7 +120,9 @@ def check_dense_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
 
 
 def check_group(group: dict) -> None:
-    unknown = set(group) - {"params", *HYPER_KEYS, "initial_lr", "name"}
+    # param_names: torch 2.x's names of the group's params (given as named_parameters() or
+    # as the key itself); kept, and carried in state_dict(), as torch's optimizers do.
+    unknown = set(group) - {"params", *HYPER_KEYS, "initial_lr", "name", "param_names"}
     if unknown:
         raise ValueError(
             f"unknown param-group keys {sorted(unknown)}; SuperOffloadOptimizer groups take "

@@ -10,6 +10,11 @@ published error (the store stays reachable: only the communicators are aborted).
 gloo cannot be aborted in torch 2.13: ``ProcessGroupGloo`` does not override
 ``Backend::abort()``, a no-op (only its send/recv works abort), so a gloo collective ends
 when the failed process exits, and the watcher says so in a warning.
+
+A watch belongs to one optimizer and sees only that optimizer's failures (its generation,
+``replicas.py``). It fires on a failure seen on two polls in a row: a rank that catches its
+error and goes on at once withdraws it before then. One withdrawn after a watch fired without
+aborting (gloo) is forgotten: the watch goes on and ``raise_if_fired`` does not raise for it.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .replicas import FAILURE_KEY, PeerRankError
+from .replicas import FAILURE_KEY, PeerRankError, latest_generation, published_failures
 
 logger = logging.getLogger("hf_superoffload")
 
@@ -32,10 +37,12 @@ STORE_TIMEOUT = datetime.timedelta(seconds=5)  # one poll never waits longer on 
 
 
 class FailureWatch:
-    """Polls ``store`` for the failure of a rank other than ``rank``; on one, records it in
-    ``failure`` (rank, message), sets ``fired`` and calls ``abort`` (True when it could end
-    this rank's collectives). Stops on ``stop()``, once ``group_alive()`` is false, and after
-    firing; a daemon thread, it never keeps the interpreter alive."""
+    """Polls ``store`` for a failure of the optimizer of ``generation`` on a rank other than
+    ``rank``; on one (seen on two polls in a row), records it in ``failure`` (rank, message),
+    sets ``fired`` and calls ``abort`` (True when it could end this rank's collectives). Stops
+    on ``stop()``, once ``group_alive()`` is false, and after an abort; without one it watches
+    on, and forgets a failure its rank withdraws. A daemon thread, it never keeps the
+    interpreter alive."""
 
     def __init__(
         self,
@@ -45,9 +52,18 @@ class FailureWatch:
         abort: Callable[[], bool],
         group_alive: Callable[[], bool] = lambda: True,
         poll_s: float = POLL_S,
+        generation: int = 0,
+        still_published: Callable[[int], bool] | None = None,
     ):
         self._store = store
-        self._peer_keys = {r: FAILURE_KEY.format(r) for r in range(world_size) if r != rank}
+        self.generation = generation
+        self._peer_keys = {
+            r: FAILURE_KEY.format(generation, r) for r in range(world_size) if r != rank
+        }
+        # Whether a rank's failure is still there, asked from the main thread (the watch's
+        # own store connection is its thread's).
+        self._still_published = still_published or (lambda r: True)
+        self.aborted = False
         self._abort = abort
         self._group_alive = group_alive
         self._poll_s = poll_s
@@ -72,24 +88,34 @@ class FailureWatch:
     def raise_if_fired(self) -> None:
         """After a collective whose result is read on the host: with NCCL an aborted one
         returns without an error, its result undefined."""
-        if self.failure is not None:
-            rank, message = self.failure
+        failure = self.failure
+        if failure is not None and not self.aborted and not self._still_published(failure[0]):
+            self._forget(failure)  # withdrawn: that rank caught its error and went on
+            return
+        if failure is not None:
+            rank, message = failure
+            how = "its process groups were aborted" if self.aborted else "it cannot go on alone"
             raise PeerRankError(
-                f"rank {rank} failed with {message}. This rank stopped with it: its process "
-                f"groups were aborted. Fix that error and restart every rank."
+                f"rank {rank} failed with {message}. This rank stopped with it: {how}. Fix that "
+                f"error and restart every rank."
             )
 
     def _watch(self) -> None:
-        keys_seen, polls = None, 0
+        keys_seen, polls, suspect = None, 0, None
         while not self._stopping.wait(self._poll_s) and self._group_alive():
             try:
-                # One round trip a poll; the per-rank checks only when keys were added.
+                # One round trip a poll; the per-rank checks only when keys changed, while one
+                # is suspected or fired, and now and then.
                 keys = self._store.num_keys()
-                if keys != keys_seen or polls % FULL_SCAN_EVERY == 0:
+                if keys != keys_seen or suspect or self.failure or polls % FULL_SCAN_EVERY == 0:
                     keys_seen = keys
                     failure = self._published_failure()
-                    if failure is not None:
-                        return self._fire(failure)
+                    confirmed = failure is not None and failure == suspect
+                    if self.failure is not None and failure != self.failure:
+                        self._forget(self.failure)
+                    elif confirmed and self.failure is None and self._fire(failure):
+                        return  # aborted: nothing left to watch
+                    suspect = failure
             except RuntimeError as error:  # the store's host is gone: so is the job
                 logger.warning("SuperOffload stopped watching for other ranks' failures: %s", error)
                 return
@@ -101,18 +127,28 @@ class FailureWatch:
                 return rank, self._store.get(key).decode(errors="replace")
         return None
 
-    def _fire(self, failure: tuple[int, str]) -> None:
+    def _forget(self, failure: tuple[int, str]) -> None:
+        if self.failure == failure:
+            self.failure = None
+            self.fired.clear()
+            logger.warning("rank %d withdrew its failure (%s): it caught the error and went on",
+                           *failure)  # fmt: skip
+
+    def _fire(self, failure: tuple[int, str]) -> bool:
+        """Record ``failure`` and abort this rank's groups; True when they were aborted."""
         self.failure = failure
         self.fired.set()
         rank, message = failure
         if self._abort():
+            self.aborted = True
             logger.error("rank %d failed with %s; aborting this rank's process groups", *failure)
-        else:
-            logger.warning(
-                "rank %d failed with %s. This rank's process groups cannot be aborted (gloo "
-                "has no abort in torch %s): its collective ends when rank %d's process exits.",
-                rank, message, torch.__version__, rank,
-            )  # fmt: skip
+            return True
+        logger.warning(
+            "rank %d failed with %s. This rank's process groups cannot be aborted (gloo "
+            "has no abort in torch %s): its collective ends when rank %d's process exits.",
+            rank, message, torch.__version__, rank,
+        )  # fmt: skip
+        return False
 
 
 def abort_nccl_groups() -> bool:
@@ -145,9 +181,11 @@ def _nccl_backend(pg: dist.ProcessGroup):
     return backend if isinstance(backend, dist.ProcessGroupNCCL) else None
 
 
-def watch_failures(poll_s: float = POLL_S) -> FailureWatch | None:
-    """Start watching every other rank of the job (None without other ranks). Failures are
+def watch_failures(generation: int | None = None, poll_s: float = POLL_S) -> FailureWatch | None:
+    """Start watching every other rank of the job for failures of the optimizer of
+    ``generation`` (default: the latest built; None without other ranks). Failures are
     published by global rank in the default store, so the whole world is watched."""
+    generation = latest_generation() if generation is None else generation
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
     # NOTE: private, as in replicas._store. A clone: its own connection, so a poll never
@@ -161,4 +199,6 @@ def watch_failures(poll_s: float = POLL_S) -> FailureWatch | None:
         abort=abort_nccl_groups,
         group_alive=dist.is_initialized,
         poll_s=poll_s,
+        generation=generation,
+        still_published=lambda rank: rank in published_failures(generation),
     )

@@ -51,6 +51,8 @@ class GradArrival:
         elif last:  # the window's last pass: its last arrival, as learned (once by default)
             last = self._pass_arrivals[key] >= self._boundary_firings.get(key, 1)
         with torch.no_grad():
+            if bucket.launched and bucket.speculated_with is not None:
+                self._refuse_gradient_after_speculation(bucket)
             if bucket.launched:
                 self._reopen(bucket)
             elif bucket.staged[i] and self._sums_on_host(bucket):
@@ -68,6 +70,37 @@ class GradArrival:
             self._launch(bucket, last=True)
         elif bucket.arrived == len(bucket.plan.params):
             self._send_round(bucket)  # a full round, not the step's last: to the host sum
+
+    def _refuse_gradient_after_speculation(self, bucket: Bucket) -> None:
+        """A gradient for a bucket whose speculative update was already under way, and no
+        forward hook reopened it first: the pass that made this gradient may have read the
+        speculated params (a forward that used them outside a watched module, or a graph
+        built before the first backward() whose saved params were then overwritten). Its
+        numbers cannot be trusted, so the step is refused, restored to where it began."""
+        if self._replicas.distributed:
+            self._reopen(bucket)  # raises the replicas' own error, which says what to pass
+        self._discard_step()
+        self.synchronize()  # the rollbacks have landed: the params hold their old values
+        raise RuntimeError(
+            "SuperOffloadOptimizer: a gradient arrived for params whose update had already "
+            "been started ahead of step(), and the pass that produced it may have read the "
+            "updated values (a second backward() before step() whose forward used the params "
+            "outside their modules' forward, or whose graph was built before the first "
+            "backward()). The step was refused: its gradients so far are dropped and the "
+            "early updates undone. To accumulate gradients over several backward() calls, "
+            "pass gradient_accumulation_steps=<backward calls per step> to "
+            "SuperOffloadOptimizer, or call optimizer.set_accumulation_boundary(False) before "
+            "each backward() that does not end the step (True before the one that does); "
+            "then call zero_grad() and run the step again."
+        )
+
+    def _discard_step(self) -> None:
+        """Drop this step's gradients so far (zero_grad before step, or a refused step):
+        buckets that speculated on them are rolled back, the next arrival starts afresh."""
+        self._stv.abandon(b for b in self._buckets if not b.on_device)
+        self._reset_arrivals()
+        with self._link.d2h():
+            self._sq_norms.zero_()
 
     def _send_round(self, bucket: Bucket) -> None:
         """Add this round's gradients to the bucket's host sum and begin the next round."""
@@ -178,6 +211,7 @@ class GradArrival:
         if not bucket.on_device:
             bucket.staging = None  # the next step allocates afresh; a tail keeps its fp32 grads
             if hand_over:
+                self._watch_all_forwards()  # before any forward may read a speculated param
                 self._stv.launch(bucket, event)
         return event
 
@@ -276,6 +310,7 @@ class GradArrival:
         self._pass_arrivals.clear()
         self._reopened = self._flushed = False
         self._next_launch = 0  # replicas launch buckets in order (see _launch_complete)
+        self._stop_watching_forwards()
 
     def _learn_firings(self) -> None:
         """After a step that reopened buckets (gradients arrived after their bucket launched):
@@ -313,15 +348,12 @@ class GradArrival:
             return
         if not self._told_about_firings:
             self._told_about_firings = True
-            logger.warning(
-                "hf_superoffload: gradients arrived %d times per step() for some params, "
-                "after their bucket had left for the CPU: that step's speculation was rolled "
-                "back and the gradients summed. Later steps expect as many arrivals; to skip "
-                "the rollback, pass gradient_accumulation_steps=<backward calls per step> or "
-                "call set_accumulation_boundary() before each backward.%s",
+            logger.info(
+                "hf_superoffload: gradients arrived %d times per step() for some params after "
+                "their bucket had left for the CPU: the early speculative update was rolled "
+                "back before the next forward read the params, and the gradients were summed "
+                "(the step equals AdamW's on the sum). Later steps expect as many arrivals; "
+                "pass gradient_accumulation_steps=<backward calls per step> or call "
+                "set_accumulation_boundary() before each backward to skip that rollback.",
                 max(learned.values()),
-                ""
-                if self._waits_in_forward
-                else " Without model= the optimizer cannot see forwards: that step's later "
-                "passes ran on the speculated params (pass model= to avoid it).",
             )

@@ -122,6 +122,7 @@ class SuperOffloadOptimizer(GradArrival, TailMoves, ForwardWaits, torch.optim.Op
         self.global_grad_norm: float | None = None
         self.last_step_skipped = False
         self._boundary_override: bool | None = None
+        self._taken_over = False  # another optimizer took the params over (ownership.py)
 
         trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         if not trainable:
@@ -188,6 +189,7 @@ class SuperOffloadOptimizer(GradArrival, TailMoves, ForwardWaits, torch.optim.Op
             copy_out=self._copy_out_ring(plans, dtype),
         )
         self._stv.clip_threshold = self.max_grad_norm
+        self._stv.worker.publish = self._replicas.publish_failure  # this optimizer's failure
         self.stats_counters = self._stv.stats
         self._tail = DeviceTail()
         for bucket in self._buckets:
@@ -198,6 +200,7 @@ class SuperOffloadOptimizer(GradArrival, TailMoves, ForwardWaits, torch.optim.Op
         if model is not None:
             self._hooks += self._install_forward_waits(model)
         self._waits_in_forward = model is not None
+        self._forward_watch = None  # without model=: see ForwardWaits._watch_all_forwards
         self._finalizer = weakref.finalize(
             self, _shutdown, self._stv, self._hooks, self._link, list(self._slot), self._replicas
         )
@@ -219,12 +222,14 @@ class SuperOffloadOptimizer(GradArrival, TailMoves, ForwardWaits, torch.optim.Op
             "tail_tuning": int(self._tuner is not None and self._tuner.active),
         }
 
+    @ownership.in_use
     def set_accumulation_boundary(self, is_boundary: bool | None) -> None:
         """Say whether the coming backward ends an accumulation window (integrations know this
         from accelerate's ``sync_gradients``); None returns to counting backward passes."""
         self._boundary_override = is_boundary
         self._pass_arrivals.clear()  # a new backward pass is announced
 
+    @ownership.in_use
     def clip_grad_norm_(self, max_norm: float | None = None) -> torch.Tensor:
         """The pre-clip global norm of the current gradients, computed during backward.
 
@@ -237,21 +242,22 @@ class SuperOffloadOptimizer(GradArrival, TailMoves, ForwardWaits, torch.optim.Op
         self._device_waits_for_d2h()
         return self._sq_norm_total().sqrt()
 
+    @ownership.in_use
     def trainable_params(self) -> list[torch.nn.Parameter]:
         """The params this optimizer steps (those that required grad when it was built)."""
         return [p for bucket in self._buckets for p in bucket.plan.params]
 
+    @ownership.in_use
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discard the gradients of this step so far, as AdamW's zero_grad does: buckets that
         already speculated on them are rolled back, and the next backward starts afresh."""
         super().zero_grad(set_to_none)  # params whose gradients we do not take (frozen ones)
         if not any(self._micro.values()):
             return  # nothing arrived since the last step (the usual call)
-        self._stv.abandon(b for b in self._buckets if not b.on_device)
-        self._reset_arrivals()
-        with self._link.d2h():
-            self._sq_norms.zero_()
+        self._discard_step()
 
+    @shares_failures  # with replicas, a failure here is published, withdrawn when handled
+    @ownership.in_use
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -278,10 +284,12 @@ class SuperOffloadOptimizer(GradArrival, TailMoves, ForwardWaits, torch.optim.Op
             self._tune_device_tail()
         return loss
 
+    @ownership.in_use
     def synchronize(self) -> None:
         """Wait for all CPU work in flight; afterwards the model params hold the new values."""
         self._stv.synchronize(self._buckets)
 
+    @ownership.in_use
     def master_state(self, param: torch.nn.Parameter) -> dict:
         """Copies of the fp32 master, both moments and the step count of ``param``."""
         self.synchronize()
@@ -291,6 +299,7 @@ class SuperOffloadOptimizer(GradArrival, TailMoves, ForwardWaits, torch.optim.Op
         """Whether this optimizer steps ``param`` (and so holds its fp32 master)."""
         return id(param) in self._slot
 
+    @ownership.in_use
     def master_view(self, param: torch.nn.Parameter) -> torch.Tensor:
         """The fp32 master weight of ``param`` itself: a view of the optimizer's buffer shaped
         like ``param`` (host memory; device memory for a tail bucket), no copy.
@@ -318,6 +327,7 @@ class SuperOffloadOptimizer(GradArrival, TailMoves, ForwardWaits, torch.optim.Op
     def _param_state(self, param: torch.nn.Parameter) -> dict:
         return state_io.param_state(self, param)
 
+    @ownership.in_use
     def state_dict(self) -> dict:
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
@@ -327,6 +337,7 @@ class SuperOffloadOptimizer(GradArrival, TailMoves, ForwardWaits, torch.optim.Op
             state = state if changed is None else changed
         return state
 
+    @ownership.in_use
     def load_state_dict(self, state_dict: dict) -> None:
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             changed = pre_hook(self, state_dict)
@@ -353,6 +364,16 @@ class SuperOffloadOptimizer(GradArrival, TailMoves, ForwardWaits, torch.optim.Op
     def close(self) -> None:
         """Stop the worker and remove the hooks; idempotent."""
         self._finalizer()
+
+    def _give_up_params(self) -> None:
+        """A newer optimizer takes these params over (``ownership.claim``): a step begun is
+        rolled back (the params get their values from before it), the worker stops, the hooks
+        go, and the buffers are dropped before the newer one allocates its own."""
+        if any(self._micro.values()):
+            self._discard_step()
+        self.close()
+        self._taken_over = True
+        self._buckets, self._slot, self._micro, self._tail = [], {}, {}, DeviceTail()
 
     def __enter__(self):
         return self

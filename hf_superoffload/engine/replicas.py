@@ -16,6 +16,13 @@ collective the other ranks wait in then breaks (gloo: at once, when the process'
 close), and ``Replicas`` raises ``PeerRankError`` with the published error instead of the
 backend's "connection reset". With NCCL a collective does not break when a peer exits: the
 launcher (torchrun, ``accelerate launch``) ends the other processes when one fails.
+
+A failure belongs to one optimizer: its *generation*, the count of replicated optimizers this
+process has built (ranks build them in step, as their collectives require), is part of the
+key, and only that optimizer's peers watch it; one built later starts with none. A rank that
+catches its error and goes on withdraws it: the next call of a wrapped method, or the next
+optimizer it builds, deletes what it published, and a peer that saw it in the meantime does
+not raise for it (``FailureWatch.raise_if_fired`` checks it is still there).
 """
 
 from __future__ import annotations
@@ -26,8 +33,13 @@ import functools
 import torch
 import torch.distributed as dist
 
-FAILURE_KEY = "hf_superoffload/failed/rank{}"
+FAILURE_KEY = "hf_superoffload/failed/g{}/rank{}"  # generation, global rank
 MESSAGE_LIMIT = 2000  # characters of a published error
+
+# Replicated optimizers built by this process so far: the latest one's generation.
+_generation = {"latest": 0}
+# Keys this process published and has not withdrawn.
+_published: set[str] = set()
 
 
 class PeerRankError(RuntimeError):
@@ -42,28 +54,49 @@ def _store():
     return dist.distributed_c10d._get_default_store()
 
 
-def publish_failure(error: BaseException) -> None:
-    """Tell the other ranks why this one is about to stop (nothing without other ranks). A
-    PeerRankError is not published: its cause is another rank's, already there."""
+def latest_generation() -> int:
+    return _generation["latest"]
+
+
+def publish_failure(error: BaseException, generation: int | None = None) -> None:
+    """Tell the other ranks why this one is about to stop (nothing without other ranks), as a
+    failure of the optimizer of ``generation`` (default: the latest built). A PeerRankError is
+    not published: its cause is another rank's, already there."""
     store = _store()
     if store is None or isinstance(error, PeerRankError):
         return
+    key = FAILURE_KEY.format(latest_generation() if generation is None else generation,
+                             dist.get_rank())  # fmt: skip
     message = f"{type(error).__name__}: {error}"[:MESSAGE_LIMIT]
     # A store whose host (rank 0, or the launcher) is gone: the others see that anyway.
     with contextlib.suppress(RuntimeError):
-        store.set(FAILURE_KEY.format(dist.get_rank()), message)
+        store.set(key, message)
+        _published.add(key)
 
 
-def published_failures() -> dict[int, str]:
-    """The errors other ranks published, by rank (empty when none did, or the store is
-    gone with its host)."""
+def withdraw_failures() -> None:
+    """This rank goes on after the failures it published: it handled them. Delete them, so
+    no peer (and no optimizer built later) ends for them."""
+    if not _published:
+        return
+    store = _store()
+    for key in list(_published):
+        _published.discard(key)
+        if store is not None:
+            with contextlib.suppress(RuntimeError):  # as in publish_failure
+                store.delete_key(key)
+
+
+def published_failures(generation: int) -> dict[int, str]:
+    """The errors other ranks published for the optimizer of ``generation``, by rank (empty
+    when none did, or the store is gone with its host)."""
     store = _store()
     if store is None:
         return {}
     failures = {}
     try:
         for rank in range(dist.get_world_size()):
-            key = FAILURE_KEY.format(rank)
+            key = FAILURE_KEY.format(generation, rank)
             if rank != dist.get_rank() and store.check([key]):
                 failures[rank] = store.get(key).decode(errors="replace")
     except RuntimeError:
@@ -71,10 +104,10 @@ def published_failures() -> dict[int, str]:
     return failures
 
 
-def peer_error(broken: BaseException) -> PeerRankError | None:
+def peer_error(broken: BaseException, generation: int) -> PeerRankError | None:
     """For ``broken``, an error of a collective: a PeerRankError naming the ranks that
-    published a failure and their errors; None when no other rank published one."""
-    failures = published_failures()
+    published a failure of this optimizer and their errors; None when no other rank did."""
+    failures = published_failures(generation)
     if not failures:
         return None
     causes = "; ".join(f"rank {rank} failed with {text}" for rank, text in sorted(failures.items()))
@@ -105,22 +138,34 @@ def closes_replicas_on_failure(init):
 def shares_failures(method):
     """Wrap a method that takes part in collectives (a constructor, ``step``): a failure in it
     is published for the other ranks, and an error caused by another rank's published failure
-    becomes a PeerRankError with that rank's error."""
+    becomes a PeerRankError with that rank's error. Entering it withdraws this rank's earlier
+    failures (``withdraw_failures``)."""
 
     @functools.wraps(method)
-    def wrapper(*args, **kwargs):
+    def wrapper(self, *args, **kwargs):
+        withdraw_failures()  # called again: what failed before was handled
         try:
-            return method(*args, **kwargs)
+            return method(self, *args, **kwargs)
         except PeerRankError:
             raise
         except BaseException as error:
-            peer = peer_error(error) if isinstance(error, RuntimeError) else None
+            generation = _generation_of(self)
+            peer = peer_error(error, generation) if isinstance(error, RuntimeError) else None
             if peer is not None:
                 raise peer from error
-            publish_failure(error)
+            publish_failure(error, generation)
             raise
 
     return wrapper
+
+
+def _generation_of(optimizer) -> int:
+    """The generation of ``optimizer``'s replicas; a constructor that failed before making
+    them would have made the next one."""
+    replicas = optimizer.__dict__.get("_replicas")
+    if replicas is not None and replicas.distributed:
+        return replicas.generation
+    return latest_generation() + 1
 
 
 class Replicas:
@@ -132,13 +177,17 @@ class Replicas:
         self.group = group if group is not None else (dist.group.WORLD if initialised else None)
         self.size = dist.get_world_size(self.group) if self.group is not None else 1
         self.failure_watch = None
+        self.generation = 0
         if self.size == 1:
             self.group = None
             return
         from .failure_watch import watch_failures  # it imports this module
 
+        withdraw_failures()  # this rank goes on: it builds another optimizer
+        _generation["latest"] += 1
+        self.generation = _generation["latest"]
         # NCCL collectives wait through a peer's death: the watch aborts them when one fails.
-        self.failure_watch = watch_failures()
+        self.failure_watch = watch_failures(self.generation)
         # NCCL reduces CUDA tensors only (on the model's GPU); gloo takes CPU tensors.
         nccl = dist.get_backend(self.group) == "nccl"
         self._scalar_device = device if nccl else torch.device("cpu")
@@ -152,13 +201,17 @@ class Replicas:
         if self.failure_watch is not None:
             self.failure_watch.stop()
 
-    @staticmethod
-    def _run(collective, *args, **kwargs) -> None:
+    def publish_failure(self, error: BaseException) -> None:
+        """Publish ``error`` as a failure of this optimizer (see ``publish_failure``)."""
+        if self.distributed:
+            publish_failure(error, self.generation)
+
+    def _run(self, collective, *args, **kwargs) -> None:
         """A collective; broken by another rank's end, it raises PeerRankError."""
         try:
             collective(*args, **kwargs)
         except RuntimeError as broken:
-            peer = peer_error(broken)
+            peer = peer_error(broken, self.generation)
             if peer is None:
                 peer = PeerRankError(
                     f"a collective of the SuperOffload replicas broke ({broken}). Another rank "

@@ -70,7 +70,6 @@ _TORCH_ADAM_SWITCHES = {
     "capturable": None,
     "differentiable": None,
     "decoupled_weight_decay": None,
-    "param_names": None,  # torch >= 2.6 optimizers built from named_parameters()
 }
 
 
@@ -110,12 +109,17 @@ def state_dict(opt: SuperOffloadOptimizer) -> dict:
     """torch's layout, entries viewing the live state (see the module docstring)."""
     opt.synchronize()
     host = _HostViews()
-    state, groups, index = {}, [], 0
+    # Params numbered by identity, as torch's: a group listed again (param_groups.extend)
+    # shows the same numbers. Entries of optimizer.state not keyed by a param (a state-dict
+    # pre-hook's, say) travel as they are, as in torch's.
+    state = {k: v for k, v in opt.state.items() if not isinstance(k, torch.Tensor)}
+    groups, numbers = [], {}
     for group in opt.param_groups:
         ids = []
         for param in group["params"]:
+            index = numbers.setdefault(id(param), len(numbers))
             slot = opt._slot.get(id(param))
-            if slot is not None:
+            if slot is not None and index not in state:
                 bucket, i = slot
                 state[index] = {
                     "master": host(bucket, bucket.master, i),
@@ -126,7 +130,6 @@ def state_dict(opt: SuperOffloadOptimizer) -> dict:
                     "step": torch.tensor(float(bucket.param_step(i))),
                 }
             ids.append(index)
-            index += 1
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
     extra = {"format": FORMAT_VERSION, "predicted_coef": float(opt._stv.predicted_coef)}
     return {"state": state, "param_groups": groups, EXTRA_KEY: extra}
@@ -151,11 +154,18 @@ def load_state_dict(opt: SuperOffloadOptimizer, state_dict: Mapping) -> None:
         for j, (saved_id, param) in enumerate(zip(saved["params"], group["params"], strict=True)):
             where[saved_id] = (g, j, param)
     entries = {}  # id(param) -> checked entry
+    others = {}  # entries not keyed by a param number: back into optimizer.state, as torch's
     for key, entry in state_dict["state"].items():
+        if key not in where and _as_int(key) is None:
+            others[key] = entry
+            continue
         g, j, param = _lookup(where, key)
         entries[id(param)] = _checked_entry(opt, key, g, j, param, entry)
 
     # Nothing below raises: a refused state dict has left the optimizer untouched.
+    for key in [k for k in opt.state if not isinstance(k, torch.Tensor)]:
+        del opt.state[key]
+    opt.state.update(others)
     for group, hyper in zip(opt.param_groups, hypers, strict=True):
         group.update(hyper)
     for group in opt.param_groups:

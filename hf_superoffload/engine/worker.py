@@ -31,6 +31,9 @@ class Worker:
         self._pending: dict[int, int] = {}
         self._error: BaseException | None = None
         self._closed = False
+        # Tells the other ranks of a failed task: the optimizer passes its replicas' (scoped to
+        # it); the default publishes for the latest optimizer built.
+        self.publish: Callable[[BaseException], None] = publish_failure
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -101,7 +104,7 @@ class Worker:
             try:
                 task()
             except BaseException as error:  # surfaced to the training thread by wait()/submit()
-                publish_failure(error)  # first: the other ranks' collectives break when it ends
+                self.publish(error)  # first: the other ranks' collectives break when it ends
                 with self._cond:
                     self._error = error
                     self._cond.notify_all()
