@@ -26,6 +26,7 @@ gradient buffer is dropped), plus a few shared buffers the kernel writes the rou
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 
@@ -71,11 +72,30 @@ def deepspeed_clip_coef(total_norm: torch.Tensor, clip: float) -> float:
     return float(1.0 / divisor)
 
 
+def _shuts_down_on_failure(init):
+    """A constructor that fails after the STV core exists stops its worker thread (and
+    unpins the link's buffers) before the error propagates: each failed attempt would
+    otherwise leave one running."""
+
+    @functools.wraps(init)
+    def wrapper(self, *args, **kwargs):
+        try:
+            init(self, *args, **kwargs)
+        except BaseException:
+            finalizer = self.__dict__.get("_finalizer")
+            if finalizer is not None:
+                finalizer()
+            raise
+
+    return wrapper
+
+
 @share_failures  # one rank's failure ends the others promptly, with its error
 class SuperOffloadZero3Optimizer(
     SubGroupLayout, HostState, DeviceSubGroups, HostGradientAccessors, DeepSpeedZeroOptimizer_Stage3
 ):
     @closes_replicas_on_failure
+    @_shuts_down_on_failure
     def __init__(self, module, init_optimizer, param_names, timers, ds_config, **kwargs):
         device = torch.device(get_accelerator().current_device_name())
         # Its failure watch runs from the first collective on (the host check's): NCCL's wait
@@ -127,6 +147,7 @@ class SuperOffloadZero3Optimizer(
             speculate_after_clip=options.speculate_after_clip,
             copy_out=copy_out,
         )
+        self._finalizer = weakref.finalize(self, _shutdown, self._stv, self._link, self._replicas)
         self._stv.clip_threshold = self.clip_grad or None
         if not self._accumulates:  # before ours are allocated: the host's peak is at start-up
             self._drop_accumulation_buffer()
@@ -146,7 +167,6 @@ class SuperOffloadZero3Optimizer(
             for param in group:
                 wrap_gathers(param, self._wait_for_params)
         self.last_step_skipped = False
-        self._finalizer = weakref.finalize(self, _shutdown, self._stv, self._link, self._replicas)
         log_dist(
             f"hf_superoffload: SuperOffload on ZeRO-3 runs in place of DeepSpeed's "
             f"({len(self._host_parts)} of {len(self.fp32_partitioned_groups_flat)} sub groups "
