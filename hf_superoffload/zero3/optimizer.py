@@ -119,6 +119,7 @@ class SuperOffloadZero3Optimizer(
         super().__init__(module, init_optimizer, param_names, timers, ds_config, **kwargs)
         ops.set_num_threads(options.cpu_threads)
         ops.prepare()  # build or load the CPU Adam now, visibly, not inside step 1
+        self._zero_padding()
 
         self._link = Link(device, pinned=self._pin_transfers)
         dtype = self.fp16_partitioned_groups_flat[0].dtype
