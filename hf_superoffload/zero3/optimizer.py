@@ -156,6 +156,10 @@ class SuperOffloadZero3Optimizer(
         self._host_part_at = {part.index: part for part in self._host_parts}
         self._pending_params = self._params_expecting_gradients()
         self._launched: set[int] = set()
+        # Params whose final gradient partition of this window reached its sub group at the
+        # boundary; the others reduced in the window are taken from DeepSpeed's
+        # accumulation buffer in step().
+        self._boundary_arrivals: set[int] = set()
         self._part_of_param = {
             p.ds_id: part for part in self._host_parts for p in self.fp16_groups[part.index]
         }
@@ -227,9 +231,21 @@ class SuperOffloadZero3Optimizer(
             # (DeepSpeed's path goes through its accumulation buffer and back first).
             self._offload_boundary_partitions(params_to_release, grad_partitions)
         else:
+            self._start_late_accumulations(params_to_release)
             super().partition_grads(params_to_release, grad_partitions)
         if boundary:
             self._note_arrivals(params_to_release)
+
+    def _start_late_accumulations(self, params) -> None:
+        """After the window's first backward DeepSpeed adds every gradient partition to its
+        accumulation buffer, which for a param that got none so far still holds an earlier
+        window's sum: zero that first."""
+        if self.micro_step_id == 0:
+            return
+        window = self._offload_boundary_param_ids
+        for param in params:
+            if param.ds_id not in window and self._has_gradient_partition(param):
+                self._accumulated_partition(param).zero_()
 
     def _offload_boundary_partitions(self, params, grad_partitions) -> None:
         for param, grad_partition in zip(params, grad_partitions, strict=True):
@@ -246,6 +262,7 @@ class SuperOffloadZero3Optimizer(
         for the sub groups ``ratio`` keeps there."""
         param_id = self.get_param_id(param)
         i, offset, _ = self.grad_position[param_id]
+        self._boundary_arrivals.add(param.ds_id)
         self.norm_for_param_grads[param_id] = self._constant_buffered_norm2(grad_buffer)
         on_device = self._device_part_at.get(i)
         if on_device is not None:
@@ -269,7 +286,17 @@ class SuperOffloadZero3Optimizer(
             if part.index in completed:
                 self._launch(part, speculate=True)
 
+    def _note_presence(self, part: HostPartition) -> None:
+        """Which of the sub group's params got a gradient in this window (a param whose
+        partition here is only padding counts as having one: its zeros step to zeros)."""
+        window = self._offload_boundary_param_ids
+        part.present = [
+            p.ds_id in window or not self._has_gradient_partition(p)
+            for p in self.fp16_groups[part.index]
+        ]
+
     def _launch(self, part: HostPartition, speculate: bool) -> None:
+        self._note_presence(part)
         norms = [
             self.norm_for_param_grads[self.get_param_id(p)]
             for p in self.fp16_groups[part.index]
@@ -286,9 +313,12 @@ class SuperOffloadZero3Optimizer(
         self._stv.launch(part, self._link.record(), speculate)
 
     def _launch_the_rest(self) -> None:
-        """Sub groups with a param that got no gradient this step: that gradient counts as
-        zero (as DeepSpeed's offload counts it absent from the norm), and they step after
-        validation, like every sub group when the boundary was only known at step()."""
+        """Sub groups whose params did not all get their last gradient at the boundary. A
+        param reduced earlier in the window takes its sum from DeepSpeed's accumulation
+        buffer now; a param without a gradient in the window is skipped (``ParamSteps``).
+        They step after validation, like every sub group when the boundary was only known
+        at step()."""
+        self._take_late_gradients()
         for part in self._host_parts:
             if part.index in self._launched:
                 continue
@@ -296,10 +326,35 @@ class SuperOffloadZero3Optimizer(
             if missing:
                 self._stv.wait_for_tasks([part.index])  # the last step's tasks read this buffer
             for param in self.fp16_groups[part.index]:
-                if param.ds_id in missing:
+                if param.ds_id in missing:  # read by DeepSpeed's gradient accessors
                     _, offset, numel = self.grad_position[self.get_param_id(param)]
                     part.host_grad.narrow(0, offset, numel).zero_()
             self._launch(part, speculate=False)
+        for part in self._device_parts:
+            self._note_presence(part)
+
+    def _take_late_gradients(self) -> None:
+        """Params reduced in this window whose sub group did not get them at the boundary
+        (their last gradient came in an earlier micro-batch): their sum, from DeepSpeed's
+        accumulation buffer, into the sub group's gradients, with its norm."""
+        late = [
+            p
+            for group in self.fp16_groups
+            for p in group
+            if p.ds_id in self._offload_boundary_param_ids
+            and p.ds_id not in self._boundary_arrivals
+            and self._has_gradient_partition(p)
+        ]
+        if not late:
+            return
+        if not get_accelerator().resolves_data_dependency():
+            self.reduce_and_partition_stream.synchronize()  # DeepSpeed's sums have landed
+        device = get_accelerator().current_device_name()
+        for param in late:
+            i = self.grad_position[self.get_param_id(param)][0]
+            self._stv.wait_for_tasks([i])  # the last step's tasks read this buffer
+            summed = self._accumulated_partition(param).to(device, non_blocking=True)
+            self._offload_grad_partition_at_boundary(param, summed)
 
     # ------------------------------------------------------------------------- validation
 
@@ -320,9 +375,10 @@ class SuperOffloadZero3Optimizer(
         self.last_step_skipped = result.verdict is Verdict.SKIP
         self._step_device_sub_groups(None if self.last_step_skipped else result.clip_coef)
         self._launched.clear()
+        self._boundary_arrivals.clear()
         self._pending_params = self._params_expecting_gradients()
         for part in self._host_parts + self._device_parts:
-            self.optimizer.state[part.master]["step"] = self._step_value(part.step)
+            part.save_steps(self.optimizer.state[part.master], self._step_value)
         if self.last_step_skipped:
             self._stv.synchronize(self._host_parts)  # rollbacks read the gradient buffers
             self.overflow = True
