@@ -100,6 +100,24 @@ class HostState:
         # NOTE: DeepSpeed's name-mangled views into that buffer, one per param.
         self._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition.clear()
 
+    def _restore_accumulation_buffer(self) -> None:
+        """Make DeepSpeed's host accumulation buffer (and its per-param views) again, as its
+        constructor does, unpinned: the user set the accumulation boundary by hand, so
+        backward passes without a step in between accumulate after all. ``host_bytes``
+        counts it from then on."""
+        params = [p for group in self.fp16_groups for p in group]
+        buffer = torch.zeros(
+            sum(p.partition_numel() for p in params),
+            dtype=self.gradient_accumulation_dtype,
+            device=self.device,
+        )
+        views = self._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
+        offset = 0
+        for param in params:
+            views[param.ds_id] = buffer.narrow(0, offset, param.partition_numel())
+            offset += param.partition_numel()
+        self.grad_partitions_flat_buffer = buffer
+
     def _accumulated_partition(self, param) -> torch.Tensor:
         """This window's sum of ``param``'s gradient partitions in DeepSpeed's accumulation
         buffer (its real elements)."""

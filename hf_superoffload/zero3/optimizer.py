@@ -224,7 +224,9 @@ class SuperOffloadZero3Optimizer(
             raise RuntimeError(
                 "a second backward before step() with gradient_accumulation_steps=1: set "
                 "gradient_accumulation_steps in the DeepSpeed config (or the Trainer) to the "
-                "number of backward passes per step."
+                "number of backward passes per step, or tell DeepSpeed where the boundary is "
+                "(engine.set_gradient_accumulation_boundary(False) before each backward but "
+                "the last)."
             )
         if boundary and self.micro_step_id == 0:
             # No accumulation: norm and cast on the device, one copy to the host buffer
@@ -246,6 +248,23 @@ class SuperOffloadZero3Optimizer(
         for param in params:
             if param.ds_id not in window and self._has_gradient_partition(param):
                 self._accumulated_partition(param).zero_()
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """DeepSpeed's engine forwards a boundary the user sets by hand (its documented way to
+        accumulate a variable number of micro-batches, with ``coalesce_grad_reduction`` or
+        without): a backward that is not at the boundary accumulates, so with
+        ``gradient_accumulation_steps`` 1 the accumulation buffer dropped at start-up is made
+        again (``host_bytes()["accumulation"]`` counts it)."""
+        if not is_boundary and not self._accumulates:
+            self._restore_accumulation_buffer()
+            self._accumulates = True
+            log_dist(
+                "hf_superoffload: the accumulation boundary was set by hand: made the host "
+                f"gradient accumulation buffer ({self.grad_partitions_flat_buffer.numel()} "
+                "elements per rank)",
+                ranks=[0],
+            )
+        super().set_gradient_accumulation_boundary(is_boundary)
 
     def _offload_boundary_partitions(self, params, grad_partitions) -> None:
         for param, grad_partition in zip(params, grad_partitions, strict=True):
