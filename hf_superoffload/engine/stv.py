@@ -75,23 +75,30 @@ def validate(
 
 @dataclasses.dataclass
 class StvStats:
-    """Counters of one optimizer; per optimizer step, not per partition, except the seconds."""
+    """Counters of one optimizer. ``steps`` to ``rollbacks_hparams`` count optimizer steps,
+    the rest partitions or seconds. The counts of work the worker does (``rollbacks_clip``,
+    ``rollbacks_hparams``, ``speculations_*``, ``replays``) are taken when it has done it:
+    complete after ``synchronize()``."""
 
     steps: int = 0
-    # Steps whose partitions were submitted for speculation, and steps whose speculated scale
-    # was not the validated one. A submitted speculation may still be withheld on the worker
-    # (speculations_withheld); what ran is in speculations_applied and replays.
+    # Steps whose partitions were submitted for speculation. A submitted speculation may still
+    # be withheld on the worker (speculations_withheld); what ran is in speculations_applied.
     speculative_steps: int = 0
+    # Steps in which a speculated update that ran was rolled back and replayed with the
+    # validated clip coefficient (a step whose speculations were all withheld replays none).
     rollbacks_clip: int = 0
     rollbacks_nonfinite: int = 0
-    rollbacks_hparams: int = 0  # lr/betas changed between backward and step(): redone
+    # Steps in which a speculated update that ran was undone and stepped again because lr or
+    # betas changed between backward and step().
+    rollbacks_hparams: int = 0
     # Partitions not speculated on because the norm seen so far showed the step would clip
     # harder than the speculation's scale (HostSteps.speculate); they stepped after validation.
     speculations_withheld: int = 0
     speculations_applied: int = 0  # partitions stepped before validation (on the worker)
     replays: int = 0  # applied speculations rolled back and replayed with the clip coefficient
-    # A speculation undone before validation: more gradients arrived for its partition (an
-    # undeclared accumulation pass, a hook firing twice), or zero_grad() discarded them.
+    # Speculations undone before validation (counted when submitted): more gradients arrived
+    # for their partition (an undeclared accumulation pass, a hook firing twice), zero_grad()
+    # discarded them, or DeepSpeed's accessors read or wrote the partition (ZeRO-3).
     rollbacks_accumulation: int = 0
     replay_seconds: float = 0.0
     cpu_step_seconds: float = 0.0
@@ -104,6 +111,21 @@ class StvStats:
 
     def as_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
+
+
+class StepUndos:
+    """The rollbacks one step's tasks really ran, by cause, each counted once per step; used
+    on the worker thread only, where ``speculation_applied`` says whether there was anything
+    to undo."""
+
+    def __init__(self, stats: StvStats):
+        self.stats = stats
+        self.counted: set[str] = set()
+
+    def undoing(self, part: HostPartition, cause: str) -> None:
+        if part.speculation_applied and cause not in self.counted:
+            self.counted.add(cause)
+            setattr(self.stats, cause, getattr(self.stats, cause) + 1)
 
 
 def adam_hyper(group: dict, step: int) -> dict:
@@ -224,19 +246,15 @@ class Stv:
                 result.total_norm, stats.steps, stats.rollbacks_nonfinite, stats.steps,
             )  # fmt: skip
         else:
-            if any(
-                p.speculated_with is not None and p.speculated_scale != result.clip_coef
-                for p in parts
-            ):
-                stats.rollbacks_clip += 1
             self.predicted_coef = result.clip_coef
             self.clip_threshold = result.max_grad_norm
+        undos = StepUndos(stats)
         for part in parts:
-            self._settle(part, result.verdict, result.clip_coef)
+            self._settle(part, result.verdict, result.clip_coef, undos)
             part.reset_speculation()
         self._round = SpeculationRound()
 
-    def _settle(self, part: HostPartition, verdict: Verdict, coef: float) -> None:
+    def _settle(self, part: HostPartition, verdict: Verdict, coef: float, undos) -> None:
         spec, submit, host = part.speculated_with, self.worker.submit, self.host
         if spec is None:
             if verdict is not Verdict.SKIP:
@@ -251,11 +269,20 @@ class Stv:
             return
         current = self.hyper(part, spec["step"])
         if current != spec:  # lr/betas changed between backward and step(): redo with the new
-            self.stats.rollbacks_hparams += 1
-            submit([part.index], lambda: host.rollback(part, spec, scale, runs, grad))
-            submit([part.index], lambda: host.step(part, current, coef, None, runs, grad))
+
+            def redo():
+                undos.undoing(part, "rollbacks_hparams")
+                host.rollback(part, spec, scale, runs, grad)
+                host.step(part, current, coef, None, runs, grad)
+
+            submit([part.index], redo)
         elif scale != coef:
-            submit([part.index], lambda: host.replay(part, spec, scale, coef, runs, grad))
+
+            def replay():
+                undos.undoing(part, "rollbacks_clip")
+                host.replay(part, spec, scale, coef, runs, grad)
+
+            submit([part.index], replay)
         else:
             submit([part.index], lambda: host.complete(part, spec, scale, runs, grad))
         part.commit_update()

@@ -5,6 +5,15 @@ accumulation dtype) and whose state the CPU worker may still be updating.
 DeepSpeed's ``safe_get_full_grad``, ``safe_get_local_fp32_param`` and friends call these
 methods of the ZeRO-3 optimizer; the sub groups ``ratio`` keeps on the GPU answer from their
 own fp32 gradient buffers there.
+
+Between backward and ``step()`` a host sub group may already have been stepped speculatively.
+An accessor that reads its fp32 params or moments, or writes them or its gradients
+(``safe_set_full_grad``, ``safe_set_local_grad``, ``safe_set_full_fp32_param``, ...), first
+undoes that speculation and waits for the worker, so it sees what DeepSpeed's plain offload
+shows (the state before the step) and a write is what the step uses: the sub group then steps
+after validation, from the written values. A gradient written in full also sets that param's
+norm, so the clip follows the gradient that is stepped (DeepSpeed's ``set_fp32_grad_for_param``
+keeps the norm from backward; its ``set_local_grad_for_param`` sets it, as here).
 """
 
 from __future__ import annotations
@@ -26,6 +35,33 @@ class HostGradientAccessors:
             self.reduce_and_partition_stream.synchronize()  # the copies into it have landed
         return part.host_grad.narrow(0, offset, numel), i
 
+    def _settle_for_access(self, sub_group: int) -> None:
+        """Undo a speculation on this host sub group (it then steps after validation) and
+        wait for its worker tasks."""
+        part = self._host_part_at.get(sub_group)
+        if part is None:
+            return
+        if part.speculated_with is not None:
+            self._stv.retract(part)
+        self._stv.worker.wait([sub_group])
+
+    def set_fp32_grad_for_param(self, value, param):
+        if not param.requires_grad:
+            return
+        param_id = self.get_param_id(param)
+        self._settle_for_access(self.grad_position[param_id][0])
+        super().set_fp32_grad_for_param(value, param)
+        written, _ = self._get_fp32_grad_state_partition(param, False)
+        self.norm_for_param_grads[param_id] = self._constant_buffered_norm2(
+            written.narrow(0, 0, self._real_numel(param))
+        )
+
+    def set_local_grad_for_param(self, value, param):
+        if not param.requires_grad:
+            return
+        self._settle_for_access(self.grad_position[self.get_param_id(param)][0])
+        super().set_local_grad_for_param(value, param)  # sets the norm too
+
     def get_fp32_grad_partitions(self):
         grad_dict: dict[int, dict[int, torch.Tensor]] = {}
         for group in self.fp16_groups:
@@ -41,6 +77,7 @@ class HostGradientAccessors:
                 self.set_fp32_grad_for_param(update_func(full, param), param)
 
     def _get_fp32_opt_state_partition(self, param, release_swap_buffers, optim_state_key=None):
-        # DeepSpeed's accessors (safe_get_local_fp32_param, ...) read a sub group's state.
-        self._stv.worker.wait([self.grad_position[self.get_param_id(param)][0]])
+        # DeepSpeed's accessors (safe_get_local_fp32_param, safe_set_full_fp32_param, ...) read
+        # or write a sub group's state.
+        self._settle_for_access(self.grad_position[self.get_param_id(param)][0])
         return super()._get_fp32_opt_state_partition(param, release_swap_buffers, optim_state_key)

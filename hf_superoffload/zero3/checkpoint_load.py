@@ -23,6 +23,7 @@ from .checkpoint_layout import (
     saved_layout,
 )
 from .checkpoint_memory import MAPPED_KEY, release_mapped_pages
+from .param_steps import PARAM_STEPS_KEY
 
 # Keys of a base optimizer's per-sub-group state this path restores (AdamW's).
 STATE_KEYS = {"step", *MOMENTS}
@@ -68,6 +69,29 @@ def agreed_step(states: list[dict], sources: set[int]) -> int:
     return steps.pop()
 
 
+def saved_step_states(states: list[dict], recut, steps: list[int]) -> list[dict]:
+    """Per live sub group, the step state to load: ``step`` and, where the saved sub group's
+    params were at different step counts (some got no gradient in some steps), their
+    ``param_steps``, which only a checkpoint cut as this optimizer is can carry over."""
+    loaded = []
+    for t, step in enumerate(steps):
+        state = {"step": step}
+        carried = [
+            s for s in recut.source_sub_groups(t) if states[s].get(PARAM_STEPS_KEY) is not None
+        ]
+        if carried and not recut.identity:
+            raise CheckpointLayoutError(
+                f"the checkpoint's sub group {carried[0]} holds params at different step counts "
+                "(some got no gradient in some steps), which only an optimizer cut into the "
+                "same sub groups can resume: use the sub_group_size, param groups and number "
+                "of ranks that saved it."
+            )
+        if carried:
+            state[PARAM_STEPS_KEY] = states[carried[0]][PARAM_STEPS_KEY]
+        loaded.append(state)
+    return loaded
+
+
 def live_part(zero, t: int):
     """The partition object (host or device) that holds sub group ``t``'s moments and step."""
     return zero._host_part_at[t] if t in zero._host_part_at else zero._device_part_at[t]
@@ -81,6 +105,7 @@ def load_rank_state(zero, saved: dict, load_optimizer_states: bool) -> None:
     if load_optimizer_states:  # every check before anything changes
         states = saved_sub_group_states(saved)
         steps = [agreed_step(states, recut.source_sub_groups(t)) for t in range(len(recut.sources))]
+        step_states = saved_step_states(states, recut, steps) if states[0] else None
         restore_group_hyperparameters(
             zero.optimizer.param_groups, saved[BASE_OPTIMIZER_STATE]["param_groups"]
         )
@@ -104,8 +129,8 @@ def load_rank_state(zero, saved: dict, load_optimizer_states: bool) -> None:
                     live.zero_()
                 else:
                     recut.copy_into(t, live, saved_moment)
-            part.step = steps[t]
-            zero.optimizer.state[master]["step"] = zero._step_value(part.step)
+            part.load_steps(step_states[t] if step_states else {"step": steps[t]})
+            part.save_steps(zero.optimizer.state[master], zero._step_value)
             if t in zero._device_part_at:
                 zero._tail.set_step(part)
         if saved.get(MAPPED_KEY, False):  # what is copied leaves the process (checkpoint_memory.py)

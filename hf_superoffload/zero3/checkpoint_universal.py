@@ -99,8 +99,9 @@ def load_universal_state(
                 release_mapped_pages(whole.narrow(0, start, real))  # mapped by _param_file
                 target.narrow(0, offset + real, param.partition_numel() - real).zero_()  # padding
                 offset += param.partition_numel()
-        part.step = step
-        zero.optimizer.state[master]["step"] = zero._step_value(step)
+        # A universal checkpoint keeps one step count: every param resumes at it.
+        part.load_steps({"step": step})
+        part.save_steps(zero.optimizer.state[master], zero._step_value)
         if t in zero._device_part_at:
             zero._tail.set_step(part)
     refresh_partitions(zero)

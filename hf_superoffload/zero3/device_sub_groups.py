@@ -21,6 +21,7 @@ import torch
 
 from ..engine.device_tail import DeviceTail
 from ..engine.partition import HostPartition
+from .param_steps import ParamSteps
 
 
 def device_sub_group_count(ratio: float, sub_groups: int) -> int:
@@ -32,25 +33,17 @@ def device_sub_group_count(ratio: float, sub_groups: int) -> int:
     return rule(ratio, sub_groups)
 
 
-class DeviceSubGroup(HostPartition):
+class DeviceSubGroup(ParamSteps, HostPartition):
     """One sub group whose fp32 master, moments and fp32 gradients live on the device. The
-    whole sub group is one flat param to the DeviceTail: DeepSpeed steps sub groups whole
-    (a param without a gradient this step counts as a zero gradient)."""
+    DeviceTail's AdamW steps a view per param, so a param without a gradient in a step is
+    skipped, as on the host (``ParamSteps``)."""
 
-    param_count = 1
-    present = (True,)
-
-    def __init__(self, index: int, group_index: int, master: torch.Tensor, flat_param):
+    def __init__(self, index: int, group_index: int, master: torch.Tensor, flat_param, spans):
         moments = torch.zeros_like(master), torch.zeros_like(master)
         super().__init__(index, group_index, master, *moments, None, None, flat_param)
+        self.init_param_steps(spans)
         self.grad = torch.zeros_like(master)  # this step's gradient partitions, in fp32
         self.device_group: dict | None = None  # its param group in the DeviceTail's AdamW
-
-    def views(self, tensor: torch.Tensor, param_index: int) -> torch.Tensor:
-        return tensor
-
-    def param_step(self, param_index: int) -> int:
-        return self.step
 
 
 class DeviceSubGroups:
@@ -69,7 +62,11 @@ class DeviceSubGroups:
             self.fp32_partitioned_groups_flat[i] = on_device
             self.optimizer.state.pop(master, None)
             part = DeviceSubGroup(
-                i, self.sub_group_to_group_id[i], on_device, self.fp16_partitioned_groups_flat[i]
+                i,
+                self.sub_group_to_group_id[i],
+                on_device,
+                self.fp16_partitioned_groups_flat[i],
+                self._param_spans(i),
             )
             self.optimizer.state[on_device].update(
                 exp_avg=part.exp_avg, exp_avg_sq=part.exp_avg_sq, step=self._step_value(0)
@@ -80,8 +77,8 @@ class DeviceSubGroups:
 
     def _step_device_sub_groups(self, coef: float | None) -> None:
         """Step the device sub groups with the validated clip coefficient (None: the step was
-        skipped), then clear their gradients for the next step (params without a gradient
-        in a step count as zero)."""
+        skipped), then clear their gradients for the next step (``present`` says which
+        params got one)."""
         parts = self._device_parts
         if coef is not None and parts:
             hypers = [self._stv.hyper(p, p.step + 1) for p in parts]

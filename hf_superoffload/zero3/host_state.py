@@ -13,6 +13,11 @@ from __future__ import annotations
 import torch
 
 from ..engine.partition import HostPartition
+from .param_steps import ParamSteps
+
+
+class HostSubGroup(ParamSteps, HostPartition):
+    """A CPU sub group: skips the params without a gradient in a step (``ParamSteps``)."""
 
 
 class HostState:
@@ -30,6 +35,35 @@ class HostState:
         start-up peak, which below ``ratio`` 0.7 was the run's peak (33.0 GiB against 28.3
         steady at 0.6, 3.37B params on an H100 host)."""
 
+    def _param_spans(self, i: int) -> list[tuple[int, int]]:
+        """Each param's (offset, numel) in sub group ``i``'s flat partition."""
+        spans = []
+        for param in self.fp16_groups[i]:
+            _, offset, numel = self.grad_position[self.get_param_id(param)]
+            spans.append((offset, numel))
+        return spans
+
+    def _real_numel(self, param) -> int:
+        """Elements of ``param`` in this rank's partition of it, its padding left out."""
+        numel = param.partition_numel()
+        return max(0, min(numel, param.ds_numel - self._get_param_partition_rank(param) * numel))
+
+    @torch.no_grad()
+    def _zero_padding(self) -> None:
+        """The padding that ends the last ranks' partitions of a param holds whatever memory
+        DeepSpeed's partitioning left there (``torch.empty``): zero it in the fp32 masters and
+        the 16-bit partitions, so that stepping it (zero gradients, zero moments) keeps it at
+        zero and checkpoints are deterministic."""
+        for i, group in enumerate(self.fp16_groups):
+            master, low = self.fp32_partitioned_groups_flat[i], self.fp16_partitioned_groups_flat[i]
+            for param in group:
+                _, offset, numel = self.grad_position[self.get_param_id(param)]
+                real = self._real_numel(param)
+                if real < numel:
+                    master.narrow(0, offset + real, numel - real).zero_()
+                    if low is not None:
+                        low.narrow(0, offset + real, numel - real).zero_()
+
     def _build_host_partitions(self, params_on_device: bool) -> list[HostPartition]:
         """One HostPartition per CPU sub group, over DeepSpeed's fp32 master, with our own
         gradient buffer (DeepSpeed's accumulation dtype, page-locked, exact size) in place of
@@ -46,10 +80,14 @@ class HostState:
             exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
             state = self.optimizer.state[master]
             state.update(exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, step=self._step_value(0))
+            # Zeroed once: its padding is never written (DeepSpeed's gradient partitions hold
+            # the real elements only), and the kernel steps the padding with the rest.
             host_grad = self._link.host_empty(master.numel(), self.gradient_accumulation_dtype)
+            host_grad.zero_()
             flat_param = self.fp16_partitioned_groups_flat[i]
             group = self.sub_group_to_group_id[i]
-            part = HostPartition(i, group, master, exp_avg, exp_avg_sq, host_grad, None, flat_param)
+            part = HostSubGroup(i, group, master, exp_avg, exp_avg_sq, host_grad, None, flat_param)
+            part.init_param_steps(self._param_spans(i))
             parts.append(part)
         return parts
 
@@ -61,6 +99,30 @@ class HostState:
         self.grad_partitions_flat_buffer = torch.empty(0, dtype=buffer.dtype)
         # NOTE: DeepSpeed's name-mangled views into that buffer, one per param.
         self._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition.clear()
+
+    def _restore_accumulation_buffer(self) -> None:
+        """Make DeepSpeed's host accumulation buffer (and its per-param views) again, as its
+        constructor does, unpinned: the user set the accumulation boundary by hand, so
+        backward passes without a step in between accumulate after all. ``host_bytes``
+        counts it from then on."""
+        params = [p for group in self.fp16_groups for p in group]
+        buffer = torch.zeros(
+            sum(p.partition_numel() for p in params),
+            dtype=self.gradient_accumulation_dtype,
+            device=self.device,
+        )
+        views = self._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
+        offset = 0
+        for param in params:
+            views[param.ds_id] = buffer.narrow(0, offset, param.partition_numel())
+            offset += param.partition_numel()
+        self.grad_partitions_flat_buffer = buffer
+
+    def _accumulated_partition(self, param) -> torch.Tensor:
+        """This window's sum of ``param``'s gradient partitions in DeepSpeed's accumulation
+        buffer (its real elements)."""
+        views = self._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
+        return views[param.ds_id].narrow(0, 0, self._real_numel(param))
 
     def host_bytes(self) -> dict[str, int]:
         """Host memory this rank's optimizer holds, by what it holds."""

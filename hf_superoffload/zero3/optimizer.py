@@ -28,6 +28,7 @@ gradient buffer is dropped), plus a few shared buffers the kernel writes the rou
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 
@@ -77,11 +78,30 @@ def deepspeed_clip_coef(total_norm: torch.Tensor, clip: float) -> float:
     return float(1.0 / divisor)
 
 
+def _shuts_down_on_failure(init):
+    """A constructor that fails after the STV core exists stops its worker thread (and
+    unpins the link's buffers) before the error propagates: each failed attempt would
+    otherwise leave one running."""
+
+    @functools.wraps(init)
+    def wrapper(self, *args, **kwargs):
+        try:
+            init(self, *args, **kwargs)
+        except BaseException:
+            finalizer = self.__dict__.get("_finalizer")
+            if finalizer is not None:
+                finalizer()
+            raise
+
+    return wrapper
+
+
 @share_failures  # one rank's failure ends the others promptly, with its error
 class SuperOffloadZero3Optimizer(
     SubGroupLayout, HostState, DeviceSubGroups, HostGradientAccessors, DeepSpeedZeroOptimizer_Stage3
 ):
     @closes_replicas_on_failure
+    @_shuts_down_on_failure
     def __init__(self, module, init_optimizer, param_names, timers, ds_config, **kwargs):
         device = torch.device(get_accelerator().current_device_name())
         # Its failure watch runs from the first collective on (the host check's): NCCL's wait
@@ -105,6 +125,7 @@ class SuperOffloadZero3Optimizer(
         super().__init__(module, init_optimizer, param_names, timers, ds_config, **kwargs)
         ops.set_num_threads(options.cpu_threads)
         ops.prepare()  # build or load the CPU Adam now, visibly, not inside step 1
+        self._zero_padding()
 
         self._link = Link(device, pinned=self._pin_transfers)
         dtype = self.fp16_partitioned_groups_flat[0].dtype
@@ -133,6 +154,7 @@ class SuperOffloadZero3Optimizer(
             speculate_after_clip=options.speculate_after_clip,
             copy_out=copy_out,
         )
+        self._finalizer = weakref.finalize(self, _shutdown, self._stv, self._link, self._replicas)
         self._stv.clip_threshold = self.clip_grad or None
         if not self._accumulates:  # before ours are allocated: the host's peak is at start-up
             self._drop_accumulation_buffer()
@@ -140,6 +162,10 @@ class SuperOffloadZero3Optimizer(
         self._host_part_at = {part.index: part for part in self._host_parts}
         self._pending_params = self._params_expecting_gradients()
         self._launched: set[int] = set()
+        # Params whose final gradient partition of this window reached its sub group at the
+        # boundary; the others reduced in the window are taken from DeepSpeed's
+        # accumulation buffer in step().
+        self._boundary_arrivals: set[int] = set()
         self._part_of_param = {
             p.ds_id: part for part in self._host_parts for p in self.fp16_groups[part.index]
         }
@@ -152,7 +178,6 @@ class SuperOffloadZero3Optimizer(
             for param in group:
                 wrap_gathers(param, self._wait_for_params)
         self.last_step_skipped = False
-        self._finalizer = weakref.finalize(self, _shutdown, self._stv, self._link, self._replicas)
         log_dist(
             f"hf_superoffload: SuperOffload on ZeRO-3 runs in place of DeepSpeed's "
             f"({len(self._host_parts)} of {len(self.fp32_partitioned_groups_flat)} sub groups "
@@ -205,16 +230,47 @@ class SuperOffloadZero3Optimizer(
             raise RuntimeError(
                 "a second backward before step() with gradient_accumulation_steps=1: set "
                 "gradient_accumulation_steps in the DeepSpeed config (or the Trainer) to the "
-                "number of backward passes per step."
+                "number of backward passes per step, or tell DeepSpeed where the boundary is "
+                "(engine.set_gradient_accumulation_boundary(False) before each backward but "
+                "the last)."
             )
         if boundary and self.micro_step_id == 0:
             # No accumulation: norm and cast on the device, one copy to the host buffer
             # (DeepSpeed's path goes through its accumulation buffer and back first).
             self._offload_boundary_partitions(params_to_release, grad_partitions)
         else:
+            self._start_late_accumulations(params_to_release)
             super().partition_grads(params_to_release, grad_partitions)
         if boundary:
             self._note_arrivals(params_to_release)
+
+    def _start_late_accumulations(self, params) -> None:
+        """After the window's first backward DeepSpeed adds every gradient partition to its
+        accumulation buffer, which for a param that got none so far still holds an earlier
+        window's sum: zero that first."""
+        if self.micro_step_id == 0:
+            return
+        window = self._offload_boundary_param_ids
+        for param in params:
+            if param.ds_id not in window and self._has_gradient_partition(param):
+                self._accumulated_partition(param).zero_()
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """DeepSpeed's engine forwards a boundary the user sets by hand (its documented way to
+        accumulate a variable number of micro-batches, with ``coalesce_grad_reduction`` or
+        without): a backward that is not at the boundary accumulates, so with
+        ``gradient_accumulation_steps`` 1 the accumulation buffer dropped at start-up is made
+        again (``host_bytes()["accumulation"]`` counts it)."""
+        if not is_boundary and not self._accumulates:
+            self._restore_accumulation_buffer()
+            self._accumulates = True
+            log_dist(
+                "hf_superoffload: the accumulation boundary was set by hand: made the host "
+                f"gradient accumulation buffer ({self.grad_partitions_flat_buffer.numel()} "
+                "elements per rank)",
+                ranks=[0],
+            )
+        super().set_gradient_accumulation_boundary(is_boundary)
 
     def _offload_boundary_partitions(self, params, grad_partitions) -> None:
         for param, grad_partition in zip(params, grad_partitions, strict=True):
@@ -231,6 +287,7 @@ class SuperOffloadZero3Optimizer(
         for the sub groups ``ratio`` keeps there."""
         param_id = self.get_param_id(param)
         i, offset, _ = self.grad_position[param_id]
+        self._boundary_arrivals.add(param.ds_id)
         self.norm_for_param_grads[param_id] = self._constant_buffered_norm2(grad_buffer)
         on_device = self._device_part_at.get(i)
         if on_device is not None:
@@ -254,7 +311,17 @@ class SuperOffloadZero3Optimizer(
             if part.index in completed:
                 self._launch(part, speculate=True)
 
+    def _note_presence(self, part: HostPartition) -> None:
+        """Which of the sub group's params got a gradient in this window (a param whose
+        partition here is only padding counts as having one: its zeros step to zeros)."""
+        window = self._offload_boundary_param_ids
+        part.present = [
+            p.ds_id in window or not self._has_gradient_partition(p)
+            for p in self.fp16_groups[part.index]
+        ]
+
     def _launch(self, part: HostPartition, speculate: bool) -> None:
+        self._note_presence(part)
         norms = [
             self.norm_for_param_grads[self.get_param_id(p)]
             for p in self.fp16_groups[part.index]
@@ -271,9 +338,12 @@ class SuperOffloadZero3Optimizer(
         self._stv.launch(part, self._link.record(), speculate)
 
     def _launch_the_rest(self) -> None:
-        """Sub groups with a param that got no gradient this step: that gradient counts as
-        zero (as DeepSpeed's offload counts it absent from the norm), and they step after
-        validation, like every sub group when the boundary was only known at step()."""
+        """Sub groups whose params did not all get their last gradient at the boundary. A
+        param reduced earlier in the window takes its sum from DeepSpeed's accumulation
+        buffer now; a param without a gradient in the window is skipped (``ParamSteps``).
+        They step after validation, like every sub group when the boundary was only known
+        at step()."""
+        self._take_late_gradients()
         for part in self._host_parts:
             if part.index in self._launched:
                 continue
@@ -281,10 +351,35 @@ class SuperOffloadZero3Optimizer(
             if missing:
                 self._stv.wait_for_tasks([part.index])  # the last step's tasks read this buffer
             for param in self.fp16_groups[part.index]:
-                if param.ds_id in missing:
+                if param.ds_id in missing:  # read by DeepSpeed's gradient accessors
                     _, offset, numel = self.grad_position[self.get_param_id(param)]
                     part.host_grad.narrow(0, offset, numel).zero_()
             self._launch(part, speculate=False)
+        for part in self._device_parts:
+            self._note_presence(part)
+
+    def _take_late_gradients(self) -> None:
+        """Params reduced in this window whose sub group did not get them at the boundary
+        (their last gradient came in an earlier micro-batch): their sum, from DeepSpeed's
+        accumulation buffer, into the sub group's gradients, with its norm."""
+        late = [
+            p
+            for group in self.fp16_groups
+            for p in group
+            if p.ds_id in self._offload_boundary_param_ids
+            and p.ds_id not in self._boundary_arrivals
+            and self._has_gradient_partition(p)
+        ]
+        if not late:
+            return
+        if not get_accelerator().resolves_data_dependency():
+            self.reduce_and_partition_stream.synchronize()  # DeepSpeed's sums have landed
+        device = get_accelerator().current_device_name()
+        for param in late:
+            i = self.grad_position[self.get_param_id(param)][0]
+            self._stv.wait_for_tasks([i])  # the last step's tasks read this buffer
+            summed = self._accumulated_partition(param).to(device, non_blocking=True)
+            self._offload_grad_partition_at_boundary(param, summed)
 
     # ------------------------------------------------------------------------- validation
 
@@ -305,9 +400,10 @@ class SuperOffloadZero3Optimizer(
         self.last_step_skipped = result.verdict is Verdict.SKIP
         self._step_device_sub_groups(None if self.last_step_skipped else result.clip_coef)
         self._launched.clear()
+        self._boundary_arrivals.clear()
         self._pending_params = self._params_expecting_gradients()
         for part in self._host_parts + self._device_parts:
-            self.optimizer.state[part.master]["step"] = self._step_value(part.step)
+            part.save_steps(self.optimizer.state[part.master], self._step_value)
         if self.last_step_skipped:
             self._stv.synchronize(self._host_parts)  # rollbacks read the gradient buffers
             self.overflow = True
