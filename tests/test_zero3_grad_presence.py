@@ -61,6 +61,18 @@ def _on_rank(rank, world, port, out_dir) -> None:
             "device_sub_groups": zero.stats["device_buckets"],
         }
         engine.destroy()
+    # "absent_steps" again, saved after its third step (the branch then at 1 step, the rest of
+    # its sub group at 3) and resumed by a new engine.
+    case, schedule = SCENARIOS["absent_steps"]
+    engine, _ = branchy.make_engine(case, True, world)
+    branchy.train_engine(engine, schedule[:3], rank)
+    engine.save_checkpoint(os.path.join(out_dir, "checkpoint"), tag="step3")
+    engine.destroy()
+    engine, _ = branchy.make_engine(case, True, world)
+    engine.load_checkpoint(os.path.join(out_dir, "checkpoint"), tag="step3")
+    branchy.train_engine(engine, schedule[3:], rank, first_step=3)
+    results["absent_steps_resumed"] = {"state": branchy.full_state(engine)}
+    engine.destroy()
     if rank == 0:
         results["torch"] = {
             name: branchy.train_torch(case, schedule, world)
@@ -104,3 +116,9 @@ def test_params_without_a_gradient_in_a_step_are_skipped_as_torch_skips_them(run
     assert 3 in steps["param_steps"].tolist(), steps
     if scenario == "absent_steps_device":
         assert got["device_sub_groups"] > 0
+
+
+def test_a_resume_carries_each_params_own_step_count(runs):
+    _, results = runs
+    want = results["torch"]["absent_steps"]
+    _assert_follows_torch(results["absent_steps_resumed"]["state"], want, "absent_steps_resumed")

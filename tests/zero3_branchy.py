@@ -65,10 +65,13 @@ def make_engine(case: Zero3Case, super_offload: bool, world: int, config_changes
     return engine, optimizer
 
 
-def train_engine(engine, schedule: list[list[bool]], rank: int, device="cpu") -> list[float]:
-    """``schedule[step][micro]``: whether that micro-batch runs the branch."""
+def train_engine(
+    engine, schedule: list[list[bool]], rank: int, device="cpu", first_step: int = 0
+) -> list[float]:
+    """``schedule[step][micro]``: whether that micro-batch runs the branch (``first_step``:
+    the step the schedule's first entry is, for a resumed run)."""
     losses = []
-    for step, micros in enumerate(schedule):
+    for step, micros in enumerate(schedule, start=first_step):
         for micro, use_branch in enumerate(micros):
             loss = engine(batch(step, micro, rank).to(device), use_branch)
             engine.backward(loss)

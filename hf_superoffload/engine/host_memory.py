@@ -24,7 +24,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from .replicas import PeerRankError, published_failures
+from .replicas import PeerRankError, latest_generation, published_failures
 
 PAGE = mmap.PAGESIZE
 
@@ -180,7 +180,7 @@ def _host_of_every_rank() -> list[str]:
     store.set(keys[rank], socket.gethostname())
     deadline = time.monotonic() + store.timeout.total_seconds()
     while not store.check(keys):
-        failures = published_failures()
+        failures = published_failures(latest_generation())  # the optimizer being built
         if failures:
             raise PeerRankError(
                 "counting the ranks on this host: "

@@ -26,7 +26,7 @@ from .checkpoint_memory import MAPPED_KEY, release_mapped_pages
 from .param_steps import PARAM_STEPS_KEY
 
 # Keys of a base optimizer's per-sub-group state this path restores (AdamW's).
-STATE_KEYS = {"step", *MOMENTS}
+STATE_KEYS = {"step", PARAM_STEPS_KEY, *MOMENTS}  # param_steps: param_steps.py
 
 
 def restore_group_hyperparameters(live_groups: list[dict], saved_groups: list[dict]) -> None:
