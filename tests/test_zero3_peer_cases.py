@@ -30,6 +30,7 @@ from zero3_peer_reference import (
     input_dtype,
     local_fragments,
     micro_batch,
+    padding,
     rank_dir,
     sub_group_steps,
     sync,
@@ -51,7 +52,8 @@ class Case:
     check: Callable | None = None  # (plain, ours, world) -> None; default: equal tensors
     issue_item: int | None = None  # fails on our path today (xfail strict)
     reason: str = ""
-    slow: bool = False
+    worlds: tuple[int, ...] = (1, 2)
+    strict: bool = True  # False: fails on our path only in some runs
 
 
 CASES: dict[str, Case] = {}
@@ -74,7 +76,13 @@ def _destroyed(engine, result):
 # --------------------------------------------------------------------------- training
 
 
-@case("frozen_weights_under_zero_init")  # TestZeroFrozenWeights
+@case(
+    "frozen_weights_under_zero_init",  # TestZeroFrozenWeights
+    issue_item=0,
+    strict=False,
+    reason="not in issue 24 yet: as the first case of a process, ours differed from DeepSpeed "
+    "in 3 of 4 runs (1e-3 on 18 of 61 elements of the first trainable layer), equal otherwise",
+)
 def _frozen_zero_init(super_offload, world, rank, root):
     engine = build_engine(PeerSetup(frozen=True, zero_init=True), super_offload, world)
     losses = train_steps(engine, range(3), rank)
@@ -372,7 +380,7 @@ def _fragments_set_state(super_offload, world, rank, root):
         safe_set_local_optimizer_state,
     )
 
-    engine = build_engine(PeerSetup(), super_offload, world)
+    engine = build_engine(PeerSetup(hidden=12), super_offload, world)
     read_back = []
     for step in range(3):
         train_steps(engine, range(step, step + 1), rank)
@@ -470,6 +478,19 @@ def _clamp_local_grads(super_offload, world, rank, root):
         return {"norm_before": before, "norm_after": global_norm(engine)}
 
     return _set_grads_run(super_offload, world, rank, write)
+
+
+@case(
+    "padding_stays_zero",  # DeepSpeed's plain offload steps padding from zero gradients
+    issue_item=5,
+    reason="issue 24 item 5: the padding of the last rank's partitions is stepped from "
+    "uninitialised memory (DeepSpeed's stays 0)",
+    worlds=(2,),
+)
+def _padding(super_offload, world, rank, root):
+    engine = build_engine(PeerSetup(weight_decay=0.0), super_offload, world)
+    train_steps(engine, range(3), rank)
+    return _destroyed(engine, {"padding": padding(engine)})
 
 
 # --------------------------------------------------------------------------- several backwards per step
@@ -600,11 +621,11 @@ def batches(request, tmp_path_factory):
 
 def _params():
     for name, spec in CASES.items():
-        for world in (1, 2):
+        for world in spec.worlds:
             marks = []
             if spec.issue_item is not None:
-                marks.append(pytest.mark.xfail(strict=True, reason=spec.reason))
-            if spec.slow or (spec.issue_item is not None and world == 2):
+                marks.append(pytest.mark.xfail(strict=spec.strict, reason=spec.reason))
+            if world == 2:  # two ranks double the cost: the slow tier
                 marks.append(pytest.mark.slow)
             yield pytest.param(name, world, marks=marks, id=f"{name}-world{world}")
 

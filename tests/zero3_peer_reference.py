@@ -23,9 +23,9 @@ class PeerNet(torch.nn.Module):
     ``HIDDEN`` classes. ``frozen`` freezes the first layer; ``tied`` makes the last layer share
     the weight of the one before it."""
 
-    def __init__(self, layers: int = 3, frozen: bool = False, tied: bool = False):
+    def __init__(self, layers: int = 3, frozen: bool = False, tied: bool = False, hidden=HIDDEN):
         super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(HIDDEN, HIDDEN) for _ in range(layers))
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(hidden, hidden) for _ in range(layers))
         if tied:
             self.layers[-1].weight = self.layers[-2].weight
         if frozen:
@@ -59,6 +59,9 @@ class PeerSetup:
     frozen: bool = False
     tied: bool = False
     zero_init: bool = False  # build the model under deepspeed.zero.Init
+    # DeepSpeed's safe_set_full_* cannot write a param whose size does not divide by the ranks
+    # (it cuts the last rank's share past the end): an even size for those cases
+    hidden: int = HIDDEN
 
     def replace(self, **changes) -> PeerSetup:
         return dataclasses.replace(self, **changes)
@@ -104,9 +107,9 @@ def build_engine(setup: PeerSetup, super_offload: bool, world: int, seed: int = 
     torch.manual_seed(seed)
     if setup.zero_init:
         with deepspeed.zero.Init(config_dict_or_path=config):
-            model = PeerNet(setup.layers, setup.frozen, setup.tied)
+            model = PeerNet(setup.layers, setup.frozen, setup.tied, setup.hidden)
     else:
-        model = PeerNet(setup.layers, setup.frozen, setup.tied)
+        model = PeerNet(setup.layers, setup.frozen, setup.tied, setup.hidden)
     trainable = [p for p in model.parameters() if p.requires_grad]
     kwargs = {"model": model, "config": config}
     if setup.two_groups:
@@ -123,10 +126,10 @@ def build_engine(setup: PeerSetup, super_offload: bool, world: int, seed: int = 
     return engine
 
 
-def micro_batch(step: int, micro: int, rank: int, dtype=torch.float32):
+def micro_batch(step: int, micro: int, rank: int, dtype=torch.float32, hidden: int = HIDDEN):
     generator = torch.Generator().manual_seed(7919 * step + 31 * micro + rank)
-    x = torch.randn(BATCH, HIDDEN, generator=generator).to(dtype)
-    y = torch.randint(0, HIDDEN, (BATCH,), generator=generator)
+    x = torch.randn(BATCH, hidden, generator=generator).to(dtype)
+    y = torch.randint(0, hidden, (BATCH,), generator=generator)
     return x, y
 
 
@@ -139,7 +142,8 @@ def train_steps(engine, steps: range, rank: int) -> list[float]:
     losses = []
     for step in steps:
         for micro in range(engine.gradient_accumulation_steps()):
-            loss = engine(*micro_batch(step, micro, rank, input_dtype(engine)))
+            hidden = engine.module.layers[0].in_features
+            loss = engine(*micro_batch(step, micro, rank, input_dtype(engine), hidden))
             engine.backward(loss)
             engine.step()
             losses.append(float(loss))
@@ -163,7 +167,8 @@ def trainable_state(engine) -> dict:
             for key in out:
                 out[key].append(None)
             continue
-        i, offset, numel = zero.grad_position[zero.get_param_id(param)]
+        i, offset, _ = zero.grad_position[zero.get_param_id(param)]
+        numel = real_numel(param)
         flat = zero.fp32_partitioned_groups_flat[i]
         out["master"].append(flat.detach().narrow(0, offset, numel).float().clone())
         state = zero.optimizer.state[flat]
@@ -173,6 +178,30 @@ def trainable_state(engine) -> dict:
     out["step"] = sorted(
         {int(zero.optimizer.state[f].get("step", 0)) for f in zero.fp32_partitioned_groups_flat}
     )
+    return out
+
+
+def real_numel(param) -> int:
+    """How many elements of this rank's partition of ``param`` are the param's (the rest, on
+    the last ranks, is padding: issue 24 item 5 has ours step it from uninitialised memory,
+    so the comparisons of the other cases leave it out)."""
+    import deepspeed.comm as dist
+
+    size = param.ds_tensor.numel()
+    return max(0, min(size, param.ds_numel - size * dist.get_rank()))
+
+
+def padding(engine) -> dict[str, torch.Tensor]:
+    """The padding elements of this rank's fp32 master partitions, per param name."""
+    sync(engine)
+    zero = engine.optimizer
+    out = {}
+    for name, param in engine.module.named_parameters():
+        if param.requires_grad:
+            i, offset, size = zero.grad_position[zero.get_param_id(param)]
+            real = real_numel(param)
+            flat = zero.fp32_partitioned_groups_flat[i]
+            out[name] = flat.detach().narrow(0, offset + real, size - real).float().clone()
     return out
 
 
@@ -220,18 +249,22 @@ def local_fragments(engine, with_grads: bool, with_moments: bool) -> dict[str, d
 
     out = {}
     for name, param in engine.module.named_parameters():
-        entry = {"fp32": _clone(safe_get_local_fp32_param(param))}
+        real = real_numel(param)  # the partition's padding left out
+        entry = {"fp32": _clone(safe_get_local_fp32_param(param), real)}
         if with_grads:
-            entry["grad"] = _clone(safe_get_local_grad(param))
+            entry["grad"] = _clone(safe_get_local_grad(param), real)
         if with_moments:
-            entry["exp_avg"] = _clone(state_of(param, "exp_avg"))
-            entry["exp_avg_sq"] = _clone(state_of(param, "exp_avg_sq"))
+            entry["exp_avg"] = _clone(state_of(param, "exp_avg"), real)
+            entry["exp_avg_sq"] = _clone(state_of(param, "exp_avg_sq"), real)
         out[name] = entry
     return out
 
 
-def _clone(tensor):
-    return None if tensor is None else tensor.detach().float().cpu().clone()
+def _clone(tensor, numel: int | None = None):
+    if tensor is None:
+        return None
+    tensor = tensor.detach().float().cpu()
+    return (tensor if numel is None else tensor.flatten()[:numel]).clone()
 
 
 def values_for(engine, seed: int, key: str) -> dict[str, torch.Tensor]:

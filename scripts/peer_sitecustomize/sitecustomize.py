@@ -52,7 +52,8 @@ def rewrite_config(config: dict) -> dict:
         offload = zero["offload_optimizer"] = {"device": "cpu"}
         # DeepSpeed refuses a client optimizer under offload unless told not to force its own.
         config.setdefault("zero_force_ds_cpu_optimizer", False)
-    if MODE == "ours" and isinstance(offload, dict) and str(offload.get("device")) == "cpu":
+    device = offload.get("device") if isinstance(offload, dict) else None
+    if MODE == "ours" and getattr(device, "value", device) == "cpu":  # a str or DeepSpeed's enum
         offload["super_offload"] = True
     return config
 
