@@ -102,6 +102,24 @@ def test_flops_per_token_is_6n_plus_attention(tied):
     assert model_flops_per_token(config, n, 32) == expected
 
 
+def test_a_mixture_of_experts_counts_the_experts_a_token_is_routed_to():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_experts=8, num_experts_per_tok=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config)
+    named = dict(model.named_parameters())
+    experts = sum(p.numel() for n, p in named.items() if ".experts." in n)
+    assert experts > 0  # the expert weights are named as the count expects
+    dense = sum(p.numel() for p in named.values()) - experts - config.vocab_size * 32
+    # Each token passes through 2 of the 8 experts: a quarter of their params.
+    assert matmul_params(model) == dense + experts // 4
+
+
 def test_wandb_offline_run_records_throughput_mfu_and_rollbacks(tmp_path, monkeypatch):
     import datasets
 

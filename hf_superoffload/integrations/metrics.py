@@ -103,10 +103,12 @@ def log_missing_peak(device_name: str | None = None) -> None:
 
 
 def matmul_params(model: torch.nn.Module) -> int:
-    """Trainable params that take part in matmuls: all but the input embedding's lookup table
-    (a tied lm_head shares that weight and does a matmul, so then it counts). A model without
-    ``get_input_embeddings`` counts all its trainable params; a ZeRO-3 partitioned param counts
-    its full size (``ds_numel``)."""
+    """Trainable params that take part in a token's matmuls: all but the input embedding's
+    lookup table (a tied lm_head shares that weight and does a matmul, so then it counts), and
+    of a mixture of experts' expert params (``.experts.`` in their names, as transformers names
+    them) only the share a token is routed to, ``num_experts_per_tok`` of the experts. A model
+    without ``get_input_embeddings`` counts all its trainable params; a ZeRO-3 partitioned
+    param counts its full size (``ds_numel``)."""
     try:
         embeddings = model.get_input_embeddings()
     except (AttributeError, NotImplementedError):
@@ -114,11 +116,22 @@ def matmul_params(model: torch.nn.Module) -> int:
     skip = {id(p) for p in embeddings.parameters()} if embeddings is not None else set()
     if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         skip = set()
-    return sum(
-        getattr(p, "ds_numel", p.numel())
-        for p in model.parameters()
-        if p.requires_grad and id(p) not in skip
-    )
+    active = _active_expert_share(model)
+    total = 0.0
+    for name, p in model.named_parameters():
+        if p.requires_grad and id(p) not in skip:
+            share = active if ".experts." in f".{name}." else 1.0
+            total += share * getattr(p, "ds_numel", p.numel())
+    return round(total)
+
+
+def _active_expert_share(model: torch.nn.Module) -> float:
+    """The share of a mixture of experts' expert params one token passes through (1.0 for a
+    dense model)."""
+    config, _ = flops_config(model)
+    experts = getattr(config, "num_local_experts", 0) or getattr(config, "num_experts", 0) or 0
+    top_k = getattr(config, "num_experts_per_tok", 0) or 0
+    return top_k / experts if experts and top_k else 1.0
 
 
 def model_flops_per_token(config, n_matmul_params: int, seq_len: int) -> float:
