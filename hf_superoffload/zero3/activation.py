@@ -117,17 +117,26 @@ class _RebindOnImport(importlib.abc.MetaPathFinder):
     """Finds nothing itself: for the modules of ``_patches()`` it wraps the real loader so that
     the patch follows the module's own execution."""
 
+    def __init__(self):
+        self._resolving: set[str] = set()
+
     def find_spec(self, fullname, path, target=None):
-        if fullname not in _active:
+        # Another finder that also asks the others (a sitecustomize's, a profiler's) calls us
+        # back while we ask it: then we answer nothing, and the real finders are reached.
+        if fullname not in _active or fullname in self._resolving:
             return None
-        for finder in sys.meta_path:  # the real finders, in their order
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None and spec.loader is not None:
-                spec.loader = _RebindingLoader(spec.loader, _active[fullname])
-                return spec
-        return None
+        self._resolving.add(fullname)
+        try:
+            for finder in sys.meta_path:  # the real finders, in their order
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None and spec.loader is not None:
+                    spec.loader = _RebindingLoader(spec.loader, _active[fullname])
+                    return spec
+            return None
+        finally:
+            self._resolving.discard(fullname)
 
 
 class _RebindingLoader(importlib.abc.Loader):
