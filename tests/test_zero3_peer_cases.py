@@ -79,13 +79,7 @@ def _destroyed(engine, result):
 # --------------------------------------------------------------------------- training
 
 
-@case(
-    "frozen_weights_under_zero_init",  # TestZeroFrozenWeights
-    issue_item=0,
-    strict=False,
-    reason="not in issue 24 yet: as the first case of a process, ours differed from DeepSpeed "
-    "in 3 of 4 runs (1e-3 on 18 of 61 elements of the first trainable layer), equal otherwise",
-)
+@case("frozen_weights_under_zero_init")  # TestZeroFrozenWeights
 def _frozen_zero_init(super_offload, world, rank, root):
     engine = build_engine(PeerSetup(frozen=True, zero_init=True), super_offload, world)
     losses = train_steps(engine, range(3), rank)

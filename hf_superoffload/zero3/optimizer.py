@@ -174,9 +174,11 @@ class SuperOffloadZero3Optimizer(
         persistent = [p for p in self._host_parts if self._holds_persistent(p.index)]
         self._settle_order = persistent + [p for p in self._host_parts if p not in persistent]
         self._persistent_parts = persistent
-        for group in self.fp16_groups:
-            for param in group:
-                wrap_gathers(param, self._wait_for_params)
+        # Every ZeRO-3 param of the module, frozen ones too: DeepSpeed gathers a list through
+        # its first param's function (GatheredParameters: the lowest ds_id, a frozen first
+        # layer's; the prefetch: the first of a set), which must wait for ours in the list.
+        for param in _zero3_params(module, self.fp16_groups):
+            wrap_gathers(param, self._wait_for_params)
         self.last_step_skipped = False
         log_dist(
             f"hf_superoffload: SuperOffload on ZeRO-3 runs in place of DeepSpeed's "
@@ -474,6 +476,13 @@ class SuperOffloadZero3Optimizer(
     def destroy(self):
         self._finalizer()
         super().destroy()
+
+
+def _zero3_params(module: torch.nn.Module, groups) -> list[torch.nn.Parameter]:
+    """The module's ZeRO-3 params and the optimizer's, each once."""
+    params = {id(p): p for p in module.parameters() if hasattr(p, "all_gather_coalesced")}
+    params.update((id(p), p) for group in groups for p in group)
+    return list(params.values())
 
 
 def _shutdown(stv: Stv, link: Link, replicas: Replicas) -> None:
