@@ -53,7 +53,6 @@ class Case:
     issue_item: int | None = None  # fails on our path today (xfail strict)
     reason: str = ""
     worlds: tuple[int, ...] = (1, 2)
-    strict: bool = True  # False: fails on our path only in some runs
     # Our path refuses this use (an error containing this text) where DeepSpeed's runs it;
     # run in a process of its own, like the xfails.
     refused: str | None = None
@@ -592,7 +591,7 @@ def _params():
         for world in spec.worlds:
             marks = []
             if spec.issue_item is not None and spec.refused is None:
-                marks.append(pytest.mark.xfail(strict=spec.strict, reason=spec.reason))
+                marks.append(pytest.mark.xfail(strict=True, reason=spec.reason))
             if world == 2:  # two ranks double the cost: the slow tier
                 marks.append(pytest.mark.slow)
             yield pytest.param(name, world, marks=marks, id=f"{name}-world{world}")
