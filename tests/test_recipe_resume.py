@@ -45,3 +45,23 @@ def test_resume_from_checkpoint_continues_the_run_exactly(tmp_path, monkeypatch)
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=name)
+
+
+def test_save_model_false_keeps_the_state_and_summary_but_writes_no_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = tmp_path / "out"
+    summary = train(
+        "sft",
+        ["--max_steps", "2", "--logging_steps", "1", "--loss_plot", "false",
+         "--require_loss_decrease", "false", "--report_to", "none", "--save_strategy", "no",
+         "--save_model", "false", "--output_dir", str(out)],
+    )  # fmt: skip
+    assert summary["steps"] == 2
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    assert sorted(_losses(history)) == [1, 2]
+    assert (out / "sft_summary.json").is_file()
+    assert not list(out.glob("*.safetensors")) and not (out / "README.md").exists()
+    lines = [json.loads(line) for line in (out / "log_history.jsonl").read_text().splitlines()]
+    # Every logged dict, as the Trainer logged it (full precision), the final summary included.
+    assert [r for r in lines if "loss" in r] == [r for r in history if "loss" in r]
+    assert lines[-1]["step"] == 2 and "train_runtime" in lines[-1]

@@ -74,6 +74,12 @@ class RecipeArguments:
     loss_plot: bool = dataclasses.field(
         default=True, metadata={"help": "save the training loss curve as output_dir/loss.png"}
     )
+    save_model: bool = dataclasses.field(
+        default=True,
+        metadata={"help": "save the trained model to output_dir at the end; false for "
+                  "throughput and memory runs (trainer_state.json and the summary are "
+                  "written either way, checkpoints follow --save_strategy)"},
+    )  # fmt: skip
     require_loss_decrease: bool = dataclasses.field(
         default=True,
         metadata={

@@ -3,10 +3,11 @@ as a PNG, and a short summary (tokens/s, rollbacks by cause, where the optimizer
 
 from __future__ import annotations
 
+import json
 import statistics
 from pathlib import Path
 
-from transformers.trainer_callback import ProgressCallback
+from transformers.trainer_callback import ProgressCallback, TrainerCallback
 
 from ..integrations.optimizer_report import (
     describe,
@@ -26,6 +27,22 @@ class LossBar(ProgressCallback):
         shown = {k: f"{logs[k]:.4g}" for k in ("loss", "tokens_per_second") if k in logs}
         if shown:
             self.training_bar.set_postfix(shown, refresh=False)
+
+
+class LogLines(TrainerCallback):
+    """Each logged dict, at full precision, appended to ``output_dir/log_history.jsonl`` as it
+    is logged: the bar and ``train.log`` round, and ``trainer_state.json`` is written only with
+    a checkpoint or at the end, so a stopped run keeps its metrics here."""
+
+    FILE = "log_history.jsonl"
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not (state.is_world_process_zero and logs):
+            return
+        path = Path(args.output_dir) / self.FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as lines:
+            lines.write(json.dumps({"step": state.global_step, **logs}) + "\n")
 
 
 def use_loss_bar(trainer) -> None:

@@ -58,6 +58,7 @@ def build_trainer(kind: str, argv: list[str] | None = None, prog: str | None = N
         **extra,
     )
     report.use_loss_bar(trainer)
+    trainer.add_callback(report.LogLines())
     return recipe, trainer, model
 
 
@@ -68,9 +69,10 @@ def train(kind: str, argv: list[str] | None = None, prog: str | None = None) -> 
     # TrainingArguments carries --resume_from_checkpoint, but the Trainer reads it only here.
     result = trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
     out = Path(trainer.args.output_dir)
-    trainer.save_model(str(out))  # model, config and tokenizer
+    if recipe.save_model:
+        trainer.save_model(str(out))  # model, config and tokenizer
     trainer.save_state()  # trainer_state.json, with every logged loss
-    if recipe.optimizer == "superoffload":
+    if recipe.optimizer == "superoffload" and recipe.save_model:
         trainer.create_model_card()  # README.md with the Reproduce section (rank 0 writes it)
     summary = report.summarize(trainer, model, kind, result.metrics)
     summary["require_loss_decrease"] = recipe.require_loss_decrease
