@@ -2,7 +2,7 @@
 # The multi-GPU checks of the ZeRO-3 path. Several stages run in one device call, in the order
 # given, inside one time budget:
 #
-#   bash scripts/device_multi_gpu.sh scaling scaling-noclip qwen3-30b-a3b qwen3-30b-a3b-deepspeed
+#   bash dev/multi_gpu.sh scaling scaling-noclip qwen3-30b-a3b qwen3-30b-a3b-deepspeed
 #
 # Stages:
 #   tests                multi_gpu tests: ZeRO-3 vs DeepSpeed, Ulysses, failure watch
@@ -23,7 +23,7 @@
 #                   hosts have; their MemTotal starts low and grows with use, so it is not read)
 #   RATIO=R         the model stages' offload_optimizer.ratio (default: `plan --ratio auto`)
 #
-# Run from the repo root on a machine with >= 2 GPUs, `.whl` carried (scripts/device_env.sh).
+# Run from the repo root on a machine with >= 2 GPUs, `.whl` carried (dev/gpu_env.sh).
 # Writes under $OUT (default ./results): run.log, suite.csv (a row per system), logs.tgz (each
 # system's log), plan_<model>.txt/.json, env.txt, dmesg.txt; prints a short table last.
 set -u
@@ -41,7 +41,7 @@ SKIPPED=()
 left() { echo $((DEADLINE_S - ($(date +%s) - BEGAN) - RESERVE)); }
 note() { echo "[$(($(date +%s) - BEGAN)) s] $*"; }
 
-source scripts/device_env.sh || exit 1
+source dev/gpu_env.sh || exit 1
 if ! command -v python >/dev/null; then  # the image may name its interpreter python3 only
   mkdir -p /tmp/python_shim && ln -sf "$(command -v python3)" /tmp/python_shim/python
   export PATH="/tmp/python_shim:$PATH"
