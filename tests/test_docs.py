@@ -1,0 +1,102 @@
+"""The user documentation (README.md, docs/**/*.md) stays short at the front door, speaks to
+users rather than about how it was built, and points only at files that exist."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+USER_DOCS = sorted([README, *ROOT.glob("docs/**/*.md")])
+
+README_LIMIT_BYTES = 12 * 1024
+
+# Words of the development process, not of the product: a user page that needs one is telling
+# the builders' history (that lives in commit messages).
+PROCESS_WORDS = (
+    "session",
+    "this round",
+    "previous session",
+    "DESIGN.md",
+    "seeds/",
+    "device call",
+    "nvidia-h100-x",
+    "nvidia-h200",
+    "the issue",
+)
+
+# [text](target) and ![alt](target); the target ends at whitespace or ")".
+MARKDOWN_LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+DATA_FILE = re.compile(r"docs/data/[A-Za-z0-9_.\-]+\.(?:csv|jsonl|txt|tgz)")
+
+
+def _rel(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def _links(text: str) -> list[str]:
+    return MARKDOWN_LINK.findall(text)
+
+
+def _is_relative(target: str) -> bool:
+    return not re.match(r"^[a-z][a-z0-9+.-]*:", target) and not target.startswith("#")
+
+
+def test_user_docs_are_found():
+    names = {_rel(p) for p in USER_DOCS}
+    assert {"README.md", "docs/benchmarks.md", "docs/usage.md"} <= names
+    assert any(name.startswith("docs/runs/") for name in names)
+
+
+def test_readme_is_under_12_kib():
+    size = README.stat().st_size
+    assert size < README_LIMIT_BYTES, f"README.md is {size} bytes; move detail to docs/"
+
+
+def test_readme_starts_with_the_two_fresh_machine_commands():
+    lines = README.read_text().splitlines()
+    fence = lines.index("```bash")
+    commands = lines[fence + 1 : fence + 3]
+    assert fence <= 3, "the fenced commands must be the README's first lines"
+    assert "python examples/sft.py" in commands[0]
+    assert "python -m pytest" in commands[1]
+    assert lines[fence + 3] == "```"
+
+
+@pytest.mark.parametrize("doc", USER_DOCS, ids=_rel)
+def test_no_development_process_words(doc):
+    text = doc.read_text()
+    found = [
+        f"{word!r} on line {text[: m.start()].count(chr(10)) + 1}"
+        for word in PROCESS_WORDS
+        for m in re.finditer(re.escape(word), text, flags=re.IGNORECASE)
+    ]
+    assert not found, f"{_rel(doc)} speaks of how it was built: {', '.join(found)}"
+
+
+@pytest.mark.parametrize("doc", USER_DOCS, ids=_rel)
+def test_relative_links_point_at_existing_files(doc):
+    broken = []
+    for target in _links(doc.read_text()):
+        if not _is_relative(target):
+            continue
+        path = target.split("#", 1)[0]
+        if not (doc.parent / path).resolve().exists():
+            broken.append(target)
+    assert not broken, f"{_rel(doc)} links to missing files: {broken}"
+
+
+@pytest.mark.parametrize("doc", USER_DOCS, ids=_rel)
+def test_named_data_files_exist(doc):
+    missing = sorted({n for n in DATA_FILE.findall(doc.read_text()) if not (ROOT / n).exists()})
+    assert not missing, f"{_rel(doc)} names data files that are not in the repository: {missing}"
+
+
+def test_the_checks_catch_what_they_guard(tmp_path):
+    # The link pattern sees both kinds of link, and the process-word check is case-blind.
+    text = "a [log](runs/x.md#part) and ![plot](../p.png \"t\") and [site](https://x.org)"
+    assert _links(text) == ["runs/x.md#part", "../p.png", "https://x.org"]
+    assert [t for t in _links(text) if _is_relative(t)] == ["runs/x.md#part", "../p.png"]
+    assert DATA_FILE.findall("see `docs/data/a_b-1.csv`.") == ["docs/data/a_b-1.csv"]
+    assert re.search(re.escape("device call"), "One Device Call", flags=re.IGNORECASE)
