@@ -95,7 +95,7 @@ def test_named_data_files_exist(doc):
 
 def test_the_checks_catch_what_they_guard(tmp_path):
     # The link pattern sees both kinds of link, and the process-word check is case-blind.
-    text = "a [log](runs/x.md#part) and ![plot](../p.png \"t\") and [site](https://x.org)"
+    text = 'a [log](runs/x.md#part) and ![plot](../p.png "t") and [site](https://x.org)'
     assert _links(text) == ["runs/x.md#part", "../p.png", "https://x.org"]
     assert [t for t in _links(text) if _is_relative(t)] == ["runs/x.md#part", "../p.png"]
     assert DATA_FILE.findall("see `docs/data/a_b-1.csv`.") == ["docs/data/a_b-1.csv"]
