@@ -39,6 +39,13 @@ def _links(text: str) -> list[str]:
     return MARKDOWN_LINK.findall(text)
 
 
+def _anchors(doc: Path) -> set[str]:
+    """The heading anchors GitHub makes: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.DOTALL)
+    headings = re.findall(r"^#{1,6}\s+(.+?)\s*$", text, flags=re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
+
+
 def _is_relative(target: str) -> bool:
     return not re.match(r"^[a-z][a-z0-9+.-]*:", target) and not target.startswith("#")
 
@@ -81,10 +88,13 @@ def test_relative_links_point_at_existing_files(doc):
     for target in _links(doc.read_text()):
         if not _is_relative(target):
             continue
-        path = target.split("#", 1)[0]
-        if not (doc.parent / path).resolve().exists():
+        path, _, anchor = target.partition("#")
+        linked = (doc.parent / path).resolve()
+        if not linked.exists():
             broken.append(target)
-    assert not broken, f"{_rel(doc)} links to missing files: {broken}"
+        elif anchor and linked.suffix == ".md" and anchor not in _anchors(linked):
+            broken.append(f"{target} (no such heading)")
+    assert not broken, f"{_rel(doc)} links to missing files or headings: {broken}"
 
 
 @pytest.mark.parametrize("doc", USER_DOCS, ids=_rel)
@@ -100,3 +110,6 @@ def test_the_checks_catch_what_they_guard(tmp_path):
     assert [t for t in _links(text) if _is_relative(t)] == ["runs/x.md#part", "../p.png"]
     assert DATA_FILE.findall("see `docs/data/a_b-1.csv`.") == ["docs/data/a_b-1.csv"]
     assert re.search(re.escape("device call"), "One Device Call", flags=re.IGNORECASE)
+    page = tmp_path / "page.md"
+    page.write_text("# Top\n\n## The SuperOffload trainers against the plain `Trainer`\n")
+    assert _anchors(page) == {"top", "the-superoffload-trainers-against-the-plain-trainer"}
