@@ -25,6 +25,8 @@ PROCESS_WORDS = (
     "nvidia-h200",
     "the issue",
 )
+# A numbered issue or pull request is development history too ("issue 14's additions").
+NUMBERED_ISSUE = re.compile(r"\b(?:issue|PR|pull request) #?\d+", flags=re.IGNORECASE)
 
 # [text](target) and ![alt](target); the target ends at whitespace or ")".
 MARKDOWN_LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
@@ -79,6 +81,10 @@ def test_no_development_process_words(doc):
         for word in PROCESS_WORDS
         for m in re.finditer(re.escape(word), text, flags=re.IGNORECASE)
     ]
+    found += [
+        f"{m.group()!r} on line {text[: m.start()].count(chr(10)) + 1}"
+        for m in NUMBERED_ISSUE.finditer(text)
+    ]
     assert not found, f"{_rel(doc)} speaks of how it was built: {', '.join(found)}"
 
 
@@ -110,6 +116,8 @@ def test_the_checks_catch_what_they_guard(tmp_path):
     assert [t for t in _links(text) if _is_relative(t)] == ["runs/x.md#part", "../p.png"]
     assert DATA_FILE.findall("see `docs/data/a_b-1.csv`.") == ["docs/data/a_b-1.csv"]
     assert re.search(re.escape("device call"), "One Device Call", flags=re.IGNORECASE)
+    assert NUMBERED_ISSUE.search("as of issue 14's additions")
+    assert not NUMBERED_ISSUE.search("an issue with 2 ranks")
     page = tmp_path / "page.md"
     page.write_text("# Top\n\n## The SuperOffload trainers against the plain `Trainer`\n")
     assert _anchors(page) == {"top", "the-superoffload-trainers-against-the-plain-trainer"}
