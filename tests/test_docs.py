@@ -109,6 +109,13 @@ def test_named_data_files_exist(doc):
     assert not missing, f"{_rel(doc)} names data files that are not in the repository: {missing}"
 
 
+@pytest.mark.parametrize("doc", USER_DOCS, ids=_rel)
+def test_python_blocks_parse(doc):
+    # A snippet a reader copies must at least be Python: compiled, not run.
+    for i, block in enumerate(re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.DOTALL)):
+        compile(block, f"{_rel(doc)} python block {i + 1}", "exec")
+
+
 def test_the_checks_catch_what_they_guard(tmp_path):
     # The link pattern sees both kinds of link, and the process-word check is case-blind.
     text = 'a [log](runs/x.md#part) and ![plot](../p.png "t") and [site](https://x.org)'
