@@ -12,6 +12,8 @@ README = ROOT / "README.md"
 # benchmarks/README.md is where the docs send a reader who wants to run the suite.
 USER_DOCS = sorted([README, ROOT / "benchmarks" / "README.md", *ROOT.glob("docs/**/*.md")])
 
+RUN_LOGS = sorted(ROOT.glob("docs/runs/*.md"))  # dated benchmark logs, one per run
+
 README_LIMIT_BYTES = 12 * 1024
 
 # Words of the development process, not of the product: a user page that needs one is telling
@@ -57,7 +59,7 @@ def _is_relative(target: str) -> bool:
 def test_user_docs_are_found():
     names = {_rel(p) for p in USER_DOCS}
     assert {"README.md", "docs/benchmarks.md", "docs/usage.md"} <= names
-    assert any(name.startswith("docs/runs/") for name in names)
+    assert RUN_LOGS and all(log in USER_DOCS for log in RUN_LOGS)
 
 
 def test_readme_is_under_12_kib():
@@ -116,6 +118,17 @@ def test_python_blocks_parse(doc):
     # A snippet a reader copies must at least be Python: compiled, not run.
     for i, block in enumerate(re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.DOTALL)):
         compile(block, f"{_rel(doc)} python block {i + 1}", "exec")
+
+
+@pytest.mark.parametrize("log", RUN_LOGS, ids=_rel)
+def test_a_run_log_says_how_to_repeat_it(log):
+    # A dated log: what ran (a command), on what (hardware, software, commit), and its raw data.
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}-[a-z0-9-]+\.md", log.name), log.name
+    text = log.read_text()
+    fields = ("**Date", "**Hardware:**", "**Software:**", "**Commit", "```bash")
+    missing = [field for field in fields if field not in text]
+    has_data = "](../data/" in text or "No CSV" in text or "no CSV" in text
+    assert not missing and has_data, f"{_rel(log)} lacks {missing or 'a link to its raw data'}"
 
 
 def test_the_checks_catch_what_they_guard(tmp_path):
