@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The multi-GPU checks of the ZeRO-3 path. Several stages run in one device call, in the order
+# The multi-GPU checks of the ZeRO-3 path. Several stages run in one command, in the order
 # given, inside one time budget:
 #
 #   bash dev/multi_gpu.sh scaling scaling-noclip qwen3-30b-a3b qwen3-30b-a3b-deepspeed
@@ -16,10 +16,10 @@
 #
 # Environment:
 #   GPUS=N          GPUs of the scaling stages (default: all this machine has)
-#   DEADLINE_S=S    seconds the whole command may take (default 570, inside the device tool's
-#                   600): each system gets what is left, up to its stage's cap, and a stage
+#   DEADLINE_S=S    seconds the whole command may take (default 570, inside a 600 s job
+#                   limit): each system gets what is left, up to its stage's cap, and a stage
 #                   that cannot get its minimum is skipped and listed as such
-#   HOST_MEM_GIB=M  host memory the plan assumes (default 128 per GPU, as the lent H200 and H100
+#   HOST_MEM_GIB=M  host memory the plan assumes (default 128 per GPU, as the H200 and H100
 #                   hosts have; their MemTotal starts low and grows with use, so it is not read)
 #   RATIO=R         the model stages' offload_optimizer.ratio (default: `plan --ratio auto`)
 #
@@ -63,7 +63,7 @@ HOST_MEM_GIB=${HOST_MEM_GIB:-$((128 * FOUND))}
 note "$FOUND GPUs of $GPU_MEM GiB, host planned as $HOST_MEM_GIB GiB; stages: $*"
 
 # Any GPU process a system left behind holds memory the next one needs: end it, by its pid
-# (on the device machine every GPU process is this command's).
+# (on a dedicated GPU machine every GPU process is this command's).
 end_leftovers() {
   local pids
   pids=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr -d ' ')

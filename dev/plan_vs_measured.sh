@@ -7,8 +7,8 @@
 #   bash dev/plan_vs_measured.sh llama-3.1-8b 1 0.9      # a given ratio
 #   bash dev/plan_vs_measured.sh qwen3-14b 2 0.85        # 2 x H200
 #
-# Run from the repo root on the GPU machine with `.whl` carried (dev/gpu_env.sh); one
-# device call each (under 600 s). Writes under $OUT (default ./results).
+# Run from the repo root on the GPU machine with `.whl/` beside the checkout (dev/gpu_env.sh);
+# one command each (under 600 s). Writes under $OUT (default ./results).
 # The plan's host peak counts a resume (memory_plan.resume_extra_host_bytes), and so does the
 # optimizer's host check at start; this script measures training. PLAN_CPU_MEM (GiB) plans for
 # another host size than this one.
