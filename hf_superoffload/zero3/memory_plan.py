@@ -69,6 +69,9 @@ class Zero3Run:
     gradient_accumulation: int = 1
     sub_group_size: int = 1 << 25  # the shipped DeepSpeed configs'
     reduce_bucket_size: int = 1 << 25
+    # stage3_max_live_parameters: how many params DeepSpeed keeps gathered at once (the shipped
+    # configs leave DeepSpeed's default).
+    max_live_parameters: int = 1_000_000_000
     dtype_bytes: int = 2  # bf16 params, gradients and activations
     # stage3_param_persistence_threshold; None: the Trainer's "auto", 10 x hidden_size.
     persistence_threshold: int | None = None
@@ -349,8 +352,12 @@ def zero3_memory_plan(config, run: Zero3Run, shape: ModelShape | None = None) ->
         "process": HOST_PROCESS_BYTES,
     }
     gathered = 0
-    if run.ranks > 1:  # the layer in use and the next one, prefetched; the embedding in full
-        gathered = low * max(2 * shape.layer_params, shape.vocab * shape.hidden)
+    if run.ranks > 1:
+        # DeepSpeed prefetches and keeps params gathered up to max_live_parameters; a layer in
+        # use and the next one, or the embedding, are gathered whatever the limit. Measured at
+        # 3.37B on 4 ranks: 12.43 GiB, 1.1 GiB above a plan of two layers only.
+        live = min(run.max_live_parameters, shape.params)
+        gathered = low * max(live, 2 * shape.layer_params, shape.vocab * shape.hidden)
     gpu = {
         "param_partition": 0 if run.offload_param else low * partition,
         "gathered_params": gathered,
