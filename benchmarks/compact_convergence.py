@@ -34,7 +34,7 @@ def held_out_rows(train: list[dict], count: int, seed: int = 7) -> list[dict]:
     rows = []
     for prompt, answer in _problems(count + len(seen), random.Random(seed)):
         if prompt not in seen:
-            rows.append({"prompt": prompt, "completion": answer})
+            rows.append({"prompt": prompt, "completion": str(answer)})
         if len(rows) == count:
             break
     return rows
@@ -53,6 +53,20 @@ def encode(tokenizer, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.tensor([i + [pad] * (width - len(i)) for i, _ in pairs])
     labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in pairs])
     return ids, labels
+
+
+@torch.no_grad()
+def answer_loss(model, data: tuple[torch.Tensor, torch.Tensor]) -> tuple[float, float]:
+    """(mean cross-entropy, share of tokens predicted right) over the answers and <eos>."""
+    model.eval()
+    ids, labels = data
+    logits = model(input_ids=ids).logits[:, :-1].float()
+    target = labels[:, 1:]
+    mask = target != -100
+    loss = torch.nn.functional.cross_entropy(logits[mask], target[mask]).item()
+    accuracy = (logits.argmax(-1)[mask] == target[mask]).float().mean().item()
+    model.train()
+    return loss, accuracy
 
 
 @torch.no_grad()
@@ -99,10 +113,13 @@ def train(name: str, seed: int, args, tokenizer, data, evals) -> dict:
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     seconds = time.perf_counter() - start
-    scores = {split: exact_match(model, tokenizer, rows) for split, rows in evals.items()}
+    scores = {
+        f"exact_match_{split}": exact_match(model, tokenizer, rows) for split, rows in evals.items()
+    }
+    loss, accuracy = answer_loss(model, encode(tokenizer, evals["held_out"]))
     params = sum(p.numel() for p in model.parameters())
-    return {"optimizer": name, "seed": seed, "params": params, "seconds": seconds,
-            "losses": losses, **{f"exact_match_{k}": v for k, v in scores.items()}}  # fmt: skip
+    return {"optimizer": name, "seed": seed, "params": params, "seconds": seconds, "losses": losses,
+            "held_out_loss": loss, "held_out_token_accuracy": accuracy, **scores}  # fmt: skip
 
 
 def main() -> None:
@@ -131,7 +148,8 @@ def main() -> None:
             tail = statistics.mean(run["losses"][-50:])
             print(f"{name:>8} seed {seed}: last-50 loss {tail:.4f}, exact match train "
                   f"{run['exact_match_train']:.3f} held-out {run['exact_match_held_out']:.3f}, "
-                  f"{run['seconds']:.0f} s", flush=True)  # fmt: skip
+                  f"held-out loss {run['held_out_loss']:.4f} token accuracy "
+                  f"{run['held_out_token_accuracy']:.3f}, {run['seconds']:.0f} s", flush=True)  # fmt: skip
     (args.out_dir / "runs.json").write_text(
         json.dumps({"args": vars(args) | {"out_dir": str(args.out_dir)}, "runs": runs})
     )
@@ -143,12 +161,15 @@ def main() -> None:
                 (run["optimizer"], run["seed"], i + 1, f"{v:.6f}")
                 for i, v in enumerate(run["losses"])
             )
-    print(f"{'optimizer':>9} {'last-50 loss':>14} {'EM train':>10} {'EM held-out':>12}")
+    print(
+        f"{'optimizer':>9} {'last-50 loss':>14} {'EM train':>10} {'EM held-out':>12} {'held-out loss':>14} {'held-out tok acc':>16}"
+    )
     for name in OPTIMIZERS:
         mine = [r for r in runs if r["optimizer"] == name]
         stat = lambda xs: f"{statistics.mean(xs):.4f}+-{statistics.pstdev(xs):.4f}"  # noqa: E731
         print(f"{name:>9} {stat([statistics.mean(r['losses'][-50:]) for r in mine]):>14} "
-              f"{stat([r['exact_match_train'] for r in mine]):>10} {stat([r['exact_match_held_out'] for r in mine]):>12}")  # fmt: skip
+              f"{stat([r['exact_match_train'] for r in mine]):>10} {stat([r['exact_match_held_out'] for r in mine]):>12} "
+              f"{stat([r['held_out_loss'] for r in mine]):>14} {stat([r['held_out_token_accuracy'] for r in mine]):>16}")  # fmt: skip
 
 
 if __name__ == "__main__":
