@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import json
 import random
 import statistics
@@ -21,11 +22,18 @@ from pathlib import Path
 
 import torch
 
-from hf_superoffload.ops.compact_state import CompactAdamW
+from hf_superoffload.ops.compact_state import CompactAdamW, CompactFormat
 from hf_superoffload.recipes.arithmetic import _problems, make_sft_rows
 from hf_superoffload.toy import build_tiny_llama, make_char_tokenizer, tiny_llama_config
 
-OPTIMIZERS = {"adamw": torch.optim.AdamW, "compact": CompactAdamW}
+OPTIMIZERS = {
+    "adamw": torch.optim.AdamW,
+    "compact": CompactAdamW,  # e4m3 / e5m3, blocks of 256, round to nearest even
+    "compact_sr": functools.partial(CompactAdamW, format=CompactFormat(stochastic=True)),
+    "compact_sr_e3m4_b64": functools.partial(
+        CompactAdamW, format=CompactFormat(exp_avg=(3, 4), block=64, stochastic=True)
+    ),
+}
 
 
 def held_out_rows(train: list[dict], count: int, seed: int = 7) -> list[dict]:
@@ -133,6 +141,10 @@ def main() -> None:
     parser.add_argument("--eval-rows", type=int, default=300)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out-dir", type=Path, default=Path("results/compact"))
+    parser.add_argument(
+        "--optimizers", nargs="+", default=["adamw", "compact_sr"], choices=sorted(OPTIMIZERS)
+    )
+    parser.add_argument("--first-seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     tokenizer = make_char_tokenizer()
@@ -141,8 +153,8 @@ def main() -> None:
     data = encode(tokenizer, rows)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     runs = []
-    for seed in range(args.seeds):
-        for name in OPTIMIZERS:
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
+        for name in args.optimizers:
             run = train(name, seed, args, tokenizer, data, evals)
             runs.append(run)
             tail = statistics.mean(run["losses"][-50:])
@@ -164,7 +176,7 @@ def main() -> None:
     print(
         f"{'optimizer':>9} {'last-50 loss':>14} {'EM train':>10} {'EM held-out':>12} {'held-out loss':>14} {'held-out tok acc':>16}"
     )
-    for name in OPTIMIZERS:
+    for name in args.optimizers:
         mine = [r for r in runs if r["optimizer"] == name]
         stat = lambda xs: f"{statistics.mean(xs):.4f}+-{statistics.pstdev(xs):.4f}"  # noqa: E731
         print(f"{name:>9} {stat([statistics.mean(r['losses'][-50:]) for r in mine]):>14} "

@@ -12,6 +12,7 @@ from hf_superoffload.ops.compact_state import (
     EXP_AVG_FORMAT,
     EXP_AVG_SQ_FORMAT,
     CompactAdamW,
+    CompactFormat,
     CompactMoments,
     compact_adam_step,
     decode,
@@ -142,3 +143,37 @@ def test_refuses_a_16_bit_param():
     w.grad = torch.ones_like(w)
     with pytest.raises(TypeError, match="fp32 params"):
         CompactAdamW([w]).step()
+
+
+def test_stochastic_rounding_is_unbiased_and_drawn_from_the_key():
+    x = torch.full((64 * BLOCK,), 0.3)  # between two codes of both formats
+    x[::BLOCK] = 1.0  # each block's largest
+    for fmt, signed in FORMATS.values():
+        codes, scales = encode(x, fmt, signed, key=11)
+        back = decode(codes, scales, fmt, signed)[x != 1.0]
+        assert back.unique().numel() == 2  # the two neighbours of 0.3
+        assert back.mean().item() == pytest.approx(0.3, rel=2e-3)
+        assert torch.equal(encode(x, fmt, signed, key=11)[0], codes)
+        assert not torch.equal(encode(x, fmt, signed, key=12)[0], codes)
+
+
+def test_a_slowly_decaying_second_moment_stalls_at_nearest_and_decays_stochastically():
+    """v <- 0.999 v with the block's largest element held at 1.0: each step moves the
+    decaying element by a tenth of a percent, under half a code, so rounding to nearest
+    keeps it where it was; stochastic rounding follows 0.999**t."""
+    steps = 700
+    v = torch.zeros(BLOCK)
+    v[0], v[1:] = 1.0, 0.5
+    results = {}
+    for stochastic in (False, True):
+        fmt = CompactFormat(stochastic=stochastic)
+        moments = CompactMoments.zeros(BLOCK, format=fmt)
+        moments.store(torch.zeros(BLOCK), v, step=0)
+        for step in range(1, steps + 1):
+            m, current = moments.decoded()
+            current = 0.999 * current
+            current[0] = 1.0
+            moments.store(m, current, step)
+        results[stochastic] = moments.decoded()[1][1:].mean().item()
+    assert results[False] == 0.5
+    assert results[True] == pytest.approx(0.5 * 0.999**steps, rel=0.02)

@@ -33,28 +33,52 @@ EXP_AVG_SQ_FORMAT = (5, 3)
 SIGN = 0x80
 
 
-def _blocks(x: torch.Tensor) -> torch.Tensor:
-    """``x`` (flat fp32) as rows of BLOCK, the last one padded with zeros."""
-    pad = (-x.numel()) % BLOCK
+def _blocks(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """``x`` (flat) as rows of ``block``, the last one padded with zeros."""
+    pad = (-x.numel()) % block
     if pad:
         x = torch.cat([x, x.new_zeros(pad)])
-    return x.view(-1, BLOCK)
+    return x.view(-1, block)
 
 
-def _encode_unit(r: torch.Tensor, fmt: tuple[int, int]) -> torch.Tensor:
+_MASK32 = 0xFFFFFFFF
+
+
+def rounding_bits(n: int, key: int, device=None) -> torch.Tensor:
+    """``n`` pseudo-random 32-bit values (int64) of element index and ``key``: a counter-based
+    integer hash, so any implementation of it draws the same bits for the same element."""
+    x = (torch.arange(n, dtype=torch.int64, device=device) * 0x9E3779B1 + key) & _MASK32
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def _encode_unit(
+    r: torch.Tensor, fmt: tuple[int, int], noise: torch.Tensor | None = None
+) -> torch.Tensor:
     """Codes of ``r`` in [0, 1] (int32): exponent bias 2**e - 1 puts 1.0 at the top exponent;
-    below the smallest normal, codes count multiples of the subnormal step."""
+    below the smallest normal, codes count multiples of the subnormal step. Rounding: to
+    nearest even, or stochastic with ``noise`` (32 random bits an element, int64)."""
     exp_bits, mant_bits = fmt
     bias = (1 << exp_bits) - 1
     shift = 23 - mant_bits
     bits = r.view(torch.int32)
-    rounded = bits + ((1 << (shift - 1)) - 1) + ((bits >> shift) & 1)  # nearest even
+    if noise is None:
+        rounded = bits + ((1 << (shift - 1)) - 1) + ((bits >> shift) & 1)  # nearest even
+    else:
+        rounded = bits + (noise >> (32 - shift)).to(torch.int32)  # up with the dropped share
     exponent = (rounded >> 23) - 127 + bias
     normal = (exponent << mant_bits) | ((rounded >> shift) & ((1 << mant_bits) - 1))
     # Subnormal codes: r / 2**(1 - bias - mant_bits), an exact power-of-two scaling, rounded
-    # to the nearest even integer (the step up to 1 << mant_bits is the smallest normal code).
-    subnormal = torch.round(r * 2.0 ** (bias - 1 + mant_bits)).to(torch.int32)
-    return torch.where(r < 2.0 ** (1 - bias), subnormal, normal)
+    # to an integer (the step up to 1 << mant_bits is the smallest normal code).
+    scaled = r * 2.0 ** (bias - 1 + mant_bits)
+    if noise is None:
+        subnormal = torch.round(scaled)
+    else:
+        subnormal = torch.floor(scaled + (noise >> 8).to(torch.float32) * 2.0**-24)
+    return torch.where(r < 2.0 ** (1 - bias), subnormal.to(torch.int32), normal)
 
 
 def _decode_unit(code: torch.Tensor, fmt: tuple[int, int]) -> torch.Tensor:
@@ -70,25 +94,35 @@ def _decode_unit(code: torch.Tensor, fmt: tuple[int, int]) -> torch.Tensor:
 
 
 def encode(
-    x: torch.Tensor, fmt: tuple[int, int], signed: bool
+    x: torch.Tensor,
+    fmt: tuple[int, int],
+    signed: bool,
+    key: int | None = None,
+    block: int = BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes: uint8 of ``x.numel()``, scales: fp32 per block) of flat fp32 ``x``."""
-    rows = _blocks(x.float())
+    """(codes: uint8 of ``x.numel()``, scales: fp32 per block) of flat fp32 ``x``; rounded to
+    nearest even, or stochastically with the bits of ``key`` (see ``rounding_bits``)."""
+    rows = _blocks(x.float(), block)
     scales = rows.abs().amax(dim=1)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     unit = (rows.abs() / safe[:, None]).contiguous()
-    codes = _encode_unit(unit, fmt)
+    noise = None if key is None else rounding_bits(unit.numel(), key, x.device).view_as(unit)
+    codes = _encode_unit(unit, fmt, noise)
     if signed:
         codes = codes | torch.where(rows < 0, SIGN, 0)
     return codes.to(torch.uint8).view(-1)[: x.numel()].clone(), scales
 
 
 def decode(
-    codes: torch.Tensor, scales: torch.Tensor, fmt: tuple[int, int], signed: bool
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    fmt: tuple[int, int],
+    signed: bool,
+    block: int = BLOCK,
 ) -> torch.Tensor:
     """Flat fp32 values of ``codes`` (uint8) with their blocks' ``scales``."""
     n = codes.numel()
-    rows = _blocks(codes.to(torch.int32))
+    rows = _blocks(codes.to(torch.int32), block)
     magnitude = rows & (SIGN - 1) if signed else rows
     values = _decode_unit(magnitude, fmt) * scales[:, None]
     if signed:
@@ -96,35 +130,65 @@ def decode(
     return values.reshape(-1)[:n]
 
 
+@dataclasses.dataclass(frozen=True)
+class CompactFormat:
+    """How the moments are coded: each one's (exponent, mantissa) bits, the block length, and
+    whether codes round stochastically (unbiased: an EMA whose step is below half a code does
+    not stall) or to nearest even."""
+
+    exp_avg: tuple[int, int] = EXP_AVG_FORMAT
+    exp_avg_sq: tuple[int, int] = EXP_AVG_SQ_FORMAT
+    block: int = BLOCK
+    stochastic: bool = False
+
+    def key(self, salt: int, step: int, moment: int) -> int | None:
+        """The rounding bits' key of one moment of one step (None: round to nearest)."""
+        if not self.stochastic:
+            return None
+        return ((salt * 0x51ED27 + step) * 2 + moment) & 0xFFFFFFFF
+
+
 @dataclasses.dataclass
 class CompactMoments:
-    """One param's compact Adam state: codes (uint8) and per-block scales (fp32) of each moment."""
+    """One param's compact Adam state: codes (uint8) and per-block scales (fp32) of each
+    moment; ``salt`` tells this param's stochastic rounding from another's."""
 
     exp_avg: torch.Tensor
     exp_avg_scale: torch.Tensor
     exp_avg_sq: torch.Tensor
     exp_avg_sq_scale: torch.Tensor
+    format: CompactFormat = CompactFormat()
+    salt: int = 0
 
     @classmethod
-    def zeros(cls, numel: int, device=None) -> CompactMoments:
-        blocks = -(-numel // BLOCK)
+    def zeros(
+        cls, numel: int, device=None, format: CompactFormat = CompactFormat(), salt: int = 0
+    ) -> CompactMoments:
+        blocks = -(-numel // format.block)
         codes = lambda: torch.zeros(numel, dtype=torch.uint8, device=device)  # noqa: E731
         scales = lambda: torch.zeros(blocks, dtype=torch.float32, device=device)  # noqa: E731
-        return cls(codes(), scales(), codes(), scales())
+        return cls(codes(), scales(), codes(), scales(), format, salt)
 
     def decoded(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(exp_avg, exp_avg_sq) as fp32."""
+        f = self.format
         return (
-            decode(self.exp_avg, self.exp_avg_scale, EXP_AVG_FORMAT, signed=True),
-            decode(self.exp_avg_sq, self.exp_avg_sq_scale, EXP_AVG_SQ_FORMAT, signed=False),
+            decode(self.exp_avg, self.exp_avg_scale, f.exp_avg, True, f.block),
+            decode(self.exp_avg_sq, self.exp_avg_sq_scale, f.exp_avg_sq, False, f.block),
         )
 
-    def store(self, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
-        self.exp_avg, self.exp_avg_scale = encode(exp_avg, EXP_AVG_FORMAT, signed=True)
-        self.exp_avg_sq, self.exp_avg_sq_scale = encode(exp_avg_sq, EXP_AVG_SQ_FORMAT, signed=False)
+    def store(self, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int = 0) -> None:
+        f = self.format
+        self.exp_avg, self.exp_avg_scale = encode(
+            exp_avg, f.exp_avg, True, f.key(self.salt, step, 0), f.block
+        )
+        self.exp_avg_sq, self.exp_avg_sq_scale = encode(
+            exp_avg_sq, f.exp_avg_sq, False, f.key(self.salt, step, 1), f.block
+        )
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in dataclasses.astuple(self))
+        tensors = (self.exp_avg, self.exp_avg_scale, self.exp_avg_sq, self.exp_avg_sq_scale)
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _f32(x: float, like: torch.Tensor) -> torch.Tensor:
@@ -167,7 +231,7 @@ def compact_adam_step(
     decayed = p * _f32(1.0 - lr * weight_decay, p) if adamw else p
     p1 = decayed + _f32(-lr / (1.0 - beta1**step), p) * update
     p.copy_(torch.where(ok, p1, p))
-    moments.store(torch.where(ok, m1, m0), torch.where(ok, v1, v0))
+    moments.store(torch.where(ok, m1, m0), torch.where(ok, v1, v0), step)
     return int((~ok).sum())
 
 
@@ -175,8 +239,17 @@ class CompactAdamW(torch.optim.Optimizer):
     """``torch.optim.AdamW`` with both moments in 8 bits (this module's format): the plain
     PyTorch reference of the compact state, one param at a time."""
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=1e-2,
+        format: CompactFormat = CompactFormat(),
+    ):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.format = format
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -191,7 +264,8 @@ class CompactAdamW(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     state["step"] = 0
-                    state["moments"] = CompactMoments.zeros(p.numel(), p.device)
+                    salt = len(self.state)  # the params' order: this param's rounding bits
+                    state["moments"] = CompactMoments.zeros(p.numel(), p.device, self.format, salt)
                 state["step"] += 1
                 if p.dtype != torch.float32:
                     raise TypeError(f"CompactAdamW steps fp32 params (the master), got {p.dtype}")
