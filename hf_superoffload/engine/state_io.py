@@ -106,7 +106,18 @@ class _HostViews:
 
 
 def state_dict(opt: SuperOffloadOptimizer) -> dict:
-    """torch's layout, entries viewing the live state (see the module docstring)."""
+    """torch's layout, entries viewing the live state (see the module docstring), with torch's
+    state-dict hooks run around it as torch's own optimizers run them."""
+    for pre_hook in opt._optimizer_state_dict_pre_hooks.values():
+        pre_hook(opt)
+    state = _state_dict(opt)
+    for post_hook in opt._optimizer_state_dict_post_hooks.values():
+        changed = post_hook(opt, state)
+        state = state if changed is None else changed
+    return state
+
+
+def _state_dict(opt: SuperOffloadOptimizer) -> dict:
     opt.synchronize()
     host = _HostViews()
     # Params numbered by identity, as torch's: a group listed again (param_groups.extend)
@@ -135,8 +146,18 @@ def state_dict(opt: SuperOffloadOptimizer) -> dict:
     return {"state": state, "param_groups": groups, EXTRA_KEY: extra}
 
 
-@torch.no_grad()
 def load_state_dict(opt: SuperOffloadOptimizer, state_dict: Mapping) -> None:
+    """``_load_state_dict`` with torch's load hooks run around it, as torch runs them."""
+    for pre_hook in opt._optimizer_load_state_dict_pre_hooks.values():
+        changed = pre_hook(opt, state_dict)
+        state_dict = state_dict if changed is None else changed
+    _load_state_dict(opt, state_dict)
+    for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
+        post_hook(opt)
+
+
+@torch.no_grad()
+def _load_state_dict(opt: SuperOffloadOptimizer, state_dict: Mapping) -> None:
     """Check everything, then copy entry by entry into the buckets (module docstring)."""
     opt.synchronize()
     if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= state_dict.keys():
