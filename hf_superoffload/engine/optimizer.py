@@ -2,14 +2,19 @@
 speculatively during backward and validated afterwards (see stv.py).
 
 Life of a step (one GPU; with no GPU the same runs on CPU tensors, copies in place of streams):
-1. Backward: a post-accumulate-grad hook stages each param's final gradient into its bucket.
-   When a bucket is complete its partial squared norm is computed on the device and its
-   gradients leave for pinned host memory on a side stream; the worker thread then runs the
-   CPU Adam on it *speculatively* and sends the updated params back on another stream.
-2. step(): the global norm decides: commit, or replay every speculated bucket with the clip
-   coefficient (one fused pass), or roll everything back (non-finite gradients). The tail
-   buckets (first layers, last to get gradients) step on the device with torch's fused AdamW.
-3. The next forward waits, per module, only for the buckets it is about to use.
+1. Backward (``_arrival``, grad_arrival.py): a post-accumulate-grad hook stages each param's
+   final gradient into its bucket. When a bucket is complete its partial squared norm is
+   computed on the device and its gradients leave for pinned host memory on a side stream;
+   the worker thread then runs the CPU Adam on it *speculatively* and sends the updated
+   params back on another stream.
+2. step(): the global norm decides (``_stv``, stv.py): commit, or replay every speculated
+   bucket with the clip coefficient (one fused pass), or roll everything back (non-finite
+   gradients). The tail buckets (first layers, last to get gradients) step on the device with
+   torch's AdamW (``_tail``, tail_moves.py, which also moves buckets there and back).
+3. The next forward waits, per module, only for the buckets it is about to use (``_waits``,
+   forward_waits.py).
+Each part owns its state and is built with exactly what it may touch (``_compose``); the
+optimizer owns the param groups, the buckets, the link, the replicas and the STV core.
 
 Exactness: commits and replays equal AdamW + clip_grad_norm_ to fp32 rounding (the replay's
 error is a few ulp of the terms of the undone step, see ops/adam.py; speculating with the
@@ -55,14 +60,6 @@ DEFAULT_BUCKET_SIZE = 1 << 25  # 33.5M elements: ~7 ms of CPU Adam on 16 cores
 
 
 class SuperOffloadOptimizer(torch.optim.Optimizer):
-    """The optimizer owns the param groups, the buckets (``_buckets``; ``_slot`` maps
-    ``id(param)`` to its bucket and index there), the link, the replicas, the cast plan and the
-    STV core, and composes three parts that own their own state: ``_arrival``
-    (grad_arrival.GradArrival: the gradient hooks, staging, launching, accumulation), ``_tail``
-    (tail_moves.TailMoves: the device tail's step, moves and cap) and ``_waits``
-    (forward_waits.ForwardWaits: the forward pre-hooks). Each gets what it may touch in its
-    constructor."""
-
     @shares_failures  # with replicas, an error here ends the other ranks at once
     @closes_replicas_on_failure
     def __init__(
@@ -147,7 +144,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             cast=self._cast,
             dtype=dtype,
         )
-        self._buckets, self._slot = layout.buckets, layout.slot
+        self._buckets, self._slot = layout.buckets, layout.slot  # slot: id(param) -> (bucket, i)
         this = weakref.ref(self)  # hooks and the STV core must not keep the optimizer alive
         self._stv = Stv(
             self._link,
@@ -162,9 +159,9 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         self.stats_counters = self._stv.stats
         tuner = make_tail_tuner(gpu_buckets, device)
         self._compose(trainable, model, gradient_accumulation_steps, tuner, cap)
-        hooks = [self._arrival.handles, self._waits.handles]
+        hooks, ids = [self._arrival.handles, self._waits.handles], list(self._slot)
         self._finalizer = weakref.finalize(
-            self, _shutdown, self._stv, hooks, self._link, list(self._slot), self._replicas
+            self, _shutdown, self._stv, hooks, self._link, ids, self._replicas
         )
         clip_routing.install()  # torch's clip_grad_norm_ over our params clips through us
 
@@ -174,25 +171,18 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         self._waits = ForwardWaits(
             slot=self._slot, before_forward=_before_forward(weakref.ref(self)), model=model
         )
+        shared = dict(
+            buckets=self._buckets, link=self._link, replicas=self._replicas, stv=self._stv
+        )
         self._arrival = GradArrival(
+            **shared,
             params=params,
-            buckets=self._buckets,
             slot=self._slot,
-            link=self._link,
-            replicas=self._replicas,
-            stv=self._stv,
             cast=self._cast,
             accumulation_steps=accumulation_steps,
             watch=self._waits,
         )
-        self._tail = TailMoves(
-            buckets=self._buckets,
-            link=self._link,
-            replicas=self._replicas,
-            stv=self._stv,
-            tuner=tuner,
-            cap_bytes=cap,
-        )
+        self._tail = TailMoves(**shared, tuner=tuner, cap_bytes=cap)
 
     # ----------------------------------------------------------------------------- public API
 
