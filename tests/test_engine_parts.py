@@ -1,4 +1,5 @@
-"""The gradient arrival part (engine/grad_arrival.py) on its own: no model, no optimizer.
+"""The gradient arrival part (engine/grad_arrival.py) on its own: no model, no optimizer;
+and the forward waits (engine/forward_waits.py) over stand-in buckets.
 
 Six params in three buckets of two, gradients fed one param at a time through the part's own
 post-accumulate-grad hooks (``(param * grad).sum().backward()``), a real STV core on the CPU
@@ -18,6 +19,7 @@ from hf_superoffload import ops
 from hf_superoffload.engine.bucket import Bucket
 from hf_superoffload.engine.buckets import plan_buckets
 from hf_superoffload.engine.cast_policy import CastPlan
+from hf_superoffload.engine.forward_waits import ForwardWaits
 from hf_superoffload.engine.grad_arrival import GradArrival
 from hf_superoffload.engine.link import Link
 from hf_superoffload.engine.replicas import Replicas
@@ -287,3 +289,57 @@ def test_zero_grad_discards_what_arrived_and_rolls_back_speculations(rig):
         )
     grads = [r.feed(index) for index in range(6)]  # the next backward starts afresh
     torch.testing.assert_close(r.arrival.total_norm(), _norm(grads), rtol=NORM_RTOL, atol=0)
+
+
+class _Bucket:
+    """What ForwardWaits reads of a bucket: its index and whether it is on the device."""
+
+    def __init__(self, index: int, on_device: bool = False):
+        self.index, self.on_device = index, on_device
+
+
+def _three_layers():
+    """Three linear layers; bucket 0 holds the last layer, 1 the middle one and the first
+    layer's bias, 2 (a tail bucket) the first layer's weight."""
+    model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(3)))
+    buckets = [_Bucket(0), _Bucket(1), _Bucket(2, on_device=True)]
+    first, middle, last = model
+    owners = {
+        last.weight: 0, last.bias: 0, middle.weight: 1, middle.bias: 1, first.bias: 1,
+        first.weight: 2,
+    }  # fmt: skip
+    slot = {id(p): (buckets[b], 0) for p, b in owners.items()}
+    return model, buckets, slot
+
+
+@pytest.mark.parametrize("per_module", [True, False], ids=["model", "watch"])
+def test_forward_waits_hand_each_module_its_own_host_buckets(per_module):
+    """With the model, every forward waits per module; without it, only between start()
+    and stop() (a speculating step), through one global hook."""
+    model, buckets, slot = _three_layers()
+    seen = []
+    waits = ForwardWaits(
+        slot=slot,
+        before_forward=lambda bs: seen.append([b.index for b in bs]),
+        model=model if per_module else None,
+    )
+    model(torch.randn(2, 4))
+    if not per_module:
+        assert seen == [] and waits.handles == []
+        waits.start()
+        waits.start()  # once: one global hook
+        assert len(waits.handles) == 1
+        model(torch.randn(2, 4))
+    # The first layer's tail bucket is left out; the Sequential itself holds no params.
+    assert seen == [[1], [1], [0]]
+    buckets[2].on_device = False  # "auto" moved it back to the host: waited for now
+    seen.clear()
+    model(torch.randn(2, 4))
+    assert seen == [[1, 2], [1], [0]]
+    waits.stop()
+    seen.clear()
+    model(torch.randn(2, 4))
+    assert (seen != []) is per_module
+    assert len(waits.handles) == (3 if per_module else 0)  # the watch is gone with stop()
+    for handle in waits.handles:
+        handle.remove()
