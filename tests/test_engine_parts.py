@@ -16,6 +16,7 @@ import torch
 from engine_reference import ROLLBACK_ATOL, ROLLBACK_RTOL
 
 from hf_superoffload import ops
+from hf_superoffload.engine.arrival_counts import ArrivalCounts
 from hf_superoffload.engine.bucket import Bucket
 from hf_superoffload.engine.buckets import plan_buckets
 from hf_superoffload.engine.cast_policy import CastPlan
@@ -343,3 +344,40 @@ def test_forward_waits_hand_each_module_its_own_host_buckets(per_module):
     assert len(waits.handles) == (3 if per_module else 0)  # the watch is gone with stop()
     for handle in waits.handles:
         handle.remove()
+
+
+def _counts_say(steps: int, script: list) -> list[bool]:
+    """Drive ArrivalCounts over one param (key 0): ints are arrivals, ("boundary", b) an
+    announcement, "learn" the end of a step that reopened its bucket, "reset" any step end.
+    Returns whether each arrival was the param's last of the step."""
+    counts, said = ArrivalCounts([0], steps, learning=False), []
+    replicas = Replicas(None, torch.device("cpu"))
+    for item in script:
+        if item == "learn":
+            counts.learn(reopened=True, replicas=replicas)
+            counts.reset()
+        elif item == "reset":
+            counts.reset()
+        elif isinstance(item, tuple):
+            counts.set_boundary(item[1])
+        else:
+            said += [counts.arrive(0) for _ in range(item)]
+    return said
+
+
+@pytest.mark.parametrize(
+    ("steps", "script", "last"),
+    [
+        (1, [1, "reset", 1], [True, True]),
+        (3, [3], [False, False, True]),
+        (1, [2, "learn", 2], [True, True, False, True]),  # an undeclared second backward
+        (3, [2, "reset", 3], [False, False, False, False, True]),  # the count starts afresh
+        (1, [("boundary", False), 2, ("boundary", True), 1], [False, False, True]),
+        # A hook firing twice in the announced last pass: learned per boundary pass.
+        (1, [("boundary", True), 2, "learn", ("boundary", False), 1, ("boundary", True), 2],
+         [True, True, False, False, True]),
+    ],
+    ids=["one", "declared", "learned", "reset", "boundary", "boundary-learned"],
+)  # fmt: skip
+def test_which_arrival_is_a_params_last(steps, script, last):
+    assert _counts_say(steps, script) == last
