@@ -3,7 +3,7 @@
 #   bash examples/finetune_<model>.sh superoffload|zerooffload [batch_size] [script args...]
 #
 # superoffload: DeepSpeed ZeRO-3 with "super_offload": true (hf_superoffload's engine), through
-#   accelerate_configs/{gh200,x86}[xN]_zero3_superoffload.yaml.
+#   accelerate_configs/{gh200,x86}[xN]_superoffload.yaml.
 # zerooffload:  the same ZeRO-3 settings with DeepSpeed's plain CPU offload
 #   (accelerate_configs/deepspeed/zero3_offload.json) and TRL's own trainer, the baseline.
 # batch_size: per GPU (default 4). Further arguments go to examples/sft.py (TRL's parser).
@@ -69,7 +69,7 @@ RECIPE="$HERE/recipes/$MODEL_NAME.yaml"
 if [[ "$(uname -m)" == "aarch64" ]]; then PLATFORM=gh200; else PLATFORM=x86; fi
 SCALE=""
 [[ "$GPUS" == 1 ]] || SCALE="x$GPUS"
-ACCELERATE_BASE="$REPO/accelerate_configs/${PLATFORM}${SCALE}_zero3_superoffload.yaml"
+ACCELERATE_BASE="$REPO/accelerate_configs/${PLATFORM}${SCALE}_superoffload.yaml"
 if [[ "$MODE" == superoffload ]]; then
   DEEPSPEED_BASE="$REPO/accelerate_configs/deepspeed/zero3_superoffload.json"
 else

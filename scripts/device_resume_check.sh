@@ -20,7 +20,7 @@ mkdir -p "$OUT" "$SCRATCH"
 source scripts/device_env.sh || exit 1
 find ~/.cache -name lock -delete 2>/dev/null
 export RANDOM_INIT=1 RATIO="${RATIO:-auto}" PLAN_HARDWARE="${PLAN_HARDWARE:---gpu-mem 80 --cpu-mem 128}"
-export SUPEROFFLOAD_CPU_THREADS=14  # two runs share this host's cores
+export HF_SUPEROFFLOAD_CPU_THREADS=14  # two runs share this host's cores
 STEPS=(--max_steps 6 --logging_steps 1 --save_strategy no --save_model false --require_loss_decrease false)
 start=$(date +%s)
 df -h "$SCRATCH" /dev/shm | tail -2

@@ -14,6 +14,7 @@ import contextlib
 import sys
 
 from .. import __version__
+from .. import env as environment
 from . import bench, demo, env, plan
 from .errors import EXIT_BAD_INPUT, UsageError
 
@@ -47,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     args.out = sys.stdout  # where a command prints its result
     try:
+        try:
+            environment.check()  # a misspelled HF_SUPEROFFLOAD_* variable, before any work
+        except ValueError as error:
+            raise UsageError(str(error)) from None
         if not getattr(args, "json", False):
             return args.run(args)
         # Libraries print to stdout as they load (transformers does under WANDB_MODE=offline,
