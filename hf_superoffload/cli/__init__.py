@@ -2,9 +2,10 @@
 
 Subcommands: ``env`` (what this machine offers SuperOffload, like DeepSpeed's ``ds_report``),
 ``plan`` (whether a model's full fine-tuning fits given GPUs and host memory, part by part),
+``finetune`` (a recipe of the paper's models under accelerate and DeepSpeed ZeRO-3),
 ``demo`` (the main job) and ``bench`` (the benchmark suite of a checkout). Each lives in its own
-module and registers itself through ``add_parser``; ``demo`` and ``bench`` hand the arguments
-they do not know to the job they run.
+module and registers itself through ``add_parser``; ``finetune``, ``demo`` and ``bench`` hand
+the arguments they do not know to the job they run.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 
 from .. import __version__
 from .. import env as environment
-from . import bench, demo, env, plan
+from . import bench, demo, env, finetune, plan
 from .errors import EXIT_BAD_INPUT, UsageError
 
 PROG = "hf-superoffload"
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     env.add_parser(commands)
     plan.add_parser(commands)
+    finetune.add_parser(commands)
     demo.add_parser(commands)
     bench.add_parser(commands)
     return parser

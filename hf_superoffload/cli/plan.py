@@ -39,7 +39,8 @@ def add_parser(commands) -> None:
         "on DeepSpeed ZeRO-3 (bf16 weights, fp32 master and Adam moments on the host, "
         "activation checkpointing), checked against a hardware preset, given sizes, or this "
         "machine. Exit code 0: fits, 1: does not fit, 2: bad input.",
-        epilog=f"Shipped model configs: {shipped}. Presets: "
+        epilog=f"Shipped model configs: {shipped}. Presets (one node each; --gpus beyond a "
+        "node's GPUs means more nodes): "
         + "; ".join(f"{h.name}: {h.summary}" for h in PRESETS.values()),
     )
     parser.add_argument(
@@ -164,15 +165,9 @@ def _suggestions(config, shape: ModelShape, run: Zero3Run, capacity, verdict: Ve
     found = []
     for gpus in (g for g in _MORE_GPUS if g > run.ranks):
         per_host = capacity.ranks_per_host(gpus)
-        try:
-            trial = _judge(
-                config,
-                shape,
-                dataclasses.replace(run, ranks=gpus, ranks_per_host=per_host),
-                capacity,
-            )
-        except UsageError:  # a preset that does not know hosts of that many GPUs
-            continue
+        trial = _judge(
+            config, shape, dataclasses.replace(run, ranks=gpus, ranks_per_host=per_host), capacity
+        )
         if trial.fits:
             found.append(f"--gpus {gpus} ({per_host} per host) fits: {_usage(trial)}")
             break
@@ -198,7 +193,23 @@ def _suggestions(config, shape: ModelShape, run: Zero3Run, capacity, verdict: Ve
     return found
 
 
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    """What ``plan`` prints, as JSON and as text, and whether the run fits."""
+
+    fits: bool
+    as_json: dict
+    as_text: str
+
+
 def run(args: argparse.Namespace) -> int:
+    found = answer(args)
+    print(json.dumps(found.as_json, indent=2) if args.json else found.as_text, file=args.out)
+    return EXIT_FITS if found.fits else EXIT_DOES_NOT_FIT
+
+
+def answer(args: argparse.Namespace) -> Answer:
+    """The plan for ``args`` (plan's options); UsageError on bad input."""
     _check(args)
     source = model_source.resolve(args.model)
     capacity = capacity_options.resolve(args)
@@ -231,14 +242,11 @@ def run(args: argparse.Namespace) -> int:
     )
     suggestions += auto_suggestions
     notes = [*source.notes, *auto_notes, *_model_notes(source.config, verdict.plan)]
-    if args.json:
-        print(
-            json.dumps(_as_json(source, capacity, verdict, suggestions, notes), indent=2),
-            file=args.out,
-        )
-    else:
-        print(_as_text(source, capacity, verdict, suggestions, notes), file=args.out)
-    return EXIT_FITS if verdict.fits else EXIT_DOES_NOT_FIT
+    return Answer(
+        verdict.fits,
+        _as_json(source, capacity, verdict, suggestions, notes),
+        _as_text(source, capacity, verdict, suggestions, notes),
+    )
 
 
 def _gib(nbytes: int) -> str:
