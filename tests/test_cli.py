@@ -16,6 +16,7 @@ import pytest
 import torch
 import transformers
 
+from hf_superoffload import env
 from hf_superoffload.cli import main, model_source, ratio_auto
 from hf_superoffload.ops import _build
 from hf_superoffload.zero3.memory_plan import HOST_HEADROOM
@@ -96,8 +97,27 @@ def test_env_json_reports_every_section_and_builds_nothing(capsys, monkeypatch, 
 def test_env_text_names_its_sections(capsys):
     code, out, _ = cli(capsys, "env", "--no-bandwidth")
     assert code == 0
-    for section in ("packages", "CPU Adam kernel", "GPUs", "NUMA nodes", "DeepSpeed"):
+    for section in (
+        "packages",
+        "CPU Adam kernel",
+        "GPUs",
+        "NUMA nodes",
+        "DeepSpeed",
+        "environment",
+    ):
         assert f"\n{section}" in out
+
+
+def test_env_lists_the_variables_set_and_its_help_all_of_them(capsys, monkeypatch):
+    monkeypatch.setenv("HF_SUPEROFFLOAD_CPU_THREADS", "6")
+    code, out, _ = cli(capsys, "env", "--no-bandwidth")
+    assert code == 0 and "  HF_SUPEROFFLOAD_CPU_THREADS=6: threads of the CPU Adam" in out
+    code, out, _ = cli(capsys, "env", "--no-bandwidth", "--json")
+    assert json.loads(out)["environment"] == {"HF_SUPEROFFLOAD_CPU_THREADS": "6"}
+    code, out, _ = cli(capsys, "env", "--help")
+    help_text = " ".join(out.split())
+    for name in env.VARIABLES:
+        assert name in help_text
 
 
 # ---------------------------------------------------------------------- shipped configs

@@ -36,7 +36,13 @@ def collect(build: bool = False, measure_bandwidth: bool = True) -> dict:
         "numa": host_facts.numa_nodes(),
         "resctrl": host_facts.resctrl(cpu),
         "deepspeed": deepspeed(),
+        "environment": variables_set(),
     }
+
+
+def variables_set() -> dict[str, str]:
+    """The package's environment variables that are set (all are declared in env.py)."""
+    return {name: value for name in env.VARIABLES if (value := env.read(name)) is not None}
 
 
 def packages() -> dict[str, str | None]:
