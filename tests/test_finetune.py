@@ -177,3 +177,13 @@ def test_a_launch_runs_the_command_and_keeps_its_log(capsys, tmp_path, monkeypat
     assert code == 3
     assert f"trained {REPO} 1" in out
     assert (_run_dir(tmp_path) / "train.log").read_text() == f"trained {REPO} 1\n"
+
+
+def test_a_dry_run_without_a_gpu_or_a_machine_writes_ratio_1(capsys, tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, _, err = finetune_cli(capsys, tmp_path, "phi-4", "superoffload", "--dry-run")
+    assert code == 0 and "no GPU here to plan for, so this dry run writes ratio 1.0" in err
+    offload = json.loads((_run_dir(tmp_path) / "deepspeed.json").read_text())
+    assert offload["zero_optimization"]["offload_optimizer"]["ratio"] == 1.0

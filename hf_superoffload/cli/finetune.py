@@ -177,10 +177,20 @@ def _check_gpus(args, gpus: int, recipe: Path) -> None:
         )
 
 
-def _plan_ratio(args, root: Path, recipe: Path, settings: dict, gpus: int, batch: int):
+def _plan_ratio(args, recipe: Path, settings: dict, gpus: int, batch: int):
     """(ratio, plan JSON or None) for ``--ratio auto``; UsageError or a refusal otherwise."""
+    import torch
+
     from . import build_parser
     from . import plan as plan_command
+
+    if args.dry_run and not _planned_machine(args) and not torch.cuda.is_available():
+        print(
+            "RATIO=auto: no GPU here to plan for, so this dry run writes ratio 1.0; give "
+            "--hardware NAME (PLAN_HARDWARE) or --ratio R (RATIO) to choose it",
+            file=sys.stderr,
+        )
+        return "1.0", None
 
     model, options = str(recipe), []
     if not args.random_init and args.model_path and Path(args.model_path).is_dir():
@@ -194,13 +204,6 @@ def _plan_ratio(args, root: Path, recipe: Path, settings: dict, gpus: int, batch
     try:
         found = plan_command.answer(build_parser().parse_args(argv))
     except UsageError as error:
-        if args.dry_run and "no GPU here to plan for" in str(error):
-            print(
-                "RATIO=auto: no GPU here to plan for, so this dry run writes ratio 1.0; give "
-                "--hardware NAME (PLAN_HARDWARE) or --ratio R (RATIO) to choose it",
-                file=sys.stderr,
-            )
-            return "1.0", None
         raise UsageError(
             f"{error}\nRATIO=auto could not plan {args.model} (above); give --ratio (RATIO) a "
             "number in [0, 1]"
@@ -259,7 +262,7 @@ def prepare(args: argparse.Namespace) -> tuple[Path, list[str], dict[str, str]]:
     deepspeed_base = root / "accelerate_configs" / "deepspeed" / DEEPSPEED_JSON[args.mode]
     plan = None
     if ratio == "auto":
-        ratio, plan = _plan_ratio(args, root, recipe, settings, gpus, batch)
+        ratio, plan = _plan_ratio(args, recipe, settings, gpus, batch)
     elif _planned_machine(args):
         print(
             f"--hardware/--gpu-mem/--cpu-mem (PLAN_HARDWARE) are used by --ratio auto only; "
