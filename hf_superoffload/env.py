@@ -1,7 +1,9 @@
-"""Every environment variable hf_superoffload reads, and the one function that reads them.
+"""Every environment variable of hf_superoffload's own, and the one function that reads them.
 
 All of them are named ``HF_SUPEROFFLOAD_<NAME>`` and declared in ``VARIABLES`` below (name,
-meaning, default). ``read`` first checks the whole environment: a variable of this prefix that
+meaning, default). Variables of other tools that the package also reads (the launchers'
+WORLD_SIZE and LOCAL_WORLD_SIZE, accelerate's ACCELERATE_*, XDG_CACHE_HOME, CXX) keep their
+owners' meaning and are read where they are used. ``read`` first checks the whole environment: a variable of this prefix that
 is not declared, or one of the package's former prefix ``SUPEROFFLOAD_``, is refused by name
 with the closest declared one, since a misspelled name would otherwise be ignored and the run
 would go on with the default. Importing this module reads nothing; the check runs when the
