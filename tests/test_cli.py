@@ -457,15 +457,22 @@ def test_bench_runs_the_checkouts_suite(capfd):
     assert code == 0 and "--systems" in out and "suite.csv" in out
 
 
-def test_bench_outside_a_checkout_says_to_run_from_one(capsys, tmp_path, monkeypatch):
-    from hf_superoffload.cli import bench
+@pytest.mark.parametrize(
+    ("command", "needs"),
+    [
+        (["bench", "--systems", "no_offload"], "benchmarks/suite.py"),
+        (["finetune", "phi-4", "superoffload", "--dry-run"], "examples/recipes"),
+    ],
+)
+def test_outside_a_checkout_says_to_run_from_one(capsys, tmp_path, monkeypatch, command, needs):
+    from hf_superoffload.cli import checkout
 
     monkeypatch.setattr(
-        bench, "__file__", str(tmp_path / "site" / "hf_superoffload" / "cli" / "bench.py")
+        checkout, "__file__", str(tmp_path / "site" / "hf_superoffload" / "cli" / "checkout.py")
     )
     monkeypatch.chdir(tmp_path)
-    code, _, err = cli(capsys, "bench", "--systems", "no_offload")
-    assert code == 2 and "Run from a checkout" in err
+    code, _, err = cli(capsys, *command)
+    assert code == 2 and "Run from a checkout" in err and needs in err
 
 
 # ------------------------------------------------------------------------ entry points

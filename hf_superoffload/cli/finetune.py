@@ -27,6 +27,7 @@ from pathlib import Path
 
 import yaml
 
+from .checkout import find_checkout
 from .errors import EXIT_DOES_NOT_FIT, UsageError
 
 PASSES_THROUGH = True  # arguments it does not know go to examples/sft.py
@@ -109,18 +110,8 @@ def _batch(text: str) -> int:
 
 
 def checkout() -> Path:
-    """The repository checkout holding examples/recipes/: beside the package's source tree
-    (an editable install), else the current directory or one of its parents."""
-    package_root = Path(__file__).resolve().parents[2]
-    here = Path.cwd().resolve()
-    for root in (package_root, here, *here.parents):
-        if (root / "examples" / "recipes").is_dir() and (root / "accelerate_configs").is_dir():
-            return root
-    raise UsageError(
-        f"no examples/recipes/ found beside the installed package ({package_root}) nor in "
-        f"{here} or its parents: the recipes live in the repository, not the wheel. Run from "
-        "a checkout (git clone ...; pip install -e .; cd into it)."
-    )
+    """The repository checkout holding the recipes and the accelerate configs."""
+    return find_checkout(Path("examples") / "recipes", Path("accelerate_configs"))
 
 
 def _ratio(args: argparse.Namespace) -> str:
