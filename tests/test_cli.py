@@ -314,6 +314,20 @@ def test_an_eight_gpu_node_plans_what_one_gpu_vm_cannot(capsys):
     assert "hardware: h100-sxm-8: 79.2 GiB per GPU, 2000.0 GiB per host of 2 GPU(s)" in out
 
 
+def test_no_save_leaves_out_the_save_and_is_suggested_where_it_fits(capsys):
+    run = ("llama-3.3-70b", "--hardware", "gb200", "--gpus", "4", "--batch", "2")
+    code, saved = plan_json(capsys, *run, "--ratio", "0.8")
+    assert code == 1 and saved["host_peak"] == "save"
+    assert any(s.startswith("--no-save fits") for s in saved["suggestions"]), saved
+    code, unsaved = plan_json(capsys, *run, "--ratio", "0.8", "--no-save")
+    assert code == 0 and unsaved["host_save_bytes_rank0"] == 0
+    assert unsaved["host_training_bytes_per_rank"] == saved["host_training_bytes_per_rank"]
+    _, auto = plan_json(capsys, *run, "--ratio", "auto")
+    assert "--no-save: --ratio auto chooses 0.65 (a run that saves nothing" in " ".join(
+        auto["suggestions"]
+    )
+
+
 def test_explicit_sizes_correct_a_preset(capsys):
     _, plan = plan_json(
         capsys, "llama-3.1-8b", "--hardware", "gb200", "--gpus", "4", "--gpu-mem", "180",

@@ -187,3 +187,24 @@ def test_a_dry_run_without_a_gpu_or_a_machine_writes_ratio_1(capsys, tmp_path, m
     assert code == 0 and "no GPU here to plan for, so this dry run writes ratio 1.0" in err
     offload = json.loads((_run_dir(tmp_path) / "deepspeed.json").read_text())
     assert offload["zero_optimization"]["offload_optimizer"]["ratio"] == 1.0
+
+
+def test_a_run_that_saves_nothing_is_planned_without_the_save(capsys, tmp_path):
+    """Llama-3.3-70B at batch 2 on a GB200 node fits only when nothing is saved (the save
+    gathers the 16-bit model into rank 0's host): the refusal says so, and --save_model false
+    (the recipe's save_strategy is no) plans without it."""
+    args = ("llama-3.3-70b", "superoffload", "--dry-run", "--batch", "2", "--hardware", "gb200")
+    code, _, err = finetune_cli(capsys, tmp_path, *args)
+    assert code == 1 and "while the model is saved" in err, err
+    assert "change: --no-save: --ratio auto chooses 0.65" in err
+    assert "saves nothing when given --save_model false" in err
+    code, out, _ = finetune_cli(capsys, tmp_path, *args, "--", "--save_model", "false")
+    assert code == 0 and "RATIO=auto: ratio 0.65" in out
+    plan = json.loads((_run_dir(tmp_path) / "plan.json").read_text())
+    assert plan["run"]["saves_model"] is False and plan["host_save_bytes_rank0"] == 0
+    assert _command(_run_dir(tmp_path))[-2:] == ["--save_model", "false"]
+    # A run that still writes checkpoints saves: planned with the save.
+    code, _, _ = finetune_cli(
+        capsys, tmp_path / "steps", *args, "--", "--save_model", "false", "--save_strategy", "steps"
+    )
+    assert code == 1

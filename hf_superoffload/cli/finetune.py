@@ -168,7 +168,25 @@ def _check_gpus(args, gpus: int, recipe: Path) -> None:
         )
 
 
-def _plan_ratio(args, recipe: Path, settings: dict, gpus: int, batch: int):
+def _never_saves(settings: dict, script_args: list[str]) -> bool:
+    """Whether the run saves nothing (``--save_model false``, ``save_strategy`` no), so the plan
+    leaves out the save's gather of the 16-bit model into rank 0's host memory."""
+
+    def last(flag: str, default) -> str:
+        value = default
+        for i, arg in enumerate(script_args):
+            if arg == flag and i + 1 < len(script_args):
+                value = script_args[i + 1]
+            elif arg.startswith(flag + "="):
+                value = arg.split("=", 1)[1]
+        return str(value).lower()
+
+    saves = last("--save_model", settings.get("save_model", True))
+    strategy = last("--save_strategy", settings.get("save_strategy", "steps"))
+    return saves in ("false", "0", "no") and strategy == "no"
+
+
+def _plan_ratio(args, recipe: Path, settings: dict, gpus: int, batch: int, never_saves: bool):
     """(ratio, plan JSON or None) for ``--ratio auto``; UsageError or a refusal otherwise."""
     import torch
 
@@ -190,6 +208,8 @@ def _plan_ratio(args, recipe: Path, settings: dict, gpus: int, batch: int):
     accumulation = settings.get("gradient_accumulation_steps", 1)
     argv = ["plan", model, "--gpus", str(gpus), "--batch", str(batch), "--ratio", "auto"]
     argv += ["--gradient-accumulation-steps", str(accumulation), *options]
+    if never_saves:
+        argv.append("--no-save")
     argv += _planned_machine(args)
     where = "the machine given" if _planned_machine(args) else "this machine"
     try:
@@ -202,6 +222,10 @@ def _plan_ratio(args, recipe: Path, settings: dict, gpus: int, batch: int):
     if not found.fits:
         plan = found.as_json
         lines = [*plan["reasons"], *("change: " + s for s in plan["suggestions"])]
+        if any(s.startswith("--no-save") for s in plan["suggestions"]):
+            lines.append(
+                "(this command plans a run that saves nothing when given --save_model false)"
+            )
         raise DoesNotFit(
             f"RATIO=auto: {args.model} fits {gpus} GPU(s) of {where} at no ratio from 1.0 to "
             f"0.5 with room on the GPU; the plan says:\n" + "\n".join(lines) + "\n"
@@ -251,9 +275,14 @@ def prepare(args: argparse.Namespace) -> tuple[Path, list[str], dict[str, str]]:
     if not accelerate_base.is_file():
         raise UsageError(f"no {accelerate_base.name} in accelerate_configs/ for {gpus} GPUs")
     deepspeed_base = root / "accelerate_configs" / "deepspeed" / DEEPSPEED_JSON[args.mode]
+    extra = list(args.extra)
+    if extra[:1] == ["--"]:
+        extra = extra[1:]
     plan = None
     if ratio == "auto":
-        ratio, plan = _plan_ratio(args, recipe, settings, gpus, batch)
+        ratio, plan = _plan_ratio(
+            args, recipe, settings, gpus, batch, _never_saves(settings, extra)
+        )
     elif _planned_machine(args):
         print(
             f"--hardware/--gpu-mem/--cpu-mem (PLAN_HARDWARE) are used by --ratio auto only; "
@@ -291,9 +320,6 @@ def prepare(args: argparse.Namespace) -> tuple[Path, list[str], dict[str, str]]:
             script_args += ["--model_name_or_path", args.model_path]
         # The recipe's Hub model and dataset (examples/sft.py would default to offline).
         variables["HF_HUB_OFFLINE"] = os.environ.get("HF_HUB_OFFLINE", "0")
-    extra = list(args.extra)
-    if extra[:1] == ["--"]:
-        extra = extra[1:]
     command = ["accelerate", "launch", "--config_file", str(run_dir / "accelerate.yaml")]
     command += [str(root / "examples" / "sft.py"), *script_args, *extra]
     date = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

@@ -27,6 +27,7 @@ from .errors import EXIT_DOES_NOT_FIT, EXIT_FITS, UsageError
 from .hardware import GIB, PRESETS
 
 _MORE_GPUS = (2, 4, 8, 16, 32, 64)  # GPU counts tried when a run does not fit
+NO_SAVE = "a run that saves nothing: examples/sft.py --save_model false with --save_strategy no"
 DEFAULT_SEQ, DEFAULT_BATCH = 4096, 4  # the paper's examples' settings
 
 
@@ -91,6 +92,13 @@ def add_parser(commands) -> None:
         default=1,
         metavar="N",
         help="above 1, DeepSpeed keeps a host accumulation buffer (2 B/param)",
+    )
+    parser.add_argument(
+        "--no-save",
+        action="store_true",
+        help="a run that never saves the model (examples/sft.py --save_model false with "
+        "--save_strategy no): rank 0's host does not hold the 16-bit model DeepSpeed gathers "
+        "for a save",
     )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.set_defaults(run=run)
@@ -171,6 +179,10 @@ def _suggestions(config, shape: ModelShape, run: Zero3Run, capacity, verdict: Ve
         if trial.fits:
             found.append(f"--gpus {gpus} ({per_host} per host) fits: {_usage(trial)}")
             break
+    if run.saves_model and verdict.host_need > verdict.host_memory:
+        trial = _judge(config, shape, dataclasses.replace(run, saves_model=False), capacity)
+        if trial.fits:
+            found.append(f"--no-save fits: {_usage(trial)} ({NO_SAVE})")
     gpu_short = verdict.gpu_need > verdict.gpu_memory
     if gpu_short and not run.offload_param:
         trial = _judge(config, shape, dataclasses.replace(run, offload_param=True), capacity)
@@ -222,6 +234,7 @@ def answer(args: argparse.Namespace) -> Answer:
         offload_param=args.offload_param,
         gradient_accumulation=args.gradient_accumulation_steps,
         sub_group_size=args.sub_group_size,
+        saves_model=not args.no_save,
     )
     shape = _shape(source.config)
     auto_notes, auto_suggestions = [], []
@@ -236,6 +249,15 @@ def answer(args: argparse.Namespace) -> Answer:
         auto_notes.append(ratio_auto.explain(chosen))
         if chosen is None:
             auto_suggestions = ratio_auto.tight_fit_suggestion(judge)
+        if chosen is None and zero3_run.saves_model:
+
+            def judge_without_save(ratio: float) -> Verdict:
+                run_at = dataclasses.replace(zero3_run, ratio=ratio, saves_model=False)
+                return _judge(source.config, shape, run_at, capacity)
+
+            unsaved = ratio_auto.lowest_fitting_ratio(judge_without_save)
+            if unsaved is not None:
+                auto_suggestions.append(f"--no-save: --ratio auto chooses {unsaved} ({NO_SAVE})")
     verdict = _judge(source.config, shape, zero3_run, capacity)
     suggestions = (
         [] if verdict.fits else _suggestions(source.config, shape, zero3_run, capacity, verdict)
