@@ -138,7 +138,10 @@ def test_too_few_gpus_names_a_plan_command_that_runs(capsys, tmp_path, monkeypat
         (["qwen3-14b", "zerooffload", "--ratio", "0.9"], "RATIO applies to superoffload mode"),
         (["qwen3-14b", "zerooffload", "--hardware", "h100"], "plan superoffload runs"),
         (["qwen9-1t", "superoffload"], "the recipes are gpt-oss-20b"),
-        (["qwen3-14b", "superoffload", "--gpus", "3", "--ratio", "1.0"], "for 3 GPUs"),
+        (
+            ["qwen3-14b", "superoffload", "--gpus", "0", "--ratio", "1.0"],
+            "--gpus must be at least 1",
+        ),
     ],
 )
 def test_bad_input_exits_2_and_writes_nothing(capsys, tmp_path, args, message):
@@ -208,3 +211,14 @@ def test_a_run_that_saves_nothing_is_planned_without_the_save(capsys, tmp_path):
         capsys, tmp_path / "steps", *args, "--", "--save_model", "false", "--save_strategy", "steps"
     )
     assert code == 1
+
+
+@pytest.mark.parametrize("gpus", [4, 8])
+def test_any_gpu_count_runs_the_shipped_settings_on_that_many_processes(capsys, tmp_path, gpus):
+    code, _, _ = finetune_cli(
+        capsys, tmp_path, "llama-3.1-8b", "superoffload", "--dry-run", "--gpus", str(gpus),
+        "--ratio", "1.0",
+    )  # fmt: skip
+    assert code == 0
+    accelerate = yaml.safe_load((_run_dir(tmp_path) / "accelerate.yaml").read_text())
+    assert accelerate["num_processes"] == gpus and accelerate["distributed_type"] == "DEEPSPEED"

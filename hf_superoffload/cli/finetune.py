@@ -259,21 +259,20 @@ def prepare(args: argparse.Namespace) -> tuple[Path, list[str], dict[str, str]]:
     ratio = _ratio(args)
     if args.mode == "zerooffload" and _planned_machine(args):
         raise UsageError("--hardware/--gpu-mem/--cpu-mem (PLAN_HARDWARE) plan superoffload runs")
-    gpus = args.gpus or RECIPE_GPUS.get(args.model, 1)
+    gpus = RECIPE_GPUS.get(args.model, 1) if args.gpus is None else args.gpus
     if gpus < 1:
         raise UsageError(f"--gpus must be at least 1, got {gpus}")
     settings = yaml.safe_load(recipe.read_text()) or {}
     batch = args.batch or settings.get("per_device_train_batch_size", DEFAULT_BATCH)
     if not args.dry_run:
         _check_gpus(args, gpus, recipe)
-    # GH200 nodes are aarch64 (Grace); anything else gets the x86 configs.
+    # GH200 nodes are aarch64 (Grace); anything else gets the x86 configs. The shipped ones
+    # (1, 2 and 4 GPUs) differ in num_processes only, which is set to --gpus below.
     machine = "gh200" if platform.machine() == "aarch64" else "x86"
-    accelerate_base = (
-        root / "accelerate_configs" / f"{machine}{'' if gpus == 1 else f'x{gpus}'}"
-        "_superoffload.yaml"
-    )
-    if not accelerate_base.is_file():
-        raise UsageError(f"no {accelerate_base.name} in accelerate_configs/ for {gpus} GPUs")
+    configs = root / "accelerate_configs"
+    accelerate_base = configs / f"{machine}x{gpus}_superoffload.yaml"
+    if gpus == 1 or not accelerate_base.is_file():
+        accelerate_base = configs / f"{machine}_superoffload.yaml"
     deepspeed_base = root / "accelerate_configs" / "deepspeed" / DEEPSPEED_JSON[args.mode]
     extra = list(args.extra)
     if extra[:1] == ["--"]:
@@ -301,8 +300,9 @@ def prepare(args: argparse.Namespace) -> tuple[Path, list[str], dict[str, str]]:
         (run_dir / "plan.json").write_text(json.dumps(plan, indent=2) + "\n")
     accelerate = yaml.safe_load(accelerate_base.read_text())
     accelerate["deepspeed_config"]["deepspeed_config_file"] = str(run_dir / "deepspeed.json")
+    accelerate["num_processes"] = gpus
     with open(run_dir / "accelerate.yaml", "w") as f:
-        f.write(f"# Resolved by hf-superoffload finetune from {accelerate_base}\n")
+        f.write(f"# Resolved by hf-superoffload finetune from {accelerate_base}, {gpus} GPU(s)\n")
         yaml.safe_dump(accelerate, f, sort_keys=False)
 
     script_args = ["--config", str(run_dir / "recipe.yaml"), "--output_dir"]
