@@ -16,7 +16,6 @@ with _contextlib.redirect_stdout(_sys.stderr):
         SuperOffloadTrainerMixin,
         SuperOffloadTrainingArguments,
     )
-from .integrations.plugin import DEPRECATED_NAME_WARNING as _PLUGIN_RENAMED
 from .integrations.plugin import SuperOffloadOptions
 from .zero3 import activate as _activate_deepspeed_superoffload
 
@@ -37,11 +36,6 @@ def __getattr__(name: str):
         from .integrations import trl
 
         return getattr(trl, name)
-    if name == "SuperOffloadPlugin":  # the first name of SuperOffloadOptions
-        import warnings
-
-        warnings.warn(_PLUGIN_RENAMED, FutureWarning, stacklevel=2)
-        return SuperOffloadOptions
     raise AttributeError(f"module 'hf_superoffload' has no attribute {name!r}")
 
 

@@ -1,13 +1,12 @@
 """Hugging Face integrations: the options, training arguments and the Trainer mixin."""
 
 from .arguments import SuperOffloadArgumentsMixin, SuperOffloadTrainingArguments
-from .plugin import SuperOffloadOptions, SuperOffloadPlugin
+from .plugin import SuperOffloadOptions
 from .trainer import SuperOffloadTrainer, SuperOffloadTrainerMixin
 
 __all__ = [
     "SuperOffloadArgumentsMixin",
     "SuperOffloadOptions",
-    "SuperOffloadPlugin",
     "SuperOffloadTrainer",
     "SuperOffloadTrainerMixin",
     "SuperOffloadTrainingArguments",

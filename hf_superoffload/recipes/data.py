@@ -23,7 +23,12 @@ def load_train_dataset(recipe, kind: str) -> Dataset:
         if not path.is_file():
             raise ValueError(f"--dataset_path {path}: no such file")
         return load_dataset(builder, data_files=str(path), split="train")
-    if recipe.dataset_name:
+    if recipe.dataset_name and not recipe.shrink_model:
         return load_dataset(recipe.dataset_name, split=recipe.dataset_split)
+    if recipe.dataset_name:  # a shrunken model is a smoke test: no download
+        print(
+            f"--shrink_model: training on the bundled arithmetic data, not {recipe.dataset_name} "
+            "(--dataset_path FILE trains on a file)"
+        )
     rows = arithmetic.make_sft_rows() if kind == "sft" else arithmetic.make_dpo_rows()
     return Dataset.from_list(rows)

@@ -78,6 +78,9 @@ class Zero3Run:
     # The base optimizer's param groups: the Trainer's decay and no-decay groups, or one
     # group of model.parameters() (a plain DeepSpeed script, benchmarks/suite.py).
     decay_groups: bool = True
+    # False: a run that never saves the model (no checkpoints, no final save), so DeepSpeed
+    # never gathers the 16-bit model into rank 0's host memory.
+    saves_model: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,5 +372,5 @@ def zero3_memory_plan(config, run: Zero3Run, shape: ModelShape | None = None) ->
     }
     start_up = start_up_host_bytes(partition, low) + host["offloaded_params"] + host["process"]
     resume = sum(host.values()) + resume_extra_host_bytes(split)
-    save = sum(host.values()) + save_extra_host_bytes(shape, run)
+    save = sum(host.values()) + save_extra_host_bytes(shape, run) if run.saves_model else 0
     return MemoryPlan(shape, run, gpu, host, start_up, resume, split, save)
