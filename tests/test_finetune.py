@@ -90,7 +90,7 @@ def test_random_init_trains_the_bundled_data_offline(capsys, tmp_path):
     recipe, training = arguments.parse("sft", [*_command(run_dir)[5:], "--bf16", "false"])
     assert recipe.random_init_from_config == "llama-3.1-8b"
     assert recipe.dataset_path == str(REPO / "examples" / "data" / "arithmetic_sft.jsonl")
-    assert training.packing is True
+    assert training.packing is False  # each row fills max_length (recipes/data.fill_sequences)
 
 
 def test_ratio_auto_writes_the_plans_ratio_and_keeps_the_plan(capsys, tmp_path):

@@ -313,7 +313,6 @@ def prepare(args: argparse.Namespace) -> tuple[Path, list[str], dict[str, str]]:
     if args.random_init:
         data = root / "examples" / "data" / "arithmetic_sft.jsonl"
         script_args += ["--random_init_from_config", args.model, "--dataset_path", str(data)]
-        script_args += ["--packing", "true", "--packing_strategy", "wrapped"]
         variables["HF_HUB_OFFLINE"] = "1"
     else:
         if args.model_path:
