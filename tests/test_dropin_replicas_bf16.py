@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 from ranks import spawn_ranks
 from test_integration_trainer import _args, _dataset, _model, _params
@@ -46,6 +47,7 @@ def _build_on_rank(rank: int, port: int, out_dir) -> None:
     optimizer.close()
 
 
+@pytest.mark.slow
 def test_every_rank_starts_its_masters_from_rank0s_fp32_values(tmp_path):
     spawn_ranks(_build_on_rank, (_free_port(), tmp_path), WORLD, timeout=300)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]

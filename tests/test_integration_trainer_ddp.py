@@ -61,11 +61,13 @@ def runs(tmp_path_factory):
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
+@pytest.mark.slow
 def test_the_plain_trainer_used_ddp_and_superoffload_did_not(runs):
     assert runs[0]["plain"]["ddp_wrapped"] == "DistributedDataParallel"
     assert runs[0]["superoffload"]["ddp_wrapped"] != "DistributedDataParallel"
 
 
+@pytest.mark.slow
 def test_superoffload_follows_the_plain_ddp_trainer(runs):
     ours, plain = runs[0]["superoffload"], runs[0]["plain"]
     assert len(ours["losses"]) == len(plain["losses"]) == STEPS
@@ -75,11 +77,13 @@ def test_superoffload_follows_the_plain_ddp_trainer(runs):
         torch.testing.assert_close(ours["params"][name], param, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_ranks_hold_bit_identical_params(runs):
     for name, param in runs[0]["superoffload"]["params"].items():
         assert torch.equal(param, runs[1]["superoffload"]["params"][name]), name
 
 
+@pytest.mark.slow
 def test_resuming_halfway_under_data_parallelism_ends_where_one_run_does(runs):
     """Rank 0 saved the checkpoint; both ranks load it (onto the host, not each GPU)."""
     for rank in range(WORLD):

@@ -15,6 +15,7 @@ import ctypes
 import os
 import threading
 
+import pytest
 import torch
 from ranks import spawn_ranks
 from zero3_reference import (
@@ -121,6 +122,7 @@ def _resume_on_rank(rank, world, port, case, out_dir) -> None:
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
+@pytest.mark.slow
 def test_resume_reads_the_optimizer_file_mapped_not_beside_the_live_state(tmp_path):
     from hf_superoffload.zero3.checkpoint_memory import resume_extra_host_bytes
 

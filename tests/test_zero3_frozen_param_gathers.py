@@ -62,6 +62,7 @@ def _on_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "world", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["world1", "world2"]
 )

@@ -83,6 +83,7 @@ def _on_rank(rank, world, port, out_dir) -> None:
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_gradient_and_state_accessors_act_as_on_deepspeeds_offload(world, tmp_path):
     spawn_ranks(_on_rank, (world, free_port(), str(tmp_path)), world)

@@ -81,7 +81,9 @@ def _on_rank(rank, world, port, out_dir) -> None:
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["world1", "world2"])
+@pytest.fixture(
+    scope="module", params=[1, pytest.param(2, marks=pytest.mark.slow)], ids=["world1", "world2"]
+)
 def runs(request, tmp_path_factory):
     world, out = request.param, tmp_path_factory.mktemp(f"presence{request.param}")
     spawn_ranks(_on_rank, (world, free_port(), str(out)), world)

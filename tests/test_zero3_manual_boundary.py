@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 
+import pytest
 import torch
 from ranks import spawn_ranks
 from zero3_reference import (
@@ -64,6 +65,7 @@ def _on_rank(rank, world, port, out_dir) -> None:
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
+@pytest.mark.slow
 def test_backwards_with_the_boundary_set_by_hand_follow_deepspeed(tmp_path):
     world = 2
     spawn_ranks(_on_rank, (world, free_port(), str(tmp_path)), world)

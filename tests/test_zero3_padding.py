@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import zero3_branchy as branchy
 from ranks import spawn_ranks
@@ -58,6 +59,7 @@ def _on_rank(rank, world, port, out_dir) -> None:
     torch.save(runs, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
+@pytest.mark.slow
 def test_partition_padding_stays_zero_and_checkpoints_are_deterministic(tmp_path):
     world = 2
     spawn_ranks(_on_rank, (world, free_port(), str(tmp_path)), world)

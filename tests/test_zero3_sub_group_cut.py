@@ -85,6 +85,7 @@ def _build_on_rank(rank, world, port, accumulation, out_dir) -> None:
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("world", "accumulation"), [(1, 1), (2, 2)])
 def test_plan_and_host_check_count_the_optimizers_own_sub_groups(world, accumulation, tmp_path):
     spawn_ranks(_build_on_rank, (world, free_port(), accumulation, str(tmp_path)), world)

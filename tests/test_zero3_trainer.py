@@ -160,6 +160,7 @@ LAUNCHER_VARIABLES = (
 )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_python_train_py_with_a_deepspeed_config_and_no_launcher_runs_one_process(tmp_path):
     """`python examples/sft.py --deepspeed <the shipped JSON>` with no launcher (and no MPI):
     DeepSpeed's MPI discovery would fail on mpi4py after the model has loaded; it trains as one

@@ -133,6 +133,7 @@ def runs(tmp_path_factory) -> list[dict]:
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
+@pytest.mark.slow
 def test_both_runs_are_one_two_rank_deepspeed_job(runs):
     for rank, result in enumerate(runs):
         for run in ("reference", "flag"):
@@ -147,6 +148,7 @@ def test_both_runs_are_one_two_rank_deepspeed_job(runs):
             assert result[run]["epoch"] == pytest.approx(rows / ROWS, rel=0.1)
 
 
+@pytest.mark.slow
 def test_plain_sfttrainer_with_the_flag_trains_through_our_zero3_optimizer(runs):
     ref, ours = runs[0]["reference"], runs[0]["flag"]
     assert ref["optimizer"] == "DeepSpeedZeroOptimizer_Stage3"
@@ -160,6 +162,7 @@ def test_plain_sfttrainer_with_the_flag_trains_through_our_zero3_optimizer(runs)
     assert runs[1]["flag"]["losses"] == ours["losses"]  # the logged loss is the ranks' mean
 
 
+@pytest.mark.slow
 def test_without_use_cpu_accelerate_counts_one_process_of_the_two(runs):
     """The cause of the metric-gather failure on DeepSpeed's CPU accelerator: with no device
     backend accelerate lets DeepSpeed join the ranks but sizes everything for one process. If

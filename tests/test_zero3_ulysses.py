@@ -195,7 +195,7 @@ def _assert_sequence_parallel_follows_data_parallel(case: Zero3Case, tmp_path) -
 @pytest.mark.parametrize(
     "bf16",
     [
-        pytest.param(False, id="fp32"),
+        pytest.param(False, id="fp32", marks=pytest.mark.slow),
         pytest.param(
             True,
             id="bf16-2gpu",
