@@ -33,9 +33,6 @@ from zero3_reference import (
     train,
 )
 
-if not torch.cuda.is_available():  # before anything imports DeepSpeed
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
 from hf_superoffload.zero3.memory_plan import Zero3Run, zero3_memory_plan
 
 

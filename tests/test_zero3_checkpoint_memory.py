@@ -29,9 +29,6 @@ from zero3_reference import (
     train,
 )
 
-if not torch.cuda.is_available():  # before anything imports DeepSpeed
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
 SLACK = 16 * 2**20  # the process's own churn (Python objects, the model states file, libraries)
 
 

@@ -11,9 +11,6 @@ import torch
 from ranks import spawn_ranks
 from zero3_reference import Zero3Case, free_port, init_rank, make_engine
 
-if not torch.cuda.is_available():  # before anything imports DeepSpeed
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
 WORKER = "hf_superoffload-worker"
 
 

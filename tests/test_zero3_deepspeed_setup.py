@@ -11,8 +11,6 @@ gloo).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from ranks import spawn_ranks
@@ -27,9 +25,6 @@ from zero3_reference import (
     optimizer_state,
     train,
 )
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 CASE = Zero3Case(deepspeed_adam=True, steps=3, max_grad_norm=1.0)
 

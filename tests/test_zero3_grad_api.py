@@ -26,9 +26,6 @@ from zero3_reference import (
     optimizer_state,
 )
 
-if not torch.cuda.is_available():  # before anything imports DeepSpeed
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
 CASES = {
     "full": Zero3Case(max_grad_norm=0.0, steps=3),
     "local": Zero3Case(max_grad_norm=1.0, steps=3),

@@ -18,9 +18,6 @@ import zero3_branchy as branchy
 from ranks import spawn_ranks
 from zero3_reference import TOLERANCES, free_port, init_rank
 
-if not torch.cuda.is_available():  # before anything imports DeepSpeed
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
 T, F = True, False
 SCENARIOS = {
     # The branch runs in the first micro-batch of a window but not the last, then in the last

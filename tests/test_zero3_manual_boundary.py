@@ -24,9 +24,6 @@ from zero3_reference import (
     optimizer_state,
 )
 
-if not torch.cuda.is_available():  # before anything imports DeepSpeed
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
 MICRO_BATCHES, STEPS = 4, 2
 CASES = {  # (offload_param, coalesce); the other two pairings take the same paths
     "boundary_by_hand": (False, False),

@@ -13,9 +13,6 @@ import zero3_branchy as branchy
 from ranks import spawn_ranks
 from zero3_reference import free_port, init_rank
 
-if not torch.cuda.is_available():  # before anything imports DeepSpeed
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
 SCHEDULE = [[True], [False], [True]]
 
 

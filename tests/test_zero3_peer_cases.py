@@ -40,9 +40,6 @@ from zero3_peer_reference import (
 )
 from zero3_reference import free_port, init_rank
 
-if not torch.cuda.is_available():  # before anything imports DeepSpeed
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
 TOLERANCES = {"exp_avg": EXP_AVG_TOL, "exp_avg_sq": EXP_AVG_SQ_TOL}
 
 

@@ -16,9 +16,6 @@ import torch
 from ranks import spawn_ranks
 from zero3_reference import SEQ, Zero3Case, free_port, init_rank, make_engine
 
-if not torch.cuda.is_available():  # before anything imports DeepSpeed
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
 from hf_superoffload.zero3.memory_plan import Zero3Run, zero3_memory_plan
 
 SUB_GROUP_SIZE = 1500  # the embedding (256 x 32 = 8192 elements, 4096 a rank on 2) is larger

@@ -16,13 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from ranks import spawn_ranks
+from ranks import set_rank_env, spawn_ranks
 from zero3_reference import free_port
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-if not torch.cuda.is_available():
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
 DATA_FILE = Path(__file__).resolve().parents[1] / "examples" / "data" / "arithmetic_sft.jsonl"
 STEPS = 6
 
@@ -95,10 +92,7 @@ def _sft(out_dir: str, trainer_kind: str, ds_config: dict) -> dict:
 
 
 def _three_runs(rank, port, out_dir) -> None:
-    os.environ.update(
-        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )  # fmt: skip
+    set_rank_env(0, 1, port)
     torch.set_num_threads(1)
     import hf_superoffload  # noqa: F401  (activates "super_offload": true)
 

@@ -28,14 +28,11 @@ import os
 import pytest
 import torch
 from cpu_trainer_args import cpu_training_args
-from ranks import spawn_ranks
+from ranks import set_rank_env, spawn_ranks
 from test_zero3_trainer import ZERO3_CPU_OFFLOAD, _rows
 from zero3_reference import free_port
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-if not torch.cuda.is_available():
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
 WORLD = 2
 STEPS = 4
 ROWS = 200
@@ -109,10 +106,7 @@ def _without_use_cpu(out_dir: str) -> dict:
 
 
 def _two_runs(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
-        LOCAL_WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )  # fmt: skip
+    set_rank_env(rank, WORLD, port)
     torch.set_num_threads(1)
     import hf_superoffload  # noqa: F401  (activates "super_offload": true)
 

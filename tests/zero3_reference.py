@@ -14,20 +14,15 @@ import dataclasses
 import datetime
 import math
 import os
-import socket
 
 import torch
 from engine_reference import EXP_AVG_SQ_TOL, EXP_AVG_TOL, PARAM_TOL
+from ranks import free_port as free_port  # the ZeRO-3 tests take it from here
+from ranks import set_rank_env
 
 VOCAB, SEQ = 64, 12
 # The standalone engine's tolerances against torch (engine_reference states why).
 TOLERANCES = {"master": PARAM_TOL, "exp_avg": EXP_AVG_TOL, "exp_avg_sq": EXP_AVG_SQ_TOL}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,14 +57,7 @@ class Zero3Case:
 def init_rank(rank: int, world: int, port: int) -> None:
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    set_rank_env(rank, world, port)
     import deepspeed
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
