@@ -31,6 +31,7 @@ import pytest
 import torch
 from cpu_trainer_args import ADAMW_REFERENCE, SEED, cpu_training_args, no_checkpointing
 from datasets import Dataset
+from test_integration_trainer import _assert_params_close, _params
 from transformers import TrainerCallback
 from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
@@ -64,18 +65,6 @@ def _common_args(output_dir, **overrides) -> dict:
 
 def _step_losses(trainer) -> list[float]:
     return [log["loss"] for log in trainer.state.log_history if "loss" in log and "step" in log]
-
-
-def _params(model) -> dict[str, torch.Tensor]:
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
-
-
-def _assert_params_close(actual: dict, expected: dict, rtol=1e-4, atol=1e-6) -> None:
-    assert actual.keys() == expected.keys()
-    for name in expected:
-        torch.testing.assert_close(
-            actual[name], expected[name], rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}"
-        )
 
 
 # ------------------------------------------------------------------------------------- SFT
