@@ -19,9 +19,8 @@ import pytest
 import torch
 from ranks import spawn_ranks
 from zero3_reference import (
-    SEQ,
-    VOCAB,
     Zero3Case,
+    build_model,
     free_port,
     init_rank,
     make_engine,
@@ -33,19 +32,10 @@ SLACK = 16 * 2**20  # the process's own churn (Python objects, the model states 
 
 
 def _model(seed: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=512,
-        intermediate_size=1024,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        max_position_embeddings=SEQ,
-    )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config)
+    return build_model(
+        seed, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=8,
+    )  # fmt: skip
 
 
 def _resident() -> int:

@@ -66,18 +66,27 @@ def init_rank(rank: int, world: int, port: int) -> None:
     deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=120))
 
 
-def build_model(seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def llama_config(**changes):
+    """The tiny Llama's config; ``changes`` (``LlamaConfig`` arguments) replace its values."""
+    from transformers import LlamaConfig
 
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
-    )
+    values = {
+        "vocab_size": VOCAB,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": SEQ,
+    }
+    return LlamaConfig(**{**values, **changes})
+
+
+def build_model(seed: int = 0, **changes):
+    """A Llama of ``llama_config(**changes)`` with weights drawn from ``seed``."""
+    from transformers import LlamaForCausalLM
+
+    config = llama_config(**changes)
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
 
