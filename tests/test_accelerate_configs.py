@@ -219,7 +219,6 @@ def _plain_sft_trainer_on_the_shipped_json(rank, port, out_dir, ds_file) -> None
     torch.save(result, f"{out_dir}/result.pt")
 
 
-@pytest.mark.slow
 def test_plain_sft_trainer_with_the_one_gpu_config_json_builds_our_optimizer(tmp_path):
     """The JSON gh200_superoffload.yaml names, given to a plain TRL SFTTrainer (DeepSpeed's CPU
     accelerator): DeepSpeed builds hf_superoffload's ZeRO-3 optimizer, which trains. The loss

@@ -113,6 +113,7 @@ def runs(tmp_path_factory) -> dict:
     return torch.load(out / "results.pt", weights_only=False)
 
 
+@pytest.mark.slow  # the plain run's CPU Adam (accelerate maps AdamW to it) is a JIT build
 def test_plain_sfttrainer_with_the_flag_trains_through_our_zero3_optimizer(runs):
     ref, ours = runs["reference"], runs["trl_flag"]
     assert ref["optimizer"] == "DeepSpeedZeroOptimizer_Stage3"
@@ -129,6 +130,7 @@ def test_plain_sfttrainer_with_the_flag_trains_through_our_zero3_optimizer(runs)
     assert (ours["base"], ref["base"]) == ("HostAdamState", "DeepSpeedCPUAdam")
 
 
+@pytest.mark.slow
 def test_superoffload_sfttrainer_turns_the_flag_on_and_logs_stv_counters(runs):
     ref, ours = runs["reference"], runs["ours_no_flag"]
     assert ours["optimizer"] == "SuperOffloadZero3Optimizer"
