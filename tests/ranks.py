@@ -3,7 +3,30 @@ ranks, and fails (rather than hangs) if any of them does not finish cleanly."""
 
 from __future__ import annotations
 
+import os
+import socket
+
 import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (rank 0 listens on it)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def set_rank_env(rank: int, world: int, port: int) -> None:
+    """Set what a launcher (torchrun, accelerate, deepspeed) sets for ``rank`` of ``world``
+    ranks on this host, before the process group, DeepSpeed or the Trainer reads it."""
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
 
 
 def spawn_ranks(target, args: tuple, world: int, timeout: float = 300) -> None:

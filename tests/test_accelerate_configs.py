@@ -134,6 +134,7 @@ def test_single_process_config_launches_the_example(tmp_path, path):
 MULTI_PROCESS = [p for p in PLAIN if load_config_from_file(str(p)).num_processes > 1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", MULTI_PROCESS, ids=lambda p: p.name)
 def test_data_parallel_config_launches_the_example_on_cpu_processes(tmp_path, path):
     # --cpu turns MULTI_GPU into MULTI_CPU (gloo), the same code path as the GPUs' NCCL one.
@@ -172,6 +173,7 @@ def test_deepspeed_configs_name_an_existing_super_offload_config():
         assert offload["super_offload"] == "hf_superoffload", path.name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", LAUNCHED_DEEPSPEED)
 def test_deepspeed_config_launches_the_example_through_our_zero3_optimizer(tmp_path, name):
     # DeepSpeed's CPU accelerator and gloo stand in for the GPUs and NCCL.

@@ -7,6 +7,8 @@ import signal
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import suite
 
@@ -53,6 +55,7 @@ def test_ratio_table_gives_superoffloads_speedup_over_each_system():
     assert lines[3].startswith("deepspeed_superoffload") and "killed: SIGKILL" in lines[3]
 
 
+@pytest.mark.slow
 def test_suite_records_a_row_per_system_even_when_none_can_run(tmp_path):
     """On this GPU-less machine train_step.py cannot run: the suite still writes a row a
     system, in its columns, with the status and error, plus the logs and the table."""
@@ -123,6 +126,7 @@ def test_host_memory_peak_is_the_highest_use_above_the_start(monkeypatch):
     assert host.peak_gib == 20.0
 
 
+@pytest.mark.slow
 def test_a_system_past_its_timeout_is_ended_with_its_group_and_leaves_its_log(
     tmp_path, monkeypatch
 ):

@@ -60,6 +60,7 @@ get_accelerator().create_op_builder("ShareMemCommBuilder").load()
 """
 
 
+@pytest.mark.slow
 def test_a_deepspeed_op_build_stops_at_a_stale_lock_instead_of_waiting_forever(tmp_path):
     lock = tmp_path / "deepspeed_shm_comm" / "lock"
     lock.parent.mkdir()

@@ -9,21 +9,17 @@ from their bf16 rounding. Rank 1 starts from other fp32 values on purpose.
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
-from ranks import spawn_ranks
+from ranks import free_port, set_rank_env, spawn_ranks
 from test_integration_trainer import _args, _dataset, _model, _params
-from test_integration_trainer_ddp import WORLD, _free_port
+from test_integration_trainer_ddp import WORLD
 
 from hf_superoffload import SuperOffloadTrainer
 
 
 def _build_on_rank(rank: int, port: int, out_dir) -> None:
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )  # fmt: skip
+    set_rank_env(rank, WORLD, port)
     torch.set_num_threads(1)
     model = _model()
     if rank == 1:  # another start: rank 0's values must win, exactly
@@ -46,8 +42,9 @@ def _build_on_rank(rank: int, port: int, out_dir) -> None:
     optimizer.close()
 
 
+@pytest.mark.slow
 def test_every_rank_starts_its_masters_from_rank0s_fp32_values(tmp_path):
-    spawn_ranks(_build_on_rank, (_free_port(), tmp_path), WORLD, timeout=300)
+    spawn_ranks(_build_on_rank, (free_port(), tmp_path), WORLD, timeout=300)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
     rank0_start = ranks[0]["start"]
     assert any(not torch.equal(t.to(torch.bfloat16).float(), t) for t in rank0_start.values())

@@ -98,6 +98,7 @@ def _as_one_process(results: list[dict]) -> TrainResult:
     return TrainResult(**got)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "options",
     [{"gpu_buckets": 0}, {"gpu_buckets": 2}, {"gpu_buckets": "auto"}],
@@ -111,6 +112,7 @@ def test_two_ranks_on_half_batches_follow_one_process_on_the_whole(tmp_path, opt
     assert results[0]["stats"]["rollbacks_clip"] + results[0]["stats"]["speculative_steps"] > 0
 
 
+@pytest.mark.slow
 def test_a_nan_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     cfg = _config(inject=((5, "lm_head.weight", "nan"),))
     results = _run_ranks(tmp_path, cfg, {"gpu_buckets": 2}, inject_on_rank=1)
@@ -156,6 +158,7 @@ def _agree_on_rank(rank, rendezvous, out_dir) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_replicas_agree_on_local_decisions_and_average(tmp_path):
     """What keeps placement and cast plan one across ranks: the min/max of local values and
     rank 0's values, the same on every rank."""
@@ -204,6 +207,7 @@ def _unused_on_rank(rank, rendezvous, out_dir) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_a_param_unused_on_one_rank_keeps_the_ranks_in_step(tmp_path):
     """Rank 1's batch skips layer b: its bucket completes only at step() there, so the launch
     order (and with it the collectives) would differ without the in-order rule."""
@@ -276,6 +280,7 @@ def _learning_data(passes: int) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(2))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("passes", [1, 2], ids=["hook-fires-twice", "and-undeclared-accumulation"])
 def test_replicas_learn_extra_arrivals_in_their_first_step(tmp_path, passes):
     """A hook firing twice in one backward (and a second backward nobody declared) cannot

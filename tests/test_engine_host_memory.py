@@ -278,6 +278,7 @@ def _count_ranks(rank: int, rendezvous: str, out_dir: str) -> None:
         json.dump(outcome, f)
 
 
+@pytest.mark.slow
 def test_ranks_per_host_are_counted_whatever_the_launcher(tmp_path):
     """Two gloo ranks with no launcher count in the environment (LOCAL_WORLD_SIZE unset, as
     under ``deepspeed train.py`` or mpirun): each counts two ranks on its host, sizes the host

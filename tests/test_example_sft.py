@@ -134,6 +134,7 @@ def test_toy_tokenizer_gives_trl_the_right_loss_mask(fmt, tmp_path):
     assert [tok.decode([i]) for i in example["labels"] if i != -100] == ["3", tok.eos_token]
 
 
+@pytest.mark.slow
 def test_example_sft_learns_and_saves_a_reloadable_model(tmp_path):
     out_dir = tmp_path / "out"
     env = dict(os.environ)

@@ -104,6 +104,7 @@ def _assert_rank0_got_rank1s_error(rank0: dict, rank1: dict) -> None:
     assert rank0["message"].startswith("rank 1 failed with RuntimeError: injected"), rank0
 
 
+@pytest.mark.slow
 def test_gloo_sees_the_failure_promptly_and_ends_when_the_peer_exits(tmp_path):
     rank0, rank1 = _run_peer_failure(tmp_path, "gloo")
     _assert_rank0_got_rank1s_error(rank0, rank1)
@@ -160,6 +161,7 @@ def _destroy_group(rank: int, port: int, out_dir: str) -> None:
         json.dump({"started": started, "running": watch.running, "fired": watch.fired.is_set()}, f)
 
 
+@pytest.mark.slow
 def test_watch_ends_when_the_group_is_destroyed(tmp_path):
     assert watch_failures() is None  # no group in this process: nothing to watch
     spawn_ranks(_destroy_group, (free_port(), str(tmp_path)), WORLD, 60)

@@ -306,6 +306,7 @@ def _zero3_fuzz_on_rank(rank: int, port: int, error_path: str) -> None:
         raise
 
 
+@pytest.mark.slow
 def test_zero3_path_matches_deepspeed_cpu_offload(tmp_path):
     from zero3_reference import free_port
 

@@ -56,15 +56,8 @@ BUCKET_SIZE = 1 << 12
 WORKER_PREFIX = "hf_superoffload-worker"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    """One intra-op thread: these models are far too small to gain from more, and on a shared
-    2-core runner OpenMP's spin-waiting made two threads 10-20x slower. The engine's CPU Adam
-    takes the same count (its default on CPU); the results do not depend on it."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# One intra-op thread for these tiny models (conftest.py says why).
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 # ------------------------------------------------------------------------------------ helpers

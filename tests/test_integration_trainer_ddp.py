@@ -7,28 +7,16 @@ run resumed from its halfway checkpoint ending where the uninterrupted one did."
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
-from ranks import spawn_ranks
+from ranks import free_port, set_rank_env, spawn_ranks
 from test_integration_trainer import STEPS, _params, _step_logs, _trainer
 
 WORLD = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _train_on_rank(rank: int, port: int, out_dir) -> None:
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )  # fmt: skip
+    set_rank_env(rank, WORLD, port)
     torch.set_num_threads(1)
     results = {}
     for run in ("plain", "superoffload", "resumed"):
@@ -56,16 +44,18 @@ def _train_on_rank(rank: int, port: int, out_dir) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("ddp")
-    port = _free_port()
+    port = free_port()
     spawn_ranks(_train_on_rank, (port, out_dir), WORLD, timeout=600)
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
+@pytest.mark.slow
 def test_the_plain_trainer_used_ddp_and_superoffload_did_not(runs):
     assert runs[0]["plain"]["ddp_wrapped"] == "DistributedDataParallel"
     assert runs[0]["superoffload"]["ddp_wrapped"] != "DistributedDataParallel"
 
 
+@pytest.mark.slow
 def test_superoffload_follows_the_plain_ddp_trainer(runs):
     ours, plain = runs[0]["superoffload"], runs[0]["plain"]
     assert len(ours["losses"]) == len(plain["losses"]) == STEPS
@@ -75,11 +65,13 @@ def test_superoffload_follows_the_plain_ddp_trainer(runs):
         torch.testing.assert_close(ours["params"][name], param, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_ranks_hold_bit_identical_params(runs):
     for name, param in runs[0]["superoffload"]["params"].items():
         assert torch.equal(param, runs[1]["superoffload"]["params"][name]), name
 
 
+@pytest.mark.slow
 def test_resuming_halfway_under_data_parallelism_ends_where_one_run_does(runs):
     """Rank 0 saved the checkpoint; both ranks load it (onto the host, not each GPU)."""
     for rank in range(WORLD):

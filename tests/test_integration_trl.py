@@ -31,6 +31,7 @@ import pytest
 import torch
 from cpu_trainer_args import ADAMW_REFERENCE, SEED, cpu_training_args, no_checkpointing
 from datasets import Dataset
+from test_integration_trainer import _assert_params_close, _params
 from transformers import TrainerCallback
 from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
@@ -46,15 +47,8 @@ DATA_FILE = Path(__file__).resolve().parents[1] / "examples" / "data" / "arithme
 BUCKET_SIZE = 1 << 14  # the 0.14M-param toy model in ~10 buckets
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    """One intra-op thread: these models are far too small to gain from more, and on a shared
-    2-core runner OpenMP's spin-waiting made two threads 10-20x slower. The engine's CPU Adam
-    takes the same count (its default on CPU); the results do not depend on it."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# One intra-op thread for these tiny models (conftest.py says why).
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def _rows(n: int) -> list[dict[str, str]]:
@@ -71,18 +65,6 @@ def _common_args(output_dir, **overrides) -> dict:
 
 def _step_losses(trainer) -> list[float]:
     return [log["loss"] for log in trainer.state.log_history if "loss" in log and "step" in log]
-
-
-def _params(model) -> dict[str, torch.Tensor]:
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
-
-
-def _assert_params_close(actual: dict, expected: dict, rtol=1e-4, atol=1e-6) -> None:
-    assert actual.keys() == expected.keys()
-    for name in expected:
-        torch.testing.assert_close(
-            actual[name], expected[name], rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}"
-        )
 
 
 # ------------------------------------------------------------------------------------- SFT

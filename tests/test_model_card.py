@@ -33,13 +33,8 @@ STEPS = 3
 TRAINING = {"max_steps": STEPS, "per_device_train_batch_size": 4, "learning_rate": 1e-3}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    """One intra-op thread, as in the other integration tests (a tiny model on 2 cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# One intra-op thread for these tiny models (conftest.py says why).
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def _tiny_model(name_or_path: str = "org/tiny-llama"):

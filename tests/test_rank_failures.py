@@ -136,6 +136,7 @@ def test_a_worker_failure_on_one_replica_ends_both_with_its_error(tmp_path):
     assert "restart every rank" in rank0["message"]
 
 
+@pytest.mark.slow
 def test_a_constructor_failure_on_one_replica_ends_both_promptly(tmp_path):
     """Until SuperOffloadOptimizer's constructor publishes its failures (``shares_failures``,
     see docs/troubleshooting.md), rank 0 learns that rank 1 ended, not why."""
@@ -188,6 +189,7 @@ def _zero3_rank(rank: int, port: int, out_dir: str, where: str) -> None:
     _run_rank(rank, body, out_dir)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["constructor", "worker"])
 def test_a_failure_on_one_zero3_rank_ends_both_promptly(tmp_path, where):
     """Rank 0 waits in a DeepSpeed collective: in our constructor, a backward reduce-scatter or
@@ -284,6 +286,7 @@ def _handling_rank(rank: int, rendezvous: str, out_dir: str) -> None:
     os._exit(0)
 
 
+@pytest.mark.slow
 def test_a_failure_the_failing_rank_handles_is_withdrawn_and_ends_no_rank(tmp_path):
     out_dir = tmp_path / "out"
     out_dir.mkdir()

@@ -273,6 +273,7 @@ def _written_ratio(tmp_path: Path) -> float:
     return config["zero_optimization"]["offload_optimizer"]["ratio"]
 
 
+@pytest.mark.slow
 def test_launcher_sizes_the_gpu_tail_by_the_memory_plan(tmp_path):
     """RATIO=auto (the default) writes the plan's lowest fitting ratio into the run's
     DeepSpeed JSON and keeps the plan; a given RATIO is written as is."""
@@ -290,6 +291,7 @@ def test_launcher_sizes_the_gpu_tail_by_the_memory_plan(tmp_path):
     assert _written_ratio(tmp_path / "fixed") == 0.9
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="plans for this machine's GPU here")
 def test_a_dry_run_without_a_gpu_says_which_ratio_it_wrote(tmp_path):
     proc = _launch(tmp_path, "phi-4", "superoffload")
@@ -303,7 +305,13 @@ def test_a_dry_run_without_a_gpu_says_which_ratio_it_wrote(tmp_path):
     [
         ("superoffload", {"RATIO": "1.5"}, 2, "RATIO must be auto or a number in [0, 1]"),
         ("zerooffload", {"RATIO": "0.9"}, 2, "RATIO applies to superoffload mode"),
-        ("superoffload", {"PLAN_HARDWARE": "--hardware h100"}, 1, "host: needs"),
+        pytest.param(
+            "superoffload",
+            {"PLAN_HARDWARE": "--hardware h100"},
+            1,
+            "host: needs",
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_launcher_refuses_a_ratio_it_cannot_use(mode, variables, code, message, tmp_path):
@@ -312,6 +320,7 @@ def test_launcher_refuses_a_ratio_it_cannot_use(mode, variables, code, message, 
     assert not any(tmp_path.glob("*/command.sh"))
 
 
+@pytest.mark.slow
 def test_launcher_shows_the_plans_own_error_when_it_cannot_plan(tmp_path):
     """A model whose config the plan cannot read is a bad input (exit 2, the plan's message),
     not a model that fits at no ratio."""
@@ -332,6 +341,7 @@ def test_launcher_refuses_an_unknown_mode_or_batch(tmp_path):
     assert proc.returncode == 2 and "batch_size must be a positive integer" in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("mode", "optimizer"),
     [

@@ -38,7 +38,6 @@ from test_integration_trainer import (
     _assert_params_close,
     _dataset,
     _model,
-    _one_intra_op_thread,  # noqa: F401  (autouse: one intra-op thread for this module too)
     _params,
     _step_logs,
     _worker_threads,
@@ -48,6 +47,9 @@ from transformers.training_args import OptimizerNames
 
 from hf_superoffload import SuperOffloadOptimizer, SuperOffloadTrainer
 from hf_superoffload.integrations.checks import ADAMW_OPTIM_NAMES
+
+# One intra-op thread, as in test_integration_trainer.py (conftest.py says why).
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 LOSS_RTOL = 1e-5
 RESUME_TOL = {"rtol": 1e-6, "atol": 1e-8}

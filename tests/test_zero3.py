@@ -33,9 +33,6 @@ from zero3_reference import (
     train,
 )
 
-if not torch.cuda.is_available():  # before anything imports DeepSpeed
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
 from hf_superoffload.zero3.memory_plan import Zero3Run, zero3_memory_plan
 
 
@@ -125,7 +122,7 @@ def _assert_follows(results: list[dict]) -> None:
         )  # fmt: skip
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_follows_deepspeed_with_clipping_on_some_steps_nan_accumulation_groups_schedule(
     world, tmp_path
 ):
@@ -143,6 +140,7 @@ def test_follows_deepspeed_with_clipping_on_some_steps_nan_accumulation_groups_s
     assert ours["state"]["step"] == [case.steps - 1]
 
 
+@pytest.mark.slow
 def test_follows_deepspeed_when_every_step_clips_and_speculation_replays(tmp_path):
     case = Zero3Case(max_grad_norm=1e-2, two_groups=False)
     results = _run(case, 1, tmp_path, env={"HF_SUPEROFFLOAD_SPECULATE_AFTER_CLIP": "1"})
@@ -156,6 +154,7 @@ def test_follows_deepspeed_when_every_step_clips_and_speculation_replays(tmp_pat
     assert stats["speculations_applied"] > 0 and stats["replays"] > 0, stats
 
 
+@pytest.mark.slow
 def test_follows_deepspeed_without_clipping(tmp_path):
     case = Zero3Case(max_grad_norm=0.0, schedule=False)
     results = _run(case, 1, tmp_path)
@@ -171,6 +170,7 @@ def test_follows_deepspeed_without_clipping(tmp_path):
     assert sum(host.values()) == 16 * ours["params"]
 
 
+@pytest.mark.slow
 def test_follows_deepspeed_in_bf16_at_14_bytes_per_param(tmp_path):
     case = Zero3Case(bf16=True, max_grad_norm=1.3, steps=4)
     results = _run(case, 1, tmp_path)
@@ -191,6 +191,7 @@ def test_follows_deepspeed_in_bf16_at_14_bytes_per_param(tmp_path):
     assert plan.host["param_copy_out"] >= host["param_copy_out"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2])
 def test_follows_deepspeed_with_half_the_sub_groups_stepped_on_the_device(world, tmp_path):
     # ratio 0.5: the first sub groups' state stays on the device (on CPU, the CPU: the same
@@ -212,11 +213,13 @@ def test_follows_deepspeed_with_half_the_sub_groups_stepped_on_the_device(world,
         assert ours["state"]["step"] == [case.steps - 1]  # the NaN step skipped everywhere
 
 
+@pytest.mark.slow
 def test_follows_deepspeed_with_params_offloaded_too(tmp_path):
     case = Zero3Case(offload_param=True, max_grad_norm=1.3, steps=4)
     _assert_follows(_run(case, 1, tmp_path))
 
 
+@pytest.mark.slow
 def test_follows_deepspeed_cpu_adam_on_two_ranks(tmp_path):
     case = Zero3Case(deepspeed_adam=True, max_grad_norm=2.0)
     _assert_follows(_run(case, 2, tmp_path))
@@ -256,6 +259,7 @@ def _resume_on_rank(rank, world, port, case, out_dir) -> None:
     )
 
 
+@pytest.mark.slow  # the default tier's ZeRO-3 resume: test_zero3_checkpoint_cross.py[1]
 @pytest.mark.parametrize("ratio", [1.0, 0.5])
 def test_save_then_resume_equals_an_uninterrupted_run_and_zero_to_fp32_reads_the_masters(
     ratio, tmp_path

@@ -28,9 +28,6 @@ from zero3_reference import (
     train,
 )
 
-if not torch.cuda.is_available():  # before anything imports DeepSpeed
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
 OURS, PLAIN = "SuperOffloadZero3Optimizer", "DeepSpeedZeroOptimizer_Stage3"
 NAMES = {True: "ours", False: "plain"}
 

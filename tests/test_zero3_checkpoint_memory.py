@@ -15,12 +15,12 @@ import ctypes
 import os
 import threading
 
+import pytest
 import torch
 from ranks import spawn_ranks
 from zero3_reference import (
-    SEQ,
-    VOCAB,
     Zero3Case,
+    build_model,
     free_port,
     init_rank,
     make_engine,
@@ -28,26 +28,14 @@ from zero3_reference import (
     train,
 )
 
-if not torch.cuda.is_available():  # before anything imports DeepSpeed
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
 SLACK = 16 * 2**20  # the process's own churn (Python objects, the model states file, libraries)
 
 
 def _model(seed: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=512,
-        intermediate_size=1024,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        max_position_embeddings=SEQ,
-    )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config)
+    return build_model(
+        seed, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=8,
+    )  # fmt: skip
 
 
 def _resident() -> int:
@@ -121,6 +109,7 @@ def _resume_on_rank(rank, world, port, case, out_dir) -> None:
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
+@pytest.mark.slow
 def test_resume_reads_the_optimizer_file_mapped_not_beside_the_live_state(tmp_path):
     from hf_superoffload.zero3.checkpoint_memory import resume_extra_host_bytes
 

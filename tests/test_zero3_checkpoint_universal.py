@@ -30,9 +30,6 @@ from zero3_reference import (
     train,
 )
 
-if not torch.cuda.is_available():  # before anything imports DeepSpeed
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
 HYPERPARAMETERS = ("lr", "weight_decay", "betas", "eps")
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
 

@@ -11,9 +11,6 @@ import torch
 from ranks import spawn_ranks
 from zero3_reference import Zero3Case, free_port, init_rank, make_engine
 
-if not torch.cuda.is_available():  # before anything imports DeepSpeed
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
 WORKER = "hf_superoffload-worker"
 
 
@@ -39,6 +36,7 @@ def _on_rank(rank, world, port, out_dir) -> None:
     torch.save({"made": made, "alive": alive, "errors": errors}, os.path.join(out_dir, "r.pt"))
 
 
+@pytest.mark.slow
 def test_a_constructor_that_fails_after_the_stv_core_leaves_no_worker_thread(tmp_path):
     spawn_ranks(_on_rank, (1, free_port(), str(tmp_path)), 1)
     result = torch.load(tmp_path / "r.pt", weights_only=False)

@@ -11,8 +11,6 @@ gloo).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from ranks import spawn_ranks
@@ -27,9 +25,6 @@ from zero3_reference import (
     optimizer_state,
     train,
 )
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 CASE = Zero3Case(deepspeed_adam=True, steps=3, max_grad_norm=1.0)
 
@@ -77,6 +72,7 @@ def _with_deepspeed_adamw_in_the_config(rank, port, out_dir) -> None:
     torch.save({"ours": ours, "ref": ref, "loads": ours_loads}, f"{out_dir}/result.pt")
 
 
+@pytest.mark.slow  # DeepSpeed's CPU Adam, the reference, is a JIT build of minutes
 def test_an_adamw_in_the_config_builds_no_cpu_adam_and_follows_deepspeeds_cpu_adam(tmp_path):
     spawn_ranks(_with_deepspeed_adamw_in_the_config, (free_port(), str(tmp_path)), world=1)
     result = torch.load(tmp_path / "result.pt", weights_only=False)

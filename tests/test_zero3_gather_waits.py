@@ -5,12 +5,7 @@ checked on its own with stand-ins for DeepSpeed's per-param gather functions."""
 
 from __future__ import annotations
 
-import os
-
 import torch
-
-if not torch.cuda.is_available():  # before anything imports DeepSpeed
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from hf_superoffload.zero3.gather_waits import WaitsAtUse, wrap_gathers
 

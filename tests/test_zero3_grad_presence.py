@@ -18,9 +18,6 @@ import zero3_branchy as branchy
 from ranks import spawn_ranks
 from zero3_reference import TOLERANCES, free_port, init_rank
 
-if not torch.cuda.is_available():  # before anything imports DeepSpeed
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
 T, F = True, False
 SCENARIOS = {
     # The branch runs in the first micro-batch of a window but not the last, then in the last
@@ -81,7 +78,9 @@ def _on_rank(rank, world, port, out_dir) -> None:
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["world1", "world2"])
+@pytest.fixture(
+    scope="module", params=[1, pytest.param(2, marks=pytest.mark.slow)], ids=["world1", "world2"]
+)
 def runs(request, tmp_path_factory):
     world, out = request.param, tmp_path_factory.mktemp(f"presence{request.param}")
     spawn_ranks(_on_rank, (world, free_port(), str(out)), world)

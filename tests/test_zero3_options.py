@@ -6,10 +6,6 @@ from __future__ import annotations
 import os
 
 import torch
-
-if not torch.cuda.is_available():  # before anything imports DeepSpeed
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
 from deepspeed.runtime.zero.offload_config import DeepSpeedZeroOffloadOptimizerConfig
 
 from hf_superoffload.engine.checks import default_cpu_threads

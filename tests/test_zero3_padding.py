@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import zero3_branchy as branchy
 from ranks import spawn_ranks
 from zero3_reference import free_port, init_rank
-
-if not torch.cuda.is_available():  # before anything imports DeepSpeed
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 SCHEDULE = [[True], [False], [True]]
 
@@ -58,6 +56,7 @@ def _on_rank(rank, world, port, out_dir) -> None:
     torch.save(runs, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
+@pytest.mark.slow
 def test_partition_padding_stays_zero_and_checkpoints_are_deterministic(tmp_path):
     world = 2
     spawn_ranks(_on_rank, (world, free_port(), str(tmp_path)), world)

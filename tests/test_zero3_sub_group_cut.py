@@ -14,10 +14,15 @@ import os
 import pytest
 import torch
 from ranks import spawn_ranks
-from zero3_reference import SEQ, Zero3Case, free_port, init_rank, make_engine
-
-if not torch.cuda.is_available():  # before anything imports DeepSpeed
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+from zero3_reference import (
+    SEQ,
+    Zero3Case,
+    build_model,
+    free_port,
+    init_rank,
+    llama_config,
+    make_engine,
+)
 
 from hf_superoffload.zero3.memory_plan import Zero3Run, zero3_memory_plan
 
@@ -27,21 +32,16 @@ RATIOS = (0.7, 0.4)
 TRAINING_PARTS = ("master", "moments", "gradients", "param_copy_out", "accumulation")
 
 
-def _config():
-    from transformers import LlamaConfig
+# The output layer is the embedding (tied): no large last param.
+MODEL = {"vocab_size": 256, "max_position_embeddings": SEQ, "tie_word_embeddings": True}
 
-    return LlamaConfig(
-        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-        tie_word_embeddings=True,  # the output layer is the embedding: no large last param
-    )  # fmt: skip
+
+def _config():
+    return llama_config(**MODEL)
 
 
 def _build(seed: int):
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(_config())
+    return build_model(seed, **MODEL)
 
 
 def _case(ratio: float, accumulation: int) -> Zero3Case:
@@ -85,6 +85,7 @@ def _build_on_rank(rank, world, port, accumulation, out_dir) -> None:
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("world", "accumulation"), [(1, 1), (2, 2)])
 def test_plan_and_host_check_count_the_optimizers_own_sub_groups(world, accumulation, tmp_path):
     spawn_ranks(_build_on_rank, (world, free_port(), accumulation, str(tmp_path)), world)

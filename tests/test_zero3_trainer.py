@@ -16,13 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from ranks import spawn_ranks
+from ranks import set_rank_env, spawn_ranks
 from zero3_reference import free_port
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-if not torch.cuda.is_available():
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
 DATA_FILE = Path(__file__).resolve().parents[1] / "examples" / "data" / "arithmetic_sft.jsonl"
 STEPS = 6
 
@@ -95,10 +92,7 @@ def _sft(out_dir: str, trainer_kind: str, ds_config: dict) -> dict:
 
 
 def _three_runs(rank, port, out_dir) -> None:
-    os.environ.update(
-        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )  # fmt: skip
+    set_rank_env(0, 1, port)
     torch.set_num_threads(1)
     import hf_superoffload  # noqa: F401  (activates "super_offload": true)
 
@@ -119,6 +113,7 @@ def runs(tmp_path_factory) -> dict:
     return torch.load(out / "results.pt", weights_only=False)
 
 
+@pytest.mark.slow  # the plain run's CPU Adam (accelerate maps AdamW to it) is a JIT build
 def test_plain_sfttrainer_with_the_flag_trains_through_our_zero3_optimizer(runs):
     ref, ours = runs["reference"], runs["trl_flag"]
     assert ref["optimizer"] == "DeepSpeedZeroOptimizer_Stage3"
@@ -135,6 +130,7 @@ def test_plain_sfttrainer_with_the_flag_trains_through_our_zero3_optimizer(runs)
     assert (ours["base"], ref["base"]) == ("HostAdamState", "DeepSpeedCPUAdam")
 
 
+@pytest.mark.slow
 def test_superoffload_sfttrainer_turns_the_flag_on_and_logs_stv_counters(runs):
     ref, ours = runs["reference"], runs["ours_no_flag"]
     assert ours["optimizer"] == "SuperOffloadZero3Optimizer"
@@ -160,6 +156,7 @@ LAUNCHER_VARIABLES = (
 )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_python_train_py_with_a_deepspeed_config_and_no_launcher_runs_one_process(tmp_path):
     """`python examples/sft.py --deepspeed <the shipped JSON>` with no launcher (and no MPI):
     DeepSpeed's MPI discovery would fail on mpi4py after the model has loaded; it trains as one

@@ -28,14 +28,11 @@ import os
 import pytest
 import torch
 from cpu_trainer_args import cpu_training_args
-from ranks import spawn_ranks
+from ranks import set_rank_env, spawn_ranks
 from test_zero3_trainer import ZERO3_CPU_OFFLOAD, _rows
 from zero3_reference import free_port
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-if not torch.cuda.is_available():
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
 WORLD = 2
 STEPS = 4
 ROWS = 200
@@ -109,10 +106,7 @@ def _without_use_cpu(out_dir: str) -> dict:
 
 
 def _two_runs(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
-        LOCAL_WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )  # fmt: skip
+    set_rank_env(rank, WORLD, port)
     torch.set_num_threads(1)
     import hf_superoffload  # noqa: F401  (activates "super_offload": true)
 
@@ -133,6 +127,7 @@ def runs(tmp_path_factory) -> list[dict]:
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
+@pytest.mark.slow
 def test_both_runs_are_one_two_rank_deepspeed_job(runs):
     for rank, result in enumerate(runs):
         for run in ("reference", "flag"):
@@ -147,6 +142,7 @@ def test_both_runs_are_one_two_rank_deepspeed_job(runs):
             assert result[run]["epoch"] == pytest.approx(rows / ROWS, rel=0.1)
 
 
+@pytest.mark.slow
 def test_plain_sfttrainer_with_the_flag_trains_through_our_zero3_optimizer(runs):
     ref, ours = runs[0]["reference"], runs[0]["flag"]
     assert ref["optimizer"] == "DeepSpeedZeroOptimizer_Stage3"
@@ -160,6 +156,7 @@ def test_plain_sfttrainer_with_the_flag_trains_through_our_zero3_optimizer(runs)
     assert runs[1]["flag"]["losses"] == ours["losses"]  # the logged loss is the ranks' mean
 
 
+@pytest.mark.slow
 def test_without_use_cpu_accelerate_counts_one_process_of_the_two(runs):
     """The cause of the metric-gather failure on DeepSpeed's CPU accelerator: with no device
     backend accelerate lets DeepSpeed join the ranks but sizes everything for one process. If

@@ -36,9 +36,6 @@ from engine_reference import LOSS_TOL, NORM_TOL, PARAM_TOL
 from ranks import spawn_ranks
 from zero3_reference import SEQ, VOCAB, Zero3Case, build_model, ds_config, free_port, init_rank
 
-if not torch.cuda.is_available():  # before anything imports DeepSpeed
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
 SP_SIZE = 2
 WORLD = 2
 # assert_close's rtol and atol for what each run records (no masters in bf16: see above).
@@ -195,7 +192,7 @@ def _assert_sequence_parallel_follows_data_parallel(case: Zero3Case, tmp_path) -
 @pytest.mark.parametrize(
     "bf16",
     [
-        pytest.param(False, id="fp32"),
+        pytest.param(False, id="fp32", marks=pytest.mark.slow),
         pytest.param(
             True,
             id="bf16-2gpu",

@@ -14,20 +14,15 @@ import dataclasses
 import datetime
 import math
 import os
-import socket
 
 import torch
 from engine_reference import EXP_AVG_SQ_TOL, EXP_AVG_TOL, PARAM_TOL
+from ranks import free_port as free_port  # the ZeRO-3 tests take it from here
+from ranks import set_rank_env
 
 VOCAB, SEQ = 64, 12
 # The standalone engine's tolerances against torch (engine_reference states why).
 TOLERANCES = {"master": PARAM_TOL, "exp_avg": EXP_AVG_TOL, "exp_avg_sq": EXP_AVG_SQ_TOL}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,14 +57,7 @@ class Zero3Case:
 def init_rank(rank: int, world: int, port: int) -> None:
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    set_rank_env(rank, world, port)
     import deepspeed
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -78,18 +66,27 @@ def init_rank(rank: int, world: int, port: int) -> None:
     deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=120))
 
 
-def build_model(seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def llama_config(**changes):
+    """The tiny Llama's config; ``changes`` (``LlamaConfig`` arguments) replace its values."""
+    from transformers import LlamaConfig
 
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
-    )
+    values = {
+        "vocab_size": VOCAB,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": SEQ,
+    }
+    return LlamaConfig(**{**values, **changes})
+
+
+def build_model(seed: int = 0, **changes):
+    """A Llama of ``llama_config(**changes)`` with weights drawn from ``seed``."""
+    from transformers import LlamaForCausalLM
+
+    config = llama_config(**changes)
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
 
