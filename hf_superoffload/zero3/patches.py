@@ -29,6 +29,7 @@ import logging
 import os
 import socket
 
+from .. import upstream
 from .config import refuse_super_offload_below_stage3, super_offload_requested, with_flag_read
 
 logger = logging.getLogger("hf_superoffload")
@@ -47,6 +48,8 @@ MPI_LAUNCHER_VARIABLES = (
 
 
 def _wrap(owner, name: str, make) -> None:
+    module = owner.__module__ if isinstance(owner, type) else owner.__name__
+    upstream.require_member(owner, name, module.split(".")[0])  # named, with tested versions
     original = getattr(owner, name)
     if getattr(original, _MARK, False):
         return
@@ -73,6 +76,7 @@ def guard_engine(module) -> None:
             refuse_super_offload_below_stage3(self.zero_optimization_stage(), self.super_offload())
             if not self.super_offload():
                 return original(self, client_optimizer, model_parameters)
+            upstream.check("deepspeed")  # every DeepSpeed name the ZeRO-3 optimizer relies on
             check_deepspeed_optimizer(self, client_optimizer)
             if not isinstance(client_optimizer, HostAdamState):
                 return original(self, client_optimizer, model_parameters)
