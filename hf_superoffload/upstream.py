@@ -22,6 +22,8 @@ import inspect
 import re
 from importlib import metadata
 
+from .extras import is_installed
+
 # library -> (oldest, newest) version tested.
 TESTED = {
     "torch": ("2.13.0", "2.13.0"),
@@ -46,6 +48,7 @@ class Name:
     name: str
     use: str  # what hf_superoffload does with it, for the error message
     kind: str = "member"
+    needs: str | None = None  # a library without which the owner does not define the name
 
     @property
     def library(self) -> str:
@@ -75,6 +78,7 @@ SURFACE: tuple[Name, ...] = (
     Name(_ENGINE, "get_optimizer_configuration", "wraps (no CPU Adam build)"),
     Name(_ENGINE, "_get_all_zero_checkpoint_state_dicts", "wraps (memory-mapped checkpoints)"),
     Name(_ENGINE, "_config", "reads", kind="attribute"),
+    Name(_ENGINE, "_autoep_folding_spec", "reads (checkpoint layout)", kind="attribute"),
     Name(
         "deepspeed.runtime.config:DeepSpeedConfig",
         "zero_force_ds_cpu_optimizer",
@@ -161,7 +165,7 @@ SURFACE: tuple[Name, ...] = (
         kind="attribute",
     ),
     # accelerate
-    Name("accelerate.accelerator", "map_pytorch_optim_to_deepspeed", "wraps"),
+    Name("accelerate.accelerator", "map_pytorch_optim_to_deepspeed", "wraps", needs="deepspeed"),
     Name("accelerate.optimizer:AcceleratedOptimizer", "_is_overflow", "writes", kind="attribute"),
     # TRL
     Name("trl:SFTTrainer", "_tag_names", "reads (the model card)"),
@@ -218,7 +222,13 @@ def exists(entry: Name) -> bool:
 
 
 def missing(library: str) -> list[Name]:
-    return [entry for entry in SURFACE if entry.library == library and not exists(entry)]
+    return [
+        entry
+        for entry in SURFACE
+        if entry.library == library
+        and (entry.needs is None or is_installed(entry.needs))
+        and not exists(entry)
+    ]
 
 
 def error(library: str, names: list[Name] | list[str]) -> UpstreamChangedError:

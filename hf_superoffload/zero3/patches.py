@@ -30,6 +30,7 @@ import os
 import socket
 
 from .. import upstream
+from ..extras import is_installed
 from .config import refuse_super_offload_below_stage3, super_offload_requested, with_flag_read
 
 logger = logging.getLogger("hf_superoffload")
@@ -122,6 +123,9 @@ def accept_host_adam_state(module) -> None:
 
 
 def map_client_optimizer(module) -> None:
+    if not hasattr(module, "map_pytorch_optim_to_deepspeed") and not is_installed("deepspeed"):
+        return  # accelerate defines it only with DeepSpeed installed, and maps nothing without
+
     def make(original):
         def map_pytorch_optim_to_deepspeed(optimizer):
             if not _accelerate_runs_super_offload():
