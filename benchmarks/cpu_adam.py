@@ -1,7 +1,7 @@
 """CPU Adam benchmark: hf_superoffload.ops against torch AdamW, DeepSpeed CPUAdam and STREAM.
 
     python benchmarks/cpu_adam.py --numel 8000000 --threads 2          # here
-    source scripts/device_env.sh && python benchmarks/cpu_adam.py --threads 16 --csv out.csv
+    source dev/gpu_env.sh && python benchmarks/cpu_adam.py --threads 16 --csv out.csv
 
 Every method updates one flat fp32 tensor of --numel params. "GB/s" is effective bandwidth:
 the bytes each method must move per param (column B/p) times params/s. An Adam step reads

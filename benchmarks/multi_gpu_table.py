@@ -1,5 +1,5 @@
 # Run: python benchmarks/multi_gpu_table.py results/suite.csv
-#   (scripts/device_multi_gpu.sh prints it last, over the rows of all its stages)
+#   (dev/multi_gpu.sh prints it last, over the rows of all its stages)
 """The multi-GPU runs of one suite.csv as one short table, then the comparisons they were run
 for: tokens/s per GPU on N GPUs against one GPU of the same host (clip 1.0), the ZeRO-3 path
 against DDP without offload (no clipping), and each model's measured peaks against the plan.

@@ -1,6 +1,6 @@
 # Run: python benchmarks/plot_lean.py docs/data/lean_h100_3b_seq4096_2026-11-24.csv docs/lean_h100_3b_seq4096.png
 """Speed against peak GPU memory for each system and clip rate, from a CSV of lean-offload
-runs (docs/benchmarks.md, "Lean offload"): speed as the ratio to no offload's s/step."""
+runs (docs/runs/2026-11-24-lean-offload-h100.md): speed as the ratio to no offload's s/step."""
 
 from __future__ import annotations
 

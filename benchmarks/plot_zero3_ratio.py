@@ -1,6 +1,6 @@
 # Run: python benchmarks/plot_zero3_ratio.py docs/data/suite_zero3_ratio_h100_3b_seq4096_2026-11-2[45].csv docs/suite_zero3_ratio_h100_3b_seq4096.png
 """Seconds per step against peak GPU memory on the ZeRO-3 path, one point per run of the suite CSVs
-(docs/benchmarks.md, "ZeRO-3 path: the GPU tail and the 3x target"): hf_superoffload at each
+(docs/runs/2026-11-24-zero3-gpu-tail-h100.md): hf_superoffload at each
 ``ratio`` and DeepSpeed ZeRO-Offload, every step clipping or none (``--clip-rate 0``)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-# Run (on the device machine: source scripts/device_env.sh first):
+# Run (on the device machine: source dev/gpu_env.sh first):
 #   python benchmarks/suite.py --hidden 3072 --layers 28 --seq 4096 --out-dir results
 #   (--systems picks a subset: see --help; all six do not fit one 600 s device call)
 """Runs several systems on one model point, each in its own process (so one's memory cannot

@@ -1,4 +1,4 @@
-# Run on the device machine (source scripts/device_env.sh first), one system a run:
+# Run on the device machine (source dev/gpu_env.sh first), one system a run:
 #   python benchmarks/timeline.py --system superoffload_zero3 --hidden 3072 --layers 28 --out t.json
 """Where a SuperOffload step's time goes: a timeline of one step after warm-up.
 

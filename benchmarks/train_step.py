@@ -1,4 +1,4 @@
-# Run (one system per process; the device machine: source scripts/device_env.sh first):
+# Run (one system per process; the device machine: source dev/gpu_env.sh first):
 #   python benchmarks/train_step.py --system superoffload --hidden 3072 --layers 28 --seq 4096
 #   python benchmarks/train_step.py --system no_offload   --hidden 3072 --layers 28 --seq 4096
 # On N GPUs (data parallel, --batch per GPU; rank 0 prints one row for all ranks):

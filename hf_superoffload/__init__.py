@@ -33,13 +33,6 @@ _LAZY = {
 
 
 def __getattr__(name: str):
-    if name == "SuperOffloadPlugin":  # the first name of SuperOffloadOptions
-        import warnings
-
-        from .integrations import plugin
-
-        warnings.warn(plugin.DEPRECATED_NAME_WARNING, FutureWarning, stacklevel=2)
-        return plugin.SuperOffloadOptions
     if name not in _LAZY:
         raise AttributeError(f"module 'hf_superoffload' has no attribute {name!r}")
     value = getattr(_importlib.import_module(_LAZY[name], __name__), name)

@@ -18,8 +18,8 @@ import torch
 from accelerate.commands.config.config_args import load_config_from_file
 from launched import ONE_PROCESS, QUICK, SEVERAL_PROCESSES, run_launched
 
+from hf_superoffload import env
 from hf_superoffload.integrations.arguments import SuperOffloadArgumentsMixin
-from hf_superoffload.integrations.plugin import known_env_names
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "accelerate_configs").glob("*.yaml"))
@@ -92,17 +92,22 @@ def test_header_names_only_options_that_exist(path):
     assert arguments <= fields, arguments - fields
     if _is_deepspeed(path):
         assert not arguments & NOT_ON_ZERO3, arguments & NOT_ON_ZERO3
-    env_names = set(re.findall(r"SUPEROFFLOAD_[A-Z_]*[A-Z]", header))
-    assert env_names <= set(known_env_names()), env_names - set(known_env_names())
+    env_names = set(re.findall(r"[A-Z_]*SUPEROFFLOAD_[A-Z_]*[A-Z]", header))
+    assert env_names <= set(env.VARIABLES), env_names - set(env.VARIABLES)
 
 
-def test_short_gh200_names_equal_their_zero3_names():
-    """gh200*_superoffload.yaml and gh200*_zero3_superoffload.yaml are one config under two
-    names (the second is the older one); they must not drift apart."""
-    for prefix in ("gh200", "gh200x2", "gh200x4"):
-        short = load_config_from_file(str(REPO / f"accelerate_configs/{prefix}_superoffload.yaml"))
-        old = f"accelerate_configs/{prefix}_zero3_superoffload.yaml"
-        assert short.to_dict() == load_config_from_file(str(REPO / old)).to_dict(), prefix
+def test_one_name_per_config():
+    """No config is shipped twice under two names, and the names follow one scheme:
+    ``<machine>[x<GPUs>]_superoffload.yaml`` for DeepSpeed ZeRO-3 with SuperOffload (any
+    script), ``..._superoffload_trainers.yaml`` for the standalone engine's trainers."""
+    seen = {}
+    for path in CONFIGS:
+        machine = re.sub(r"x\d$", "", path.name.split("_")[0])  # gh200 and x86 share settings
+        settings = machine + json.dumps(load_config_from_file(str(path)).to_dict(), sort_keys=True)
+        assert settings not in seen, f"{path.name} repeats {seen.get(settings)}"
+        seen[settings] = path.name
+        if path.name != "single_gpu.yaml":
+            assert re.fullmatch(r"(gh200|x86)(x[248])?_superoffload(_trainers)?\.yaml", path.name)
 
 
 PLAIN = [p for p in CONFIGS if not _is_deepspeed(p)]
@@ -152,9 +157,9 @@ DEEPSPEED = [p for p in CONFIGS if _is_deepspeed(p)]
 # --use_cpu true: without it accelerate finds no device backend and counts every rank as
 # process 0 of 1 (tests/test_zero3_trainer_two_ranks.py pins that down).
 LAUNCHED_DEEPSPEED = [
-    "x86_zero3_superoffload.yaml",
+    "x86_superoffload.yaml",
     "gh200_superoffload.yaml",
-    "x86x2_zero3_superoffload.yaml",
+    "x86x2_superoffload.yaml",
 ]
 
 
@@ -266,7 +271,7 @@ def _launch_plain_trainer(tmp_path, *script_args: str):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu"}
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch",
-        "--config_file", "accelerate_configs/x86_zero3_superoffload.yaml",
+        "--config_file", "accelerate_configs/x86_superoffload.yaml",
         str(script), str(tmp_path / "out"), *script_args,
     ]  # fmt: skip
     return run_launched(cmd, timeout=ONE_PROCESS, env=env, cwd=REPO)

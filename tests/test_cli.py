@@ -16,6 +16,7 @@ import pytest
 import torch
 import transformers
 
+from hf_superoffload import env
 from hf_superoffload.cli import main, model_source, ratio_auto
 from hf_superoffload.ops import _build
 from hf_superoffload.zero3.memory_plan import HOST_HEADROOM
@@ -96,8 +97,27 @@ def test_env_json_reports_every_section_and_builds_nothing(capsys, monkeypatch, 
 def test_env_text_names_its_sections(capsys):
     code, out, _ = cli(capsys, "env", "--no-bandwidth")
     assert code == 0
-    for section in ("packages", "CPU Adam kernel", "GPUs", "NUMA nodes", "DeepSpeed"):
+    for section in (
+        "packages",
+        "CPU Adam kernel",
+        "GPUs",
+        "NUMA nodes",
+        "DeepSpeed",
+        "environment",
+    ):
         assert f"\n{section}" in out
+
+
+def test_env_lists_the_variables_set_and_its_help_all_of_them(capsys, monkeypatch):
+    monkeypatch.setenv("HF_SUPEROFFLOAD_CPU_THREADS", "6")
+    code, out, _ = cli(capsys, "env", "--no-bandwidth")
+    assert code == 0 and "  HF_SUPEROFFLOAD_CPU_THREADS=6: threads of the CPU Adam" in out
+    code, out, _ = cli(capsys, "env", "--no-bandwidth", "--json")
+    assert json.loads(out)["environment"] == {"HF_SUPEROFFLOAD_CPU_THREADS": "6"}
+    code, out, _ = cli(capsys, "env", "--help")
+    help_text = " ".join(out.split())
+    for name in env.VARIABLES:
+        assert name in help_text
 
 
 # ---------------------------------------------------------------------- shipped configs
@@ -258,11 +278,64 @@ def test_lowest_fitting_ratio_on_scripted_plans(host_fits_below, gpu_need_at, ex
     assert ratio_auto.lowest_fitting_ratio(judge) == expected
 
 
-def test_h200_hosts_share_their_memory_between_gpus(capsys):
-    _, plan = plan_json(capsys, "qwen3-14b", "--hardware", "h200", "--gpus", "2")
-    _fits_unless_resuming(plan)
-    assert plan["run"]["ranks_per_host"] == 2
-    assert plan["hardware"]["host_memory_bytes"] == 256 * 2**30
+GIB = 2**30
+GRACE = 480 * 10**9  # LPDDR5X per Grace CPU, decimal GB
+
+
+@pytest.mark.parametrize(
+    ("hardware", "gpus", "per_host", "host_bytes", "gpu_gib"),
+    [
+        ("h100-sxm-8", 2, 2, 2000 * GIB, 79.18),  # the ranks on a node share its 2 TiB
+        ("h100-sxm-8", 8, 8, 2000 * GIB, 79.18),
+        ("h200-sxm-8", 16, 8, 2000 * GIB, 139.9),  # two nodes of 8
+        ("gb200", 4, 2, GRACE, 186 * 0.99),  # each Grace's memory is its 2 GPUs'
+        ("gb200", 2, 2, GRACE, 186 * 0.99),
+        ("gh200", 4, 1, GRACE, 95.1),  # each superchip its own Grace
+        ("gh200-144gb", 1, 1, GRACE, 144 * 0.99),
+        ("h100", 2, 1, 125 * GIB, 79.18),  # two one-GPU VMs
+    ],
+)
+def test_node_presets_share_host_memory_between_the_ranks_on_it(
+    capsys, hardware, gpus, per_host, host_bytes, gpu_gib
+):
+    _, plan = plan_json(capsys, "llama-3.1-8b", "--hardware", hardware, "--gpus", str(gpus))
+    assert plan["run"]["ranks"] == gpus and plan["run"]["ranks_per_host"] == per_host
+    assert plan["hardware"]["host_memory_bytes"] == host_bytes
+    assert plan["hardware"]["gpu_memory_bytes"] == int(gpu_gib * GIB)
+
+
+def test_an_eight_gpu_node_plans_what_one_gpu_vm_cannot(capsys):
+    """Qwen3-14B does not fit one H100 VM's 128 GiB host, and fits 2 GPUs of a DGX H100."""
+    code, _ = plan_json(capsys, "qwen3-14b", "--hardware", "h100")
+    assert code == 1
+    code, plan = plan_json(capsys, "qwen3-14b", "--hardware", "h100-sxm-8", "--gpus", "2")
+    assert code == 0, plan["reasons"]
+    _, out, _ = cli(capsys, "plan", "qwen3-14b", "--hardware", "h100-sxm-8", "--gpus", "2")
+    assert "hardware: h100-sxm-8: 79.2 GiB per GPU, 2000.0 GiB per host of 2 GPU(s)" in out
+
+
+def test_no_save_leaves_out_the_save_and_is_suggested_where_it_fits(capsys):
+    run = ("llama-3.3-70b", "--hardware", "gb200", "--gpus", "4", "--batch", "2")
+    code, saved = plan_json(capsys, *run, "--ratio", "0.8")
+    assert code == 1 and saved["host_peak"] == "save"
+    assert any(s.startswith("--no-save fits") for s in saved["suggestions"]), saved
+    code, unsaved = plan_json(capsys, *run, "--ratio", "0.8", "--no-save")
+    assert code == 0 and unsaved["host_save_bytes_rank0"] == 0
+    assert unsaved["host_training_bytes_per_rank"] == saved["host_training_bytes_per_rank"]
+    _, auto = plan_json(capsys, *run, "--ratio", "auto")
+    assert "--no-save: --ratio auto chooses 0.65 (a run that saves nothing" in " ".join(
+        auto["suggestions"]
+    )
+
+
+def test_explicit_sizes_correct_a_preset(capsys):
+    _, plan = plan_json(
+        capsys, "llama-3.1-8b", "--hardware", "gb200", "--gpus", "4", "--gpu-mem", "180",
+        "--cpu-mem", "400",
+    )  # fmt: skip
+    assert plan["hardware"]["gpu_memory_bytes"] == 180 * GIB
+    assert plan["hardware"]["host_memory_bytes"] == 400 * GIB
+    assert plan["run"]["ranks_per_host"] == 2  # the preset's domains stay
 
 
 def test_plans_a_local_directory_or_config_file_with_explicit_sizes(capsys, tmp_path):
@@ -282,12 +355,12 @@ def test_plans_a_local_directory_or_config_file_with_explicit_sizes(capsys, tmp_
     ("args", "message"),
     [
         (["no/such/model"], "shipped:"),
-        (["llama-3.1-8b", "--hardware", "tpu"], "choose one of gh200, h100, h200"),
+        (["llama-3.1-8b", "--hardware", "tpu"], "choose one of h100-sxm-8, h200-sxm-8, h100"),
         (["llama-3.1-8b", "--hardware", "h100", "--gpus", "0"], "--gpus must be at least 1"),
         (["llama-3.1-8b", "--hardware", "h100", "--ratio", "1.5"], "--ratio must be 'auto' or"),
         (["llama-3.1-8b", "--hardware", "h100", "--ratio", "most"], "--ratio must be 'auto' or"),
         (["llama-3.1-8b", "--hardware", "h100", "--gpu-mem", "-1"], "--gpu-mem must be"),
-        (["llama-3.1-8b", "--hardware", "h100", "--gpus", "2"], "give --cpu-mem"),
+        (["llama-3.1-8b", "--hardware", "h100", "--gpus-per-host", "0"], "--gpus-per-host must"),
     ],
 )
 def test_bad_input_exits_2_saying_what_to_change(capsys, args, message):
@@ -300,10 +373,12 @@ def test_bad_config_files_exit_2(capsys, tmp_path):
     (tmp_path / "empty").mkdir()
     (tmp_path / "broken.json").write_text("{not json")
     (tmp_path / "alien.json").write_text('{"model_type": "no_such_architecture"}')
+    (tmp_path / "wide.json").write_text('{"model_type": "llama", "hidden_size": "wide"}')
     for spec, message in (
         (tmp_path / "empty", "without a config.json"),
         (tmp_path / "broken.json", "cannot read"),
         (tmp_path / "alien.json", "cannot build model_type 'no_such_architecture'"),
+        (tmp_path / "wide.json", "a field has a value of the wrong type"),
     ):
         code, _, err = cli(capsys, "plan", str(spec), "--hardware", "h100")
         assert code == 2 and message in err
@@ -312,7 +387,7 @@ def test_bad_config_files_exit_2(capsys, tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="plans for this machine's GPU here")
 def test_without_a_gpu_or_hardware_it_asks_for_one(capsys):
     code, _, err = cli(capsys, "plan", "llama-3.1-8b")
-    assert code == 2 and "--hardware gh200|h100|h200" in err
+    assert code == 2 and "--hardware h100-sxm-8|h200-sxm-8|h100|h200|gh200|" in err
 
 
 def test_json_output_parses_when_libraries_print_as_they_load():
@@ -396,15 +471,22 @@ def test_bench_runs_the_checkouts_suite(capfd):
     assert code == 0 and "--systems" in out and "suite.csv" in out
 
 
-def test_bench_outside_a_checkout_says_to_run_from_one(capsys, tmp_path, monkeypatch):
-    from hf_superoffload.cli import bench
+@pytest.mark.parametrize(
+    ("command", "needs"),
+    [
+        (["bench", "--systems", "no_offload"], "benchmarks/suite.py"),
+        (["finetune", "phi-4", "superoffload", "--dry-run"], "examples/recipes"),
+    ],
+)
+def test_outside_a_checkout_says_to_run_from_one(capsys, tmp_path, monkeypatch, command, needs):
+    from hf_superoffload.cli import checkout
 
     monkeypatch.setattr(
-        bench, "__file__", str(tmp_path / "site" / "hf_superoffload" / "cli" / "bench.py")
+        checkout, "__file__", str(tmp_path / "site" / "hf_superoffload" / "cli" / "checkout.py")
     )
     monkeypatch.chdir(tmp_path)
-    code, _, err = cli(capsys, "bench", "--systems", "no_offload")
-    assert code == 2 and "Run from a checkout" in err
+    code, _, err = cli(capsys, *command)
+    assert code == 2 and "Run from a checkout" in err and needs in err
 
 
 # ------------------------------------------------------------------------ entry points

@@ -221,9 +221,9 @@ def test_host_buffers_are_page_locked_at_their_own_size_and_released():
     before = link.pinned_bytes
     moved = buckets[-1]
     released = sum(t.numel() * t.element_size() for t in (moved.master, moved.host_grad))
-    opt._move_buckets([moved], to_device=True, why="test")
+    opt._tail.move([moved], to_device=True, why="test")
     assert before - link.pinned_bytes >= released
-    opt._move_buckets([moved], to_device=False, why="test")  # and back: pinned again
+    opt._tail.move([moved], to_device=False, why="test")  # and back: pinned again
     assert link.pinned_bytes - before >= 0 and moved.master.data_ptr() in link._pinned._owned
     opt.close()
     assert link.pinned_bytes == 0

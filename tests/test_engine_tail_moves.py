@@ -40,7 +40,7 @@ class ScriptedTuner:
 def _install(tuner):
     def probe(when, step, model, opt):
         if when == "before_step" and step == 0:
-            opt._tuner = tuner
+            opt._tail.tuner = tuner
 
     return probe
 
@@ -82,7 +82,7 @@ def test_auto_grows_no_further_than_its_lean_budget_unless_a_cap_replaces_it(mon
 
     def probe(when, step, model, opt):
         if when == "before_step" and step == 0:
-            opt._tuner = tuner
+            opt._tail.tuner = tuner
             budget.append(sum(b.plan.numel for b in opt._buckets[-3:]))
         if when == "after_step":
             seen.append(opt.stats["device_buckets"])

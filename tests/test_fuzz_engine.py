@@ -287,7 +287,7 @@ def _zero3_fuzz_on_rank(rank: int, port: int, error_path: str) -> None:
         speculate_after_clip=False,
     )
     def follows_deepspeed(case, speculate_after_clip):
-        os.environ["SUPEROFFLOAD_SPECULATE_AFTER_CLIP"] = str(int(speculate_after_clip))
+        os.environ["HF_SUPEROFFLOAD_SPECULATE_AFTER_CLIP"] = str(int(speculate_after_clip))
         states = {}
         for super_offload in (False, True):
             engine, optimizer = make_engine(case, super_offload, 1)

@@ -37,15 +37,15 @@ from hf_superoffload.toy import build_tiny_llama, tiny_llama_config
     ],
 )
 def test_peak_table(monkeypatch, name, peak):
-    monkeypatch.delenv("SUPEROFFLOAD_PEAK_TFLOPS", raising=False)
+    monkeypatch.delenv("HF_SUPEROFFLOAD_PEAK_TFLOPS", raising=False)
     assert peak_tflops(name) == peak
 
 
 def test_peak_override_and_its_errors(monkeypatch):
-    monkeypatch.setenv("SUPEROFFLOAD_PEAK_TFLOPS", "123.5")
+    monkeypatch.setenv("HF_SUPEROFFLOAD_PEAK_TFLOPS", "123.5")
     assert peak_tflops("NVIDIA H100 80GB HBM3") == 123.5
-    monkeypatch.setenv("SUPEROFFLOAD_PEAK_TFLOPS", "fast")
-    with pytest.raises(ValueError, match="SUPEROFFLOAD_PEAK_TFLOPS must be a number"):
+    monkeypatch.setenv("HF_SUPEROFFLOAD_PEAK_TFLOPS", "fast")
+    with pytest.raises(ValueError, match="HF_SUPEROFFLOAD_PEAK_TFLOPS must be a number"):
         peak_tflops("x")
 
 
@@ -128,7 +128,7 @@ def test_wandb_offline_run_records_throughput_mfu_and_rollbacks(tmp_path, monkey
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.setenv("SUPEROFFLOAD_PEAK_TFLOPS", "0.5")  # the CPU has no table entry
+    monkeypatch.setenv("HF_SUPEROFFLOAD_PEAK_TFLOPS", "0.5")  # the CPU has no table entry
     ids = torch.randint(0, 105, (16, 32), generator=torch.Generator().manual_seed(0)).tolist()
     args = SuperOffloadTrainingArguments(
         output_dir=str(tmp_path / "out"), max_steps=4, per_device_train_batch_size=2,

@@ -1,12 +1,12 @@
-"""`SuperOffloadOptions` (first named `SuperOffloadOptions`) and the ``superoffload_*``
+"""`SuperOffloadOptions` and the ``superoffload_*``
 training-argument fields.
 
-Resolution order for every field: explicit argument > ``SUPEROFFLOAD_<FIELD>`` environment
+Resolution order for every field: explicit argument > ``HF_SUPEROFFLOAD_<FIELD>`` environment
 variable > default. Invalid values (explicit or from the environment) raise ValueError naming
 the field and, where the value came from it, the environment variable. The training-argument
 classes (Transformers and TRL) carry one ``superoffload_<field>`` per option, parse from the
-command line, and build the options the trainer hands to the optimizer. The old name still
-works and warns.
+command line, and build the options the trainer hands to the optimizer. No former name of
+them is kept.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
-import warnings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may touch the network
 
@@ -26,8 +25,10 @@ from hf_superoffload import (
     SuperOffloadOptimizer,
     SuperOffloadOptions,
     SuperOffloadTrainer,
+    SuperOffloadTrainerMixin,
     SuperOffloadTrainingArguments,
 )
+from hf_superoffload.integrations import plugin
 from hf_superoffload.integrations.arguments import SuperOffloadArgumentsMixin
 from hf_superoffload.toy import build_tiny_llama
 
@@ -54,14 +55,14 @@ CASES = {
 
 
 def _env_name(field: str) -> str:
-    return "SUPEROFFLOAD_" + field.upper()
+    return "HF_SUPEROFFLOAD_" + field.upper()
 
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
-    """No SUPEROFFLOAD_* variable of the calling shell leaks into these tests."""
+    """No HF_SUPEROFFLOAD_* variable of the calling shell leaks into these tests."""
     for name in list(os.environ):
-        if name.startswith("SUPEROFFLOAD_"):
+        if name.startswith("SUPEROFFLOAD_") or name in map(_env_name, FIELDS):
             monkeypatch.delenv(name)
 
 
@@ -129,7 +130,7 @@ def test_all_env_vars_at_once(monkeypatch):
 
 @pytest.mark.parametrize("raw", ["1", "true", "TRUE", "yes", "on", "0", "false", "No", "OFF"])
 def test_bool_env_spellings(monkeypatch, raw):
-    monkeypatch.setenv("SUPEROFFLOAD_SPECULATE", raw)
+    monkeypatch.setenv("HF_SUPEROFFLOAD_SPECULATE", raw)
     assert SuperOffloadOptions().speculate is (raw.lower() in ("1", "true", "yes", "on"))
 
 
@@ -137,7 +138,7 @@ def test_gpu_buckets_auto_and_numeric_strings(monkeypatch):
     assert SuperOffloadOptions(gpu_buckets="auto").gpu_buckets == "auto"
     assert SuperOffloadOptions(gpu_buckets="3").gpu_buckets == 3
     assert SuperOffloadOptions(gpu_buckets=0).gpu_buckets == 0
-    monkeypatch.setenv("SUPEROFFLOAD_GPU_BUCKETS", "auto")
+    monkeypatch.setenv("HF_SUPEROFFLOAD_GPU_BUCKETS", "auto")
     assert SuperOffloadOptions().gpu_buckets == "auto"
 
 
@@ -242,22 +243,17 @@ def test_optimizer_kwargs_match_the_optimizer_signature():
 # ------------------------------------------------------------------------------- the old name
 
 
-def test_the_old_name_still_works_and_warns():
-    with pytest.warns(FutureWarning, match="SuperOffloadPlugin is now SuperOffloadOptions"):
-        old = hf_superoffload.SuperOffloadPlugin
-    assert old is SuperOffloadOptions
-    with pytest.warns(FutureWarning, match="SuperOffloadOptions"):
-        from hf_superoffload import SuperOffloadPlugin  # noqa: F401
-    assert "SuperOffloadPlugin" not in hf_superoffload.__all__
-
-
-def test_the_new_name_does_not_warn(tmp_path):
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", FutureWarning)
-        options = SuperOffloadOptions(cast="cpu")
-        args = _training_args(tmp_path, superoffload_cast="cpu")
-        assert args.superoffload_options() == options
-        assert args.superoffload_plugin() == options  # the old name, which the trainer calls
+def test_no_former_name_is_kept(tmp_path):
+    """0.1.0 is the first release: SuperOffloadPlugin (SuperOffloadOptions' first name) and
+    the trainer's superoffload_plugin argument are gone, not aliases that warn."""
+    with pytest.raises(AttributeError, match="SuperOffloadPlugin"):
+        hf_superoffload.SuperOffloadPlugin  # noqa: B018
+    assert not hasattr(plugin, "SuperOffloadPlugin")
+    args = _training_args(tmp_path, superoffload_cast="cpu")
+    assert args.superoffload_options() == SuperOffloadOptions(cast="cpu")
+    assert not hasattr(args, "superoffload_plugin")
+    params = inspect.signature(SuperOffloadTrainerMixin.__init__).parameters
+    assert "superoffload_plugin" not in params
 
 
 # ------------------------------------------------------------------------ training arguments
@@ -285,8 +281,8 @@ def test_training_arguments_build_the_options(tmp_path, monkeypatch):
     }
 
     # Unset arguments fall back to the environment; set ones beat it.
-    monkeypatch.setenv("SUPEROFFLOAD_CAST", "cpu")
-    monkeypatch.setenv("SUPEROFFLOAD_BUCKET_SIZE", "777")
+    monkeypatch.setenv("HF_SUPEROFFLOAD_CAST", "cpu")
+    monkeypatch.setenv("HF_SUPEROFFLOAD_BUCKET_SIZE", "777")
     options = _training_args(tmp_path, superoffload_bucket_size=4096).superoffload_options()
     assert options.cast == "cpu" and options.bucket_size == 4096
 
@@ -383,8 +379,3 @@ def test_trainer_prefers_explicit_options(tmp_path):
     options = SuperOffloadOptions(bucket_size=512, cast="gpu")
     trainer = SuperOffloadTrainer(model=model, args=args, superoffload_options=options)
     assert trainer._resolved_options() is options
-    old_name = SuperOffloadTrainer(model=model, args=args, superoffload_plugin=options)
-    assert old_name._resolved_options() is options
-    with pytest.raises(ValueError, match="superoffload_options only"):
-        SuperOffloadTrainer(model=model, args=args, superoffload_options=options,
-                            superoffload_plugin=options)  # fmt: skip

@@ -87,7 +87,7 @@ def _replicas_rank(rank: int, rendezvous: str, out_dir: str, where: str) -> None
     batches = make_batches(cfg, 4)
 
     def body() -> None:
-        from hf_superoffload.engine import optimizer as optimizer_module
+        from hf_superoffload.engine import layout
         from hf_superoffload.engine.host_steps import HostSteps
 
         model = build_model(cfg)
@@ -98,7 +98,7 @@ def _replicas_rank(rank: int, rendezvous: str, out_dir: str, where: str) -> None
                 _mark_failure(out_dir)
                 raise RuntimeError("injected: this rank's device cannot hold the tail buckets")
 
-            optimizer_module.choose_device_buckets = refuse
+            layout.choose_device_buckets = refuse
         opt = make_engine(model, cfg, gpu_buckets=0)
         for step in range(4):
             if rank == 1 and where == "worker" and step == 1:
@@ -237,21 +237,21 @@ def _handling_rank(rank: int, rendezvous: str, out_dir: str) -> None:
     logging.getLogger("hf_superoffload").addHandler(handler)
     outcome: dict = {"handled": []}
     try:
-        from hf_superoffload.engine import optimizer as optimizer_module
+        from hf_superoffload.engine import layout
 
         model = build_model(cfg)
-        real_check = optimizer_module.check_host_memory
+        real_check = layout.check_host_memory
         if rank == 1:
 
             def refuse(*args, **kwargs):
                 raise RuntimeError("injected: this rank's host memory check failed")
 
-            optimizer_module.check_host_memory = refuse
+            layout.check_host_memory = refuse
         try:
             make_engine(model, cfg, gpu_buckets=0).close()
         except RuntimeError as error:
             outcome["handled"].append(str(error))
-        optimizer_module.check_host_memory = real_check
+        layout.check_host_memory = real_check
         opt = make_engine(model, cfg, gpu_buckets=0)  # a later optimizer: starts with no failure
         for step in range(3):
             x = batches[step]

@@ -24,9 +24,9 @@ from engine_reference import PARAM_TOL
 from launched import ONE_PROCESS, QUICK, run_launched
 from zero3_reference import free_port
 
-from hf_superoffload.cli import model_source
+from hf_superoffload.cli import finetune, model_source
 from hf_superoffload.engine import SuperOffloadOptimizer
-from hf_superoffload.recipes import arguments, run
+from hf_superoffload.recipes import arguments, arithmetic, run
 from hf_superoffload.recipes.model import MAX_EXPERTS, SHRUNK
 
 REPO = Path(__file__).resolve().parents[1]
@@ -58,7 +58,8 @@ def test_every_paper_model_has_a_recipe_a_launcher_and_a_shipped_config():
         assert recipe.stem in shipped
         launcher = REPO / "examples" / f"finetune_{recipe.stem}.sh"
         text = launcher.read_text()
-        assert f"MODEL_NAME={recipe.stem}\n" in text and f"GPUS={GPUS[recipe.stem]}\n" in text
+        assert f"MODEL_NAME={recipe.stem}\n" in text
+        assert finetune.RECIPE_GPUS[recipe.stem] == GPUS[recipe.stem]
         # torchtune's convention: a config starts with the command that runs it.
         assert recipe.read_text().startswith(f"# Run: bash examples/finetune_{recipe.stem}.sh")
 
@@ -162,6 +163,23 @@ def test_recipe_trains_two_steps_on_its_shrunken_architecture(recipe, tmp_path):
         assert any(experts.unused), experts.unused
         count = getattr(model.config, "num_local_experts", None) or model.config.num_experts
         assert 2 < count <= MAX_EXPERTS
+
+
+def test_the_cpu_smoke_path_needs_no_dataset_path(tmp_path, capsys):
+    """docs/recipes.md's smoke run of a recipe: --shrink_model on a CPU (bf16 off) trains the
+    bundled arithmetic data, not the recipe's Hub dataset, with no --dataset_path."""
+    recipe = REPO / "examples" / "recipes" / "qwen3-14b.yaml"
+    assert yaml.safe_load(recipe.read_text())["dataset_name"] == "trl-lib/Capybara"
+    argv = [
+        "--config", str(recipe), "--random_init_from_config", "qwen3-14b", "--shrink_model",
+        "--bf16", "false", "--max_steps", "2", "--output_dir", str(tmp_path / "out"),
+        "--dataloader_pin_memory", "false",
+    ]  # fmt: skip
+    trainer, _, _ = _trained(argv)
+    assert trainer.state.global_step == 2
+    assert len(trainer.train_dataset) == arithmetic.SFT_ROWS  # the bundled rows, tokenized
+    out = capsys.readouterr().out
+    assert "training on the bundled arithmetic data, not trl-lib/Capybara" in out
 
 
 @pytest.mark.parametrize("name", sorted(MOE))

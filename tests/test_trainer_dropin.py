@@ -135,7 +135,7 @@ def _plain_model(returns: str = "dict") -> _PlainLM:
 def test_plain_module_trains_like_trainer(tmp_path, caplog, monkeypatch, returns):
     """Item 12: a plain nn.Module trains to the plain Trainer's losses and params; the logs
     carry tokens_per_second but no tflops/mfu (unknown FLOPs), said once at INFO."""
-    monkeypatch.setenv("SUPEROFFLOAD_PEAK_TFLOPS", "1.0")  # so only the FLOPs can be missing
+    monkeypatch.setenv("HF_SUPEROFFLOAD_PEAK_TFLOPS", "1.0")  # so only the FLOPs can be missing
     caplog.set_level(logging.INFO, logger="hf_superoffload")
     ours = _run(tmp_path / "ours", True, model=_plain_model(returns), max_steps=6)
     ref = _run(tmp_path / "ref", False, model=_plain_model(returns), max_steps=6)
@@ -276,8 +276,8 @@ def test_save_model_writes_the_master(tmp_path, bf16, save_dtype, plain_module):
 def test_bad_save_dtype_refused(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="superoffload_save_dtype must be one of"):
         _args(tmp_path, True, superoffload_save_dtype="fp8")
-    monkeypatch.setenv("SUPEROFFLOAD_SAVE_DTYPE", "half")
-    with pytest.raises(ValueError, match="SUPEROFFLOAD_SAVE_DTYPE"):
+    monkeypatch.setenv("HF_SUPEROFFLOAD_SAVE_DTYPE", "half")
+    with pytest.raises(ValueError, match="HF_SUPEROFFLOAD_SAVE_DTYPE"):
         _run(tmp_path, True, train=False)  # plain TrainingArguments read the env too
 
 

@@ -145,7 +145,7 @@ def test_follows_deepspeed_with_clipping_on_some_steps_nan_accumulation_groups_s
 
 def test_follows_deepspeed_when_every_step_clips_and_speculation_replays(tmp_path):
     case = Zero3Case(max_grad_norm=1e-2, two_groups=False)
-    results = _run(case, 1, tmp_path, env={"SUPEROFFLOAD_SPECULATE_AFTER_CLIP": "1"})
+    results = _run(case, 1, tmp_path, env={"HF_SUPEROFFLOAD_SPECULATE_AFTER_CLIP": "1"})
     _assert_follows(results)
     stats = results[0]["superoffload"]["stats"]
     assert stats["speculative_steps"] == case.steps

@@ -53,7 +53,9 @@ def _plan(name: str, **run):
 # One H100 80GB, 128 GiB host: docs/data/suite_zero3_h100_3b_seq4096_g_2026-11-24.csv,
 # suite_zero3_ratio_h100_3b_seq4096_2026-11-24.csv (call 4 at 0.6) and _2026-11-25.csv,
 # suite_zero3_h100_llama31_8b_seq4096_2026-11-23.csv (1.0) and _2026-11-25.csv (0.9, 0.85).
-# 2 x H200, 256 GiB host (DESIGN.md): Qwen3-14B, 162 GiB for the two ranks.
+# 2 x H200, 256 GiB host: docs/data/plan_vs_measured_qwen3_14b_2xh200_2026-11-26.csv.
+# 4 x H200, 512 GiB host: docs/data/scaling_h200x4_3b_seq4096_2026-11-26.csv and
+# suite_zero3_h200x4_qwen3-30b-a3b_seq4096_2026-11-26.csv (the largest rank's host RSS).
 MEASURED = {
     ("3b", 1, 1.0): (15.26, 46.13),
     ("3b", 1, 0.8): (25.73, 36.99),
@@ -64,7 +66,9 @@ MEASURED = {
     ("llama-3.1-8b", 1, 1.0): (43.07, 107.09),
     ("llama-3.1-8b", 1, 0.9): (60.65, 91.58),
     ("llama-3.1-8b", 1, 0.85): (65.40, 87.43),
-    ("qwen3-14b", 2, 0.85): (70.4, 162 / 2),
+    ("qwen3-14b", 2, 0.85): (70.37, 81.24),
+    ("3b", 4, 1.0): (12.43, 13.2),
+    ("qwen3-30b-a3b", 4, 0.5): (104.3, 52.3),
 }
 
 

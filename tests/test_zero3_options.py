@@ -36,7 +36,7 @@ def test_sizes_the_user_chose_are_kept():
 
 
 def test_cpu_threads_follow_the_standalone_default_unless_the_config_sets_a_share(monkeypatch):
-    monkeypatch.delenv("SUPEROFFLOAD_CPU_THREADS", raising=False)
+    monkeypatch.delenv("HF_SUPEROFFLOAD_CPU_THREADS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     cuda = torch.device("cuda", 0)  # only its type matters: no GPU is touched
@@ -46,7 +46,7 @@ def test_cpu_threads_follow_the_standalone_default_unless_the_config_sets_a_shar
     chosen = DeepSpeedZeroOffloadOptimizerConfig(device="cpu", cpuadam_cores_perc=0.5)
     assert cores_perc_if_set(chosen) == 0.5
     assert resolve_options(0.5, cuda).cpu_threads == 8
-    monkeypatch.setenv("SUPEROFFLOAD_CPU_THREADS", "3")
+    monkeypatch.setenv("HF_SUPEROFFLOAD_CPU_THREADS", "3")
     assert resolve_options(0.5, cuda).cpu_threads == 3
 
 

@@ -2,9 +2,10 @@
 
 Subcommands: ``env`` (what this machine offers SuperOffload, like DeepSpeed's ``ds_report``),
 ``plan`` (whether a model's full fine-tuning fits given GPUs and host memory, part by part),
+``finetune`` (a recipe of the paper's models under accelerate and DeepSpeed ZeRO-3),
 ``demo`` (the main job) and ``bench`` (the benchmark suite of a checkout). Each lives in its own
-module and registers itself through ``add_parser``; ``demo`` and ``bench`` hand the arguments
-they do not know to the job they run.
+module and registers itself through ``add_parser``; ``finetune``, ``demo`` and ``bench`` hand
+the arguments they do not know to the job they run.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import contextlib
 import sys
 
 from .. import __version__
-from . import bench, demo, env, plan
+from .. import env as environment
+from . import bench, demo, env, finetune, plan
 from .errors import EXIT_BAD_INPUT, UsageError
 
 PROG = "hf-superoffload"
@@ -30,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     env.add_parser(commands)
     plan.add_parser(commands)
+    finetune.add_parser(commands)
     demo.add_parser(commands)
     bench.add_parser(commands)
     return parser
@@ -47,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     args.out = sys.stdout  # where a command prints its result
     try:
+        try:
+            environment.check()  # a misspelled HF_SUPEROFFLOAD_* variable, before any work
+        except ValueError as error:
+            raise UsageError(str(error)) from None
         if not getattr(args, "json", False):
             return args.run(args)
         # Libraries print to stdout as they load (transformers does under WANDB_MODE=offline,

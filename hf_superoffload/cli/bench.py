@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .errors import UsageError
+from .checkout import find_checkout
 
 PASSES_THROUGH = True
 SUITE = Path("benchmarks") / "suite.py"
@@ -36,18 +36,8 @@ def add_parser(commands) -> None:
 
 
 def find_suite() -> Path:
-    """benchmarks/suite.py beside the package's source tree (an editable install), else in
-    the current directory or one of its parents."""
-    package_root = Path(__file__).resolve().parents[2]
-    here = Path.cwd().resolve()
-    for root in (package_root, here, *here.parents):
-        if (root / SUITE).is_file():
-            return root / SUITE
-    raise UsageError(
-        f"no {SUITE} found beside the installed package ({package_root}) nor in {here} or its "
-        "parents: the benchmarks live in the repository, not the wheel. Run from a checkout "
-        "(git clone ...; pip install -e .; cd into it)."
-    )
+    """benchmarks/suite.py of the repository checkout (checkout.py says where it looks)."""
+    return find_checkout(SUITE) / SUITE
 
 
 def run(args: argparse.Namespace) -> int:

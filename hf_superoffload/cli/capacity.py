@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .errors import UsageError
-from .hardware import GIB, preset
+from .hardware import GIB, PRESETS, preset
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,14 +47,14 @@ def resolve(args) -> Capacity:
         return Capacity(
             label=hardware.name + (" (overridden)" if overridden else ""),
             gpu_memory=gpu_memory or hardware.gpu_memory,
-            gpus_per_host=args.gpus_per_host or hardware.gpus_per_host,
+            gpus_per_host=args.gpus_per_host or hardware.gpus_per_domain,
             source=hardware.source + ("; --gpu-mem/--cpu-mem override it" if overridden else ""),
             host_memory_for=(lambda _: host_memory) if host_memory else hardware.host_memory_for,
         )
     gpu_memory = gpu_memory or _this_gpu()
     if gpu_memory is None:
         raise UsageError(
-            "no GPU here to plan for: name one with --hardware gh200|h100|h200, or give "
+            f"no GPU here to plan for: name one with --hardware {'|'.join(PRESETS)}, or give "
             "--gpu-mem (GiB per GPU) and --cpu-mem (GiB per host)"
         )
     host_memory = host_memory or _this_host()

@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 
+from ..env import VARIABLES
 from . import env_facts
 
 _GIB = 2**30
@@ -22,6 +23,8 @@ def add_parser(commands) -> None:
         help="report versions, CPU, CPU Adam build, GPUs and bandwidth, NUMA, DeepSpeed",
         description="Report what this machine offers SuperOffload. Builds nothing unless "
         "--build is given.",
+        epilog="The package's environment variables (any other HF_SUPEROFFLOAD_* is refused): "
+        + "; ".join(f"{v.name}: {v.meaning} (unset: {v.default})" for v in VARIABLES.values()),
     )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument(
@@ -117,6 +120,12 @@ def render(facts: dict) -> str:
     lines.append("DeepSpeed")
     lines.append(_row("version", deepspeed["version"] or "not installed"))
     lines.append(_row("ZeRO-3 path", deepspeed["zero3_path"]))
+
+    lines.append("environment (HF_SUPEROFFLOAD_*; `hf-superoffload env --help` lists them)")
+    if not facts["environment"]:
+        lines.append("  none set")
+    for name, value in facts["environment"].items():
+        lines.append(f"  {name}={value}: {VARIABLES[name].meaning}")
     return "\n".join(lines)
 
 

@@ -8,7 +8,6 @@ files are looked up instead.
 from __future__ import annotations
 
 import importlib.util
-import os
 import platform
 import time
 from importlib import metadata
@@ -16,11 +15,11 @@ from pathlib import Path
 
 import torch
 
-from .. import __version__
+from .. import __version__, env
 from . import bandwidth, host_facts
 
 PACKAGES = ("torch", "transformers", "accelerate", "trl", "deepspeed", "datasets", "ninja")
-ISA_ENV = "HF_SUPEROFFLOAD_CPU_ADAM_ISA"
+ISA_ENV = "HF_SUPEROFFLOAD_CPU_ADAM_ISA"  # hf_superoffload/ops/adam.py reads it
 
 
 def collect(build: bool = False, measure_bandwidth: bool = True) -> dict:
@@ -37,7 +36,13 @@ def collect(build: bool = False, measure_bandwidth: bool = True) -> dict:
         "numa": host_facts.numa_nodes(),
         "resctrl": host_facts.resctrl(cpu),
         "deepspeed": deepspeed(),
+        "environment": variables_set(),
     }
+
+
+def variables_set() -> dict[str, str]:
+    """The package's environment variables that are set (all are declared in env.py)."""
+    return {name: value for name in env.VARIABLES if (value := env.read(name)) is not None}
 
 
 def packages() -> dict[str, str | None]:
@@ -76,7 +81,7 @@ def cpu_adam(cpu: dict, build: bool) -> dict:
     facts = {
         "cache": str(folder),
         "threads": adam.get_num_threads(),
-        "isa_override": os.environ.get(ISA_ENV) or None,
+        "isa_override": env.read(ISA_ENV) or None,
     }
     record = folder / _build._MARKER
     if _build._module is not None:

@@ -92,11 +92,17 @@ def _read(config_file: Path) -> tuple[dict, tuple[str, ...]]:
 
 
 def _to_config(values: dict, config_file: Path):
+    import huggingface_hub.errors
     import transformers
 
+    # transformers' configs check their fields' types through huggingface_hub's strict
+    # dataclasses (where that version has them): a field of the wrong type fails there.
+    bad_field = (TypeError, getattr(huggingface_hub.errors, "StrictDataclassError", TypeError))
     model_type = values.pop("model_type")
     try:
         return transformers.AutoConfig.for_model(model_type, **values)
+    except bad_field as error:
+        raise UsageError(f"{config_file}: a field has a value of the wrong type: {error}") from None
     except (ValueError, KeyError) as error:
         raise UsageError(
             f"transformers {transformers.__version__} cannot build model_type {model_type!r} "

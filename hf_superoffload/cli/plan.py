@@ -27,6 +27,7 @@ from .errors import EXIT_DOES_NOT_FIT, EXIT_FITS, UsageError
 from .hardware import GIB, PRESETS
 
 _MORE_GPUS = (2, 4, 8, 16, 32, 64)  # GPU counts tried when a run does not fit
+NO_SAVE = "a run that saves nothing: examples/sft.py --save_model false with --save_strategy no"
 DEFAULT_SEQ, DEFAULT_BATCH = 4096, 4  # the paper's examples' settings
 
 
@@ -39,7 +40,8 @@ def add_parser(commands) -> None:
         "on DeepSpeed ZeRO-3 (bf16 weights, fp32 master and Adam moments on the host, "
         "activation checkpointing), checked against a hardware preset, given sizes, or this "
         "machine. Exit code 0: fits, 1: does not fit, 2: bad input.",
-        epilog=f"Shipped model configs: {shipped}. Presets: "
+        epilog=f"Shipped model configs: {shipped}. Presets (one node each; --gpus beyond a "
+        "node's GPUs means more nodes): "
         + "; ".join(f"{h.name}: {h.summary}" for h in PRESETS.values()),
     )
     parser.add_argument(
@@ -90,6 +92,13 @@ def add_parser(commands) -> None:
         default=1,
         metavar="N",
         help="above 1, DeepSpeed keeps a host accumulation buffer (2 B/param)",
+    )
+    parser.add_argument(
+        "--no-save",
+        action="store_true",
+        help="a run that never saves the model (examples/sft.py --save_model false with "
+        "--save_strategy no): rank 0's host does not hold the 16-bit model DeepSpeed gathers "
+        "for a save",
     )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.set_defaults(run=run)
@@ -164,18 +173,16 @@ def _suggestions(config, shape: ModelShape, run: Zero3Run, capacity, verdict: Ve
     found = []
     for gpus in (g for g in _MORE_GPUS if g > run.ranks):
         per_host = capacity.ranks_per_host(gpus)
-        try:
-            trial = _judge(
-                config,
-                shape,
-                dataclasses.replace(run, ranks=gpus, ranks_per_host=per_host),
-                capacity,
-            )
-        except UsageError:  # a preset that does not know hosts of that many GPUs
-            continue
+        trial = _judge(
+            config, shape, dataclasses.replace(run, ranks=gpus, ranks_per_host=per_host), capacity
+        )
         if trial.fits:
             found.append(f"--gpus {gpus} ({per_host} per host) fits: {_usage(trial)}")
             break
+    if run.saves_model and verdict.host_need > verdict.host_memory:
+        trial = _judge(config, shape, dataclasses.replace(run, saves_model=False), capacity)
+        if trial.fits:
+            found.append(f"--no-save fits: {_usage(trial)} ({NO_SAVE})")
     gpu_short = verdict.gpu_need > verdict.gpu_memory
     if gpu_short and not run.offload_param:
         trial = _judge(config, shape, dataclasses.replace(run, offload_param=True), capacity)
@@ -198,7 +205,23 @@ def _suggestions(config, shape: ModelShape, run: Zero3Run, capacity, verdict: Ve
     return found
 
 
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    """What ``plan`` prints, as JSON and as text, and whether the run fits."""
+
+    fits: bool
+    as_json: dict
+    as_text: str
+
+
 def run(args: argparse.Namespace) -> int:
+    found = answer(args)
+    print(json.dumps(found.as_json, indent=2) if args.json else found.as_text, file=args.out)
+    return EXIT_FITS if found.fits else EXIT_DOES_NOT_FIT
+
+
+def answer(args: argparse.Namespace) -> Answer:
+    """The plan for ``args`` (plan's options); UsageError on bad input."""
     _check(args)
     source = model_source.resolve(args.model)
     capacity = capacity_options.resolve(args)
@@ -211,6 +234,7 @@ def run(args: argparse.Namespace) -> int:
         offload_param=args.offload_param,
         gradient_accumulation=args.gradient_accumulation_steps,
         sub_group_size=args.sub_group_size,
+        saves_model=not args.no_save,
     )
     shape = _shape(source.config)
     auto_notes, auto_suggestions = [], []
@@ -225,20 +249,26 @@ def run(args: argparse.Namespace) -> int:
         auto_notes.append(ratio_auto.explain(chosen))
         if chosen is None:
             auto_suggestions = ratio_auto.tight_fit_suggestion(judge)
+        if chosen is None and zero3_run.saves_model:
+
+            def judge_without_save(ratio: float) -> Verdict:
+                run_at = dataclasses.replace(zero3_run, ratio=ratio, saves_model=False)
+                return _judge(source.config, shape, run_at, capacity)
+
+            unsaved = ratio_auto.lowest_fitting_ratio(judge_without_save)
+            if unsaved is not None:
+                auto_suggestions.append(f"--no-save: --ratio auto chooses {unsaved} ({NO_SAVE})")
     verdict = _judge(source.config, shape, zero3_run, capacity)
     suggestions = (
         [] if verdict.fits else _suggestions(source.config, shape, zero3_run, capacity, verdict)
     )
     suggestions += auto_suggestions
     notes = [*source.notes, *auto_notes, *_model_notes(source.config, verdict.plan)]
-    if args.json:
-        print(
-            json.dumps(_as_json(source, capacity, verdict, suggestions, notes), indent=2),
-            file=args.out,
-        )
-    else:
-        print(_as_text(source, capacity, verdict, suggestions, notes), file=args.out)
-    return EXIT_FITS if verdict.fits else EXIT_DOES_NOT_FIT
+    return Answer(
+        verdict.fits,
+        _as_json(source, capacity, verdict, suggestions, notes),
+        _as_text(source, capacity, verdict, suggestions, notes),
+    )
 
 
 def _gib(nbytes: int) -> str:

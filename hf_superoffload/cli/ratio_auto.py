@@ -1,5 +1,5 @@
 """``plan --ratio auto``: the lowest ``offload_optimizer.ratio`` a run fits, so that a launcher
-sizes the GPU tail to the machine it runs on (examples/finetune_common.sh).
+sizes the GPU tail to the machine it runs on (``hf-superoffload finetune``, cli/finetune.py).
 
 A lower ``ratio`` keeps the first sub groups' optimizer state on the GPU (16 B/param there
 instead of 14 on the host). Each step of it makes a clipped step faster, since less of the CPU
@@ -13,9 +13,10 @@ then costs GPU memory and buys host memory only.
 A ratio below 1.0 is chosen only where the plan's GPU need (the allocated bytes, the
 allocator's ``GPU_HEADROOM`` over them and the CUDA context) stays within ``GPU_SHARE`` of the
 card. The plan follows the optimizer's own cut into sub groups (``zero3/sub_group_cut.py``)
-and came out 0.6-1.7% above every measured peak of allocated GPU memory: Llama-3.1-8B on one
+and came out 0.6-2.4% above every measured peak of allocated GPU memory: Llama-3.1-8B on one
 H100 at 1.0, 0.9 and 0.85 (43.8, 61.4 and 66.2 GiB planned; 43.1, 60.7 and 65.4 measured),
-Qwen3-14B on 2 x H200 at 0.85 (70.8 planned, 70.4 measured). The headroom's 10% stands for the
+Qwen3-14B on 2 x H200 at 0.85 (71.2 planned, 70.4 measured), 3.37B and Qwen3-30B-A3B on
+4 x H200 (12.7 and 104.9 planned; 12.4 and 104.3 measured). The headroom's 10% stands for the
 allocator's reserve beyond what it hands out, measured once (5.8 GiB beside 68.2 allocated,
 8.5%, when Llama-3.1-8B at 0.75 ran out of memory); the 5% left of the card covers that
 reserve's variation, which no second run measured.

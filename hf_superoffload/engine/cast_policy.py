@@ -58,3 +58,12 @@ def choose_cast_plan(mode: str, device: torch.device, dtype: torch.dtype) -> Cas
         plan.reason,
     )
     return plan
+
+
+def rank0_plan(plan: CastPlan, replicas) -> CastPlan:
+    """With replicas (engine.replicas.Replicas), rank 0's plan on every rank: it sets the
+    dtype they all reduce in."""
+    if not replicas.distributed:
+        return plan
+    grads, params = replicas.from_rank0([plan.grads_on_device, plan.params_on_device])
+    return CastPlan(bool(grads), bool(params), f"rank 0's: {plan.reason}")

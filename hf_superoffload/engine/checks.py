@@ -180,6 +180,18 @@ def common_device_and_dtype(params: list[torch.nn.Parameter]) -> tuple[torch.dev
     return device, dtype
 
 
+def check_params_attached(buckets: list) -> None:
+    """The model's params still view the buckets' flat buffers (``Bucket.first_param_ptr``)."""
+    moved = [b for b in buckets if b.plan.params[0].data_ptr() != b.first_param_ptr]
+    if moved:
+        raise RuntimeError(
+            f"the model's parameters no longer live in SuperOffloadOptimizer's buffers "
+            f"({len(moved)} of {len(buckets)} buckets): something copied them after "
+            f"the optimizer was built (model.to(...), a wrapper); the updates would never "
+            f"reach the model. Move or wrap the model first, then build the optimizer."
+        )
+
+
 def cores_of_this_rank(bound: bool) -> int:
     """The cores this process may use, shared out between the ranks of one host unless each
     rank is ``bound`` to cores of its own."""

@@ -1,5 +1,5 @@
-"""How gradients reach the standalone optimizer's buckets during backward (a mixin of
-SuperOffloadOptimizer, which owns the buckets, the link and the STV core).
+"""How gradients reach the standalone optimizer's buckets during backward: the gradient
+arrival part of SuperOffloadOptimizer.
 
 A post-accumulate-grad hook stages each param's gradient into its bucket's staging buffer and
 takes it off the param. When every param of a bucket has its step's last gradient, the bucket
@@ -14,11 +14,8 @@ activation checkpointing). Each arrival is summed exactly, in fp32:
   ``grad_sum`` on the worker (no gradient stays on the device between micro-batches); the sum's
   norm is taken there. A bucket that had already launched (and maybe speculated) when more
   gradients came, or when a forward is about to read its params, is *reopened*: the
-  speculation is rolled back and what had landed becomes the sum's first term. The optimizer
-  learns the firings per step from such a step, so the next ones launch at the right arrival.
-  Told the boundary (``set_accumulation_boundary``, as the Trainer does), it learns the
-  firings per boundary pass instead: a hook that fires twice in the window's last backward
-  rolls back once, not at every step;
+  speculation is rolled back and what had landed becomes the sum's first term. Later steps
+  expect as many arrivals (``arrival_counts.ArrivalCounts``), so they launch at the last;
 - tail buckets, and every bucket under replicas (whose averaging needs the gradients on the
   device), add up in their device staging buffer, in fp32 when accumulating.
 A param that got no gradient in a step is not updated at all (see ``Bucket.update_runs``).
@@ -26,30 +23,126 @@ A param that got no gradient in a step is not updated at all (see ``Bucket.updat
 
 from __future__ import annotations
 
-import logging
+import weakref
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
+from .arrival_counts import ArrivalCounts
 from .bucket import Bucket
+from .cast_policy import CastPlan
 from .checks import check_dense_grad
+from .link import Link
+from .replicas import Replicas
+from .stv import Stv
 
-logger = logging.getLogger("hf_superoffload")
+
+class ForwardWatch(Protocol):
+    """What guards forwards while speculated params are in flight (``ForwardWaits``)."""
+
+    def start(self) -> None:
+        """A bucket is about to speculate: forwards from now on must reopen it first."""
+
+    def stop(self) -> None:
+        """The step is over (or its gradients discarded): nothing speculated is in flight."""
 
 
 class GradArrival:
+    """Stages gradients into buckets, launches complete buckets to the STV core, and sums
+    repeated arrivals. It owns the params' gradient hooks, the arrival counts (``counts``),
+    which buckets reopened or flushed this step, and the device squared norms of launched
+    buckets. Of the others it touches only: each bucket's per-step arrival fields
+    (``staged``, ``arrived``, ``present``, ``last_seen``, ``launched``, ``summing``,
+    ``contributed``, ``staging``; ``grad_sum`` through ``start_summing``); the STV core's
+    ``launch``, ``accumulate``, ``retract``, ``abandon``, waits, ``host_sq_norms`` and
+    ``stats.bytes_d2h``; the replicas' collectives; and ``watch``'s start and stop. The
+    buckets and the slot map (``id(param)`` -> bucket and index in it) are read only."""
+
+    def __init__(
+        self,
+        *,
+        params: list[torch.nn.Parameter],
+        buckets: list[Bucket],
+        slot: dict[int, tuple[Bucket, int]],
+        link: Link,
+        replicas: Replicas,
+        stv: Stv,
+        cast: CastPlan,
+        accumulation_steps: int,
+        watch: ForwardWatch,
+    ):
+        self._buckets, self._slot = buckets, slot  # read only: which bucket holds a param
+        self._link, self._replicas, self._stv, self._cast = link, replicas, stv, cast
+        self._watch = watch
+        # When a param's last arrival of the step comes; replicas learn it from their first
+        # step, which launches every bucket at step() (they cannot reopen an averaged one).
+        self.counts = ArrivalCounts(slot, accumulation_steps, learning=replicas.distributed)
+        self._reopened = False  # a bucket got more gradients after it launched, this step
+        self._flushed = False  # step() (or clip_grad_norm_) launched the rest already
+        self._next_launch = 0
+        self._sq_norms = torch.zeros(len(buckets), device=link.device)
+        this = weakref.ref(self)  # the params' hooks must not keep the part alive
+        self.handles = [p.register_post_accumulate_grad_hook(_grad_hook(this)) for p in params]
+
+    # ------------------------------------------------------------------------ the interface
+
+    @property
+    def any_arrived(self) -> bool:
+        """Whether some gradient arrived since the step began."""
+        return self.counts.any
+
+    def set_boundary(self, is_boundary: bool | None) -> None:
+        """The coming backward ends an accumulation window (True), does not (False), or
+        nobody says (None: count arrivals)."""
+        self.counts.set_boundary(is_boundary)
+
+    def total_norm(self) -> torch.Tensor:
+        """The step's pre-clip global gradient norm: buckets still unlaunched are launched
+        first (``_flush_unlaunched``), and the current stream waits for the norms."""
+        self._flush_unlaunched()
+        if self._link.is_cuda:
+            torch.cuda.current_stream(self._link.device).wait_stream(self._link.d2h_stream)
+        total = self._sq_norms.sum()
+        summing = [b.index for b in self._buckets if b.summing]
+        if summing:  # the host sums' norms, waited for: counted as exposed CPU time
+            self._stv.wait_for_tasks(summing)
+            host = self._stv.host_sq_norms[summing].sum()
+            total = total + host.to(total.device)
+        return total.sqrt()
+
+    def end_step(self) -> None:
+        """step() has validated: learn the firings from this step, start the next."""
+        self.counts.learn(self._reopened, self._replicas)
+        self._reset_arrivals()
+        self._sq_norms.zero_()
+
+    def discard(self) -> None:
+        """Drop this step's gradients so far (zero_grad before step, a refused step, a
+        take-over): buckets that speculated on them are rolled back, the next arrival starts
+        afresh."""
+        self._stv.abandon(b for b in self._buckets if not b.on_device)
+        self._reset_arrivals()
+        with self._link.d2h():
+            self._sq_norms.zero_()
+
+    def before_forward(self, buckets: list[Bucket]) -> None:
+        """A module is about to run: wait for its params' updates. A forward between
+        backward and step() (an accumulation pass nobody announced, a shared weight recomputed
+        under reentrant checkpointing) must not see speculative values: its buckets' are rolled
+        back first, and their gradients summed with what comes next."""
+        for bucket in buckets:
+            if bucket.launched and bucket.speculated_with is not None:
+                self._reopen(bucket)
+        self._stv.wait_for(buckets)
+
     # ------------------------------------------------------------------------ the hook
 
-    def _on_grad(self, param: torch.nn.Parameter) -> None:
+    def on_grad(self, param: torch.nn.Parameter) -> None:
+        """A param's gradient is accumulated (its post-accumulate-grad hook)."""
         check_dense_grad(param, param.grad)
-        key = id(param)
-        bucket, i = self._slot[key]
-        self._micro[key] += 1
-        self._pass_arrivals[key] = self._pass_arrivals.get(key, 0) + 1
-        last = self._boundary_override
-        if last is None:
-            last = self._micro[key] >= self._firings.get(key, self.gradient_accumulation_steps)
-        elif last:  # the window's last pass: its last arrival, as learned (once by default)
-            last = self._pass_arrivals[key] >= self._boundary_firings.get(key, 1)
+        bucket, i = self._slot[id(param)]
+        last = self.counts.arrive(id(param))
         with torch.no_grad():
             if bucket.launched and bucket.speculated_with is not None:
                 self._refuse_gradient_after_speculation(bucket)
@@ -79,8 +172,8 @@ class GradArrival:
         numbers cannot be trusted, so the step is refused, restored to where it began."""
         if self._replicas.distributed:
             self._reopen(bucket)  # raises the replicas' own error, which says what to pass
-        self._discard_step()
-        self.synchronize()  # the rollbacks have landed: the params hold their old values
+        self.discard()
+        self._stv.synchronize(self._buckets)  # the rollbacks have landed: the old values
         raise RuntimeError(
             "SuperOffloadOptimizer: a gradient arrived for params whose update had already "
             "been started ahead of step(), and the pass that produced it may have read the "
@@ -93,14 +186,6 @@ class GradArrival:
             "each backward() that does not end the step (True before the one that does); "
             "then call zero_grad() and run the step again."
         )
-
-    def _discard_step(self) -> None:
-        """Drop this step's gradients so far (zero_grad before step, or a refused step):
-        buckets that speculated on them are rolled back, the next arrival starts afresh."""
-        self._stv.abandon(b for b in self._buckets if not b.on_device)
-        self._reset_arrivals()
-        with self._link.d2h():
-            self._sq_norms.zero_()
 
     def _send_round(self, bucket: Bucket) -> None:
         """Add this round's gradients to the bucket's host sum and begin the next round."""
@@ -156,10 +241,7 @@ class GradArrival:
     def _accumulating_on_device(self) -> bool:
         """Replicas sum arrivals in the device staging buffer: in fp32 when they expect more
         than one."""
-        if not self._replicas.distributed:
-            return False
-        many = self.gradient_accumulation_steps > 1 or self._boundary_override is False
-        return many or self._learning_firings or bool(self._firings or self._boundary_firings)
+        return self._replicas.distributed and self.counts.expects_many
 
     # ------------------------------------------------------------------------ launching
 
@@ -171,7 +253,7 @@ class GradArrival:
         if not self._replicas.distributed:
             self._launch(bucket, last=True)
             return
-        if self._learning_firings:  # the first step: every bucket waits for step()'s flush
+        if self.counts.learning:  # the first step: every bucket waits for step()'s flush
             return
         while self._next_launch < len(self._buckets):
             ready = self._buckets[self._next_launch]
@@ -199,7 +281,7 @@ class GradArrival:
                 self._stv.worker.wait([bucket.index])  # the host buffer is free again
                 bucket.host_grad.copy_(staging, non_blocking=True)
                 self._link.keep_alive_on_d2h(staging)
-                self.stats_counters.bytes_d2h += staging.numel() * staging.element_size()
+                self._stv.stats.bytes_d2h += staging.numel() * staging.element_size()
             event = self._link.record()
         if summing:
             total = bucket.start_summing()
@@ -211,19 +293,9 @@ class GradArrival:
         if not bucket.on_device:
             bucket.staging = None  # the next step allocates afresh; a tail keeps its fp32 grads
             if hand_over:
-                self._watch_all_forwards()  # before any forward may read a speculated param
+                self._watch.start()  # before any forward may read a speculated param
                 self._stv.launch(bucket, event)
         return event
-
-    def _before_forward(self, buckets: list[Bucket]) -> None:
-        """A module is about to run: wait for its params' updates. A forward between
-        backward and step() (an accumulation pass nobody announced, a shared weight recomputed
-        under reentrant checkpointing) must not see speculative values: its buckets' are rolled
-        back first, and their gradients summed with what comes next."""
-        for bucket in buckets:
-            if bucket.launched and bucket.speculated_with is not None:
-                self._reopen(bucket)
-        self._stv.wait_for(buckets)
 
     def _reopen(self, bucket: Bucket) -> None:
         """More gradients for a bucket that launched as complete: its step must use the sum.
@@ -291,69 +363,22 @@ class GradArrival:
         for bucket in self._buckets:
             bucket.present = [next(agreed) for _ in bucket.plan.params]
 
-    def _sq_norm_total(self) -> torch.Tensor:
-        """The step's squared global gradient norm: device norms, plus the host sums' norms
-        (waited for: counted as exposed CPU time)."""
-        total = self._sq_norms.sum()
-        summing = [b.index for b in self._buckets if b.summing]
-        if summing:
-            self._stv.wait_for_tasks(summing)
-            host = self._stv.host_sq_norms[summing].sum()
-            total = total + host.to(total.device)
-        return total
-
     def _reset_arrivals(self) -> None:
         """The step is over (or its gradients discarded): the next arrival starts a new one."""
         for bucket in self._buckets:
             bucket.reset_for_next_step()
-        self._micro = dict.fromkeys(self._micro, 0)
-        self._pass_arrivals.clear()
+        self.counts.reset()
         self._reopened = self._flushed = False
         self._next_launch = 0  # replicas launch buckets in order (see _launch_complete)
-        self._stop_watching_forwards()
+        self._watch.stop()
 
-    def _learn_firings(self) -> None:
-        """After a step that reopened buckets (gradients arrived after their bucket launched):
-        expect as many arrivals from now on, so later steps launch each bucket once, at its
-        last arrival. Counted per step when nobody said when the last arrives; per boundary
-        pass when the boundary was announced (a hook firing more than once in that backward).
-        Replicas learn from their first step instead, which launched every bucket at step():
-        the counts agreed over the ranks (the largest), so every rank launches each bucket
-        after the same arrival."""
-        learning = self._learning_firings and self._boundary_override is not False
-        if not (self._reopened or learning) or self._boundary_override is False:
-            return
-        self._learning_firings = False
-        if self._boundary_override:
-            counts, learned_so_far, expected = self._pass_arrivals, self._boundary_firings, 1
-        else:
-            counts, learned_so_far = self._micro, self._firings
-            expected = self.gradient_accumulation_steps
-        if learning:
-            keys = list(self._slot)
-            agreed = self._replicas.maxima([counts.get(k, 0) for k in keys])
-            counts = dict(zip(keys, agreed, strict=True))
-        learned = {k: n for k, n in counts.items() if n > learned_so_far.get(k, expected)}
-        if not learned:
-            return
-        learned_so_far.update(learned)
-        if self._boundary_override:
-            logger.info(
-                "hf_superoffload: a gradient hook fired %d times in one announced last "
-                "backward pass (a shared weight under reentrant checkpointing, say), after its "
-                "bucket had left for the CPU: that step's speculation was rolled back and the "
-                "gradients summed. Later boundary passes expect as many.",
-                max(learned.values()),
-            )
-            return
-        if not self._told_about_firings:
-            self._told_about_firings = True
-            logger.info(
-                "hf_superoffload: gradients arrived %d times per step() for some params after "
-                "their bucket had left for the CPU: the early speculative update was rolled "
-                "back before the next forward read the params, and the gradients were summed "
-                "(the step equals AdamW's on the sum). Later steps expect as many arrivals; "
-                "pass gradient_accumulation_steps=<backward calls per step> or call "
-                "set_accumulation_boundary() before each backward to skip that rollback.",
-                max(learned.values()),
-            )
+
+def _grad_hook(this: weakref.ref) -> Callable[[torch.nn.Parameter], None]:
+    """A post-accumulate-grad hook that holds its part weakly."""
+
+    def hook(param: torch.nn.Parameter) -> None:
+        arrival = this()
+        if arrival is not None:
+            arrival.on_grad(param)
+
+    return hook

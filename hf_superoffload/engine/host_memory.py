@@ -24,6 +24,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from .. import env
 from .replicas import PeerRankError, latest_generation, published_failures
 
 PAGE = mmap.PAGESIZE
@@ -100,14 +101,14 @@ class HostMemoryError(MemoryError):
 
 # Where MemAvailable undercounts: VMs whose memory grows as it is used (a balloon or hotplug
 # starts them at a fraction: one 256 GiB machine here read 31 GiB), the user says the figure.
-HOST_MEMORY_ENV = "SUPEROFFLOAD_HOST_MEMORY_GIB"
+HOST_MEMORY_ENV = "HF_SUPEROFFLOAD_HOST_MEMORY_GIB"
 
 
 def host_bytes_available() -> int:
     """Bytes of host memory this process can still take, pinned or pageable: the kernel's
     ``MemAvailable``, or less where a container's memory limit (cgroup v2 or v1) leaves less;
-    ``SUPEROFFLOAD_HOST_MEMORY_GIB`` replaces both where set."""
-    override = os.environ.get(HOST_MEMORY_ENV)
+    ``HF_SUPEROFFLOAD_HOST_MEMORY_GIB`` replaces both where set."""
+    override = env.read(HOST_MEMORY_ENV)
     if override:
         try:
             gib = float(override)

@@ -2,14 +2,19 @@
 speculatively during backward and validated afterwards (see stv.py).
 
 Life of a step (one GPU; with no GPU the same runs on CPU tensors, copies in place of streams):
-1. Backward: a post-accumulate-grad hook stages each param's final gradient into its bucket.
-   When a bucket is complete its partial squared norm is computed on the device and its
-   gradients leave for pinned host memory on a side stream; the worker thread then runs the
-   CPU Adam on it *speculatively* and sends the updated params back on another stream.
-2. step(): the global norm decides: commit, or replay every speculated bucket with the clip
-   coefficient (one fused pass), or roll everything back (non-finite gradients). The tail
-   buckets (first layers, last to get gradients) step on the device with torch's fused AdamW.
-3. The next forward waits, per module, only for the buckets it is about to use.
+1. Backward (``_arrival``, grad_arrival.py): a post-accumulate-grad hook stages each param's
+   final gradient into its bucket. When a bucket is complete its partial squared norm is
+   computed on the device and its gradients leave for pinned host memory on a side stream;
+   the worker thread then runs the CPU Adam on it *speculatively* and sends the updated
+   params back on another stream.
+2. step(): the global norm decides (``_stv``, stv.py): commit, or replay every speculated
+   bucket with the clip coefficient (one fused pass), or roll everything back (non-finite
+   gradients). The tail buckets (first layers, last to get gradients) step on the device with
+   torch's AdamW (``_tail``, tail_moves.py, which also moves buckets there and back).
+3. The next forward waits, per module, only for the buckets it is about to use (``_waits``,
+   forward_waits.py).
+Each part owns its state and is built with exactly what it may touch (``_compose``); the
+optimizer owns the param groups, the buckets, the link, the replicas and the STV core.
 
 Exactness: commits and replays equal AdamW + clip_grad_norm_ to fp32 rounding (the replay's
 error is a few ulp of the terms of the undone step, see ops/adam.py; speculating with the
@@ -22,7 +27,6 @@ within the rollback's rounding for buckets speculated before the bad one arrived
 from __future__ import annotations
 
 import inspect
-import logging
 import weakref
 from collections.abc import Iterable
 
@@ -32,34 +36,30 @@ from .. import ops
 from . import clip_routing, ownership, state_io
 from .adamw_switches import check_switches, without_switches
 from .bucket import Bucket
-from .buckets import plan_buckets
-from .cast_policy import CastPlan, choose_cast_plan
+from .cast_policy import choose_cast_plan, rank0_plan
 from .checks import (
     check_group,
     check_no_duplicates,
     check_option_values,
     check_options,
+    check_params_attached,
     common_device_and_dtype,
     default_cpu_threads,
     refuse_unknown_kwargs,
 )
-from .copy_out import CopyOutRing
-from .device_tail import DeviceTail
 from .forward_waits import ForwardWaits
 from .grad_arrival import GradArrival
-from .host_memory import STANDALONE_REMEDIES, check_host_memory, standalone_host_parts
+from .layout import lay_out
 from .link import Link
-from .placement import choose_device_buckets, make_tail_tuner
+from .placement import make_tail_tuner
 from .replicas import Replicas, closes_replicas_on_failure, shares_failures
 from .stv import Stv, Verdict, validate
-from .tail_moves import TailMoves
-
-logger = logging.getLogger("hf_superoffload")
+from .tail_moves import TailMoves, cap_bytes
 
 DEFAULT_BUCKET_SIZE = 1 << 25  # 33.5M elements: ~7 ms of CPU Adam on 16 cores
 
 
-class SuperOffloadOptimizer(GradArrival, TailMoves, ForwardWaits, torch.optim.Optimizer):
+class SuperOffloadOptimizer(torch.optim.Optimizer):
     @shares_failures  # with replicas, an error here ends the other ranks at once
     @closes_replicas_on_failure
     def __init__(
@@ -99,16 +99,8 @@ class SuperOffloadOptimizer(GradArrival, TailMoves, ForwardWaits, torch.optim.Op
             cpu_threads,
         )
         # torch.optim.AdamW's switches: no-op values accepted, others refused (adamw_switches.py).
-        check_switches(
-            {
-                "amsgrad": amsgrad,
-                "maximize": maximize,
-                "foreach": foreach,
-                "fused": fused,
-                "capturable": capturable,
-                "differentiable": differentiable,
-            }
-        )
+        switches = dict(amsgrad=amsgrad, maximize=maximize, foreach=foreach, fused=fused)
+        check_switches({**switches, "capturable": capturable, "differentiable": differentiable})
         # Not a pair (betas=0.9, say): check_group refuses it with what to pass.
         pair = tuple(betas) if isinstance(betas, (tuple, list)) else betas
         defaults = {"lr": lr, "betas": pair, "eps": eps, "weight_decay": weight_decay}
@@ -118,10 +110,8 @@ class SuperOffloadOptimizer(GradArrival, TailMoves, ForwardWaits, torch.optim.Op
         for group in self.param_groups:
             check_group(group)
         self.max_grad_norm = max_grad_norm or None
-        self.gradient_accumulation_steps = gradient_accumulation_steps
         self.global_grad_norm: float | None = None
         self.last_step_skipped = False
-        self._boundary_override: bool | None = None
         self._taken_over = False  # another optimizer took the params over (ownership.py)
 
         trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
@@ -140,45 +130,21 @@ class SuperOffloadOptimizer(GradArrival, TailMoves, ForwardWaits, torch.optim.Op
         self._replicas.broadcast_([p.data for p in trainable])
 
         self._link = Link(device)
-        self._cast = choose_cast_plan(cast, device, dtype)
-        if self._replicas.distributed:  # one plan: it sets the dtype every rank reduces in
-            grads, params = self._replicas.from_rank0(
-                [self._cast.grads_on_device, self._cast.params_on_device]
-            )
-            self._cast = CastPlan(bool(grads), bool(params), f"rank 0's: {self._cast.reason}")
-        order = {id(p): i for i, p in enumerate(model.parameters())} if model is not None else None
-        plans = plan_buckets(self.param_groups, bucket_size, order)
-        self.gpu_memory_cap = gpu_memory_cap
-        n_device = int(
-            self._replicas.agree(
-                choose_device_buckets(gpu_buckets, plans, device, self.gpu_memory_cap_bytes),
-                "min",
-            )
+        self._cast = rank0_plan(choose_cast_plan(cast, device, dtype), self._replicas)
+        cap = cap_bytes(gpu_memory_cap)
+        layout = lay_out(
+            self.param_groups,
+            model,
+            bucket_size=bucket_size,
+            gpu_buckets=gpu_buckets,
+            cap_bytes=cap,
+            accumulating=gradient_accumulation_steps > 1,
+            link=self._link,
+            replicas=self._replicas,
+            cast=self._cast,
+            dtype=dtype,
         )
-        first_device = len(plans) - n_device
-        host_numel = sum(p.numel for p in plans if p.index < first_device or not self._link.is_cuda)
-        accumulating = gradient_accumulation_steps > 1
-        parts = standalone_host_parts(host_numel, dtype, self._cast, accumulating)
-        check_host_memory(parts, STANDALONE_REMEDIES)  # before allocating, not OOM-killed later
-        self._buckets = [
-            Bucket(plan, self._link, plan.index >= first_device, self._cast) for plan in plans
-        ]
-        self._slot = {
-            id(p): (bucket, i) for bucket in self._buckets for i, p in enumerate(bucket.plan.params)
-        }
-        self._micro = dict.fromkeys(self._slot, 0)  # gradient arrivals this step, per param
-        self._firings: dict[int, int] = {}  # learned arrivals per step (see GradArrival)
-        # Arrivals in the backward pass announced by set_accumulation_boundary, and those
-        # learned for a boundary pass (a hook that fires twice in one backward).
-        self._pass_arrivals: dict[int, int] = {}
-        self._boundary_firings: dict[int, int] = {}
-        self._told_about_firings = False
-        # Replicas cannot reopen a bucket already averaged with the other ranks, so their first
-        # step launches every bucket at step() and counts the arrivals (GradArrival).
-        self._learning_firings = self._replicas.distributed
-        self._reopened = self._flushed = False
-        self._next_launch = 0
-        self._sq_norms = torch.zeros(len(self._buckets), device=device)
+        self._buckets, self._slot = layout.buckets, layout.slot  # slot: id(param) -> (bucket, i)
         this = weakref.ref(self)  # hooks and the STV core must not keep the optimizer alive
         self._stv = Stv(
             self._link,
@@ -186,25 +152,37 @@ class SuperOffloadOptimizer(GradArrival, TailMoves, ForwardWaits, torch.optim.Op
             len(self._buckets),
             speculate=speculate,
             speculate_after_clip=speculate_after_clip,
-            copy_out=self._copy_out_ring(plans, dtype),
+            copy_out=layout.copy_out,
         )
         self._stv.clip_threshold = self.max_grad_norm
         self._stv.worker.publish = self._replicas.publish_failure  # this optimizer's failure
         self.stats_counters = self._stv.stats
-        self._tail = DeviceTail()
-        for bucket in self._buckets:
-            if bucket.on_device:
-                self._tail.register(bucket)
-        self._tuner = make_tail_tuner(gpu_buckets, device)
-        self._hooks = [p.register_post_accumulate_grad_hook(_grad_hook(this)) for p in trainable]
-        if model is not None:
-            self._hooks += self._install_forward_waits(model)
-        self._waits_in_forward = model is not None
-        self._forward_watch = None  # without model=: see ForwardWaits._watch_all_forwards
+        tuner = make_tail_tuner(gpu_buckets, device)
+        self._compose(trainable, model, gradient_accumulation_steps, tuner, cap)
+        hooks, ids = [self._arrival.handles, self._waits.handles], list(self._slot)
         self._finalizer = weakref.finalize(
-            self, _shutdown, self._stv, self._hooks, self._link, list(self._slot), self._replicas
+            self, _shutdown, self._stv, hooks, self._link, ids, self._replicas
         )
         clip_routing.install()  # torch's clip_grad_norm_ over our params clips through us
+
+    def _compose(self, params, model, accumulation_steps: int, tuner, cap: int | None) -> None:
+        """Build the parts over ``self._buckets``: the forward waits, the gradient arrival
+        (which starts and stops the waits' watch) and the device tail."""
+        self._waits = ForwardWaits(
+            slot=self._slot, before_forward=_before_forward(weakref.ref(self)), model=model
+        )
+        shared = dict(
+            buckets=self._buckets, link=self._link, replicas=self._replicas, stv=self._stv
+        )
+        self._arrival = GradArrival(
+            **shared,
+            params=params,
+            slot=self._slot,
+            cast=self._cast,
+            accumulation_steps=accumulation_steps,
+            watch=self._waits,
+        )
+        self._tail = TailMoves(**shared, tuner=tuner, cap_bytes=cap)
 
     # ----------------------------------------------------------------------------- public API
 
@@ -218,16 +196,37 @@ class SuperOffloadOptimizer(GradArrival, TailMoves, ForwardWaits, torch.optim.Op
             **self.stats_counters.as_dict(),
             "buckets": len(self._buckets),
             "device_buckets": sum(b.on_device for b in self._buckets),
-            "device_params": self._device_elements(),
-            "tail_tuning": int(self._tuner is not None and self._tuner.active),
+            "device_params": self._tail.device_elements(),
+            "tail_tuning": int(self._tail.tuning),
         }
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        """Backward passes per step() unless ``set_accumulation_boundary`` says otherwise."""
+        return self._arrival.counts.accumulation_steps
+
+    @property
+    def gpu_memory_cap(self) -> float | None:
+        """Most GPU memory (GiB) the tail buckets' optimizer state may hold, or None. Lowering
+        it between steps gives buckets back at the next step()."""
+        cap = self._tail.cap_bytes
+        return None if cap is None else cap / 2**30
+
+    @gpu_memory_cap.setter
+    def gpu_memory_cap(self, gib: float | None) -> None:
+        self._tail.cap_bytes = cap_bytes(gib)
+
+    def release_device_tail(self, reason: str) -> int:
+        """Move every tail bucket that ``auto`` may move back to the host and return the
+        allocator's cached blocks to the driver (the CUDA out-of-memory recovery); later
+        growth stays below what the tail held before. Returns the elements moved."""
+        return self._tail.release(reason)
 
     @ownership.in_use
     def set_accumulation_boundary(self, is_boundary: bool | None) -> None:
         """Say whether the coming backward ends an accumulation window (integrations know this
         from accelerate's ``sync_gradients``); None returns to counting backward passes."""
-        self._boundary_override = is_boundary
-        self._pass_arrivals.clear()  # a new backward pass is announced
+        self._arrival.set_boundary(is_boundary)
 
     @ownership.in_use
     def clip_grad_norm_(self, max_norm: float | None = None) -> torch.Tensor:
@@ -238,9 +237,7 @@ class SuperOffloadOptimizer(GradArrival, TailMoves, ForwardWaits, torch.optim.Op
         """
         if max_norm is not None:
             self.max_grad_norm = max_norm or None
-        self._flush_unlaunched()
-        self._device_waits_for_d2h()
-        return self._sq_norm_total().sqrt()
+        return self._arrival.total_norm()
 
     @ownership.in_use
     def trainable_params(self) -> list[torch.nn.Parameter]:
@@ -252,9 +249,8 @@ class SuperOffloadOptimizer(GradArrival, TailMoves, ForwardWaits, torch.optim.Op
         """Discard the gradients of this step so far, as AdamW's zero_grad does: buckets that
         already speculated on them are rolled back, and the next backward starts afresh."""
         super().zero_grad(set_to_none)  # params whose gradients we do not take (frozen ones)
-        if not any(self._micro.values()):
-            return  # nothing arrived since the last step (the usual call)
-        self._discard_step()
+        if self._arrival.any_arrived:  # else nothing arrived since the last step (the usual)
+            self._arrival.discard()
 
     @shares_failures  # with replicas, a failure here is published, withdrawn when handled
     @ownership.in_use
@@ -265,23 +261,17 @@ class SuperOffloadOptimizer(GradArrival, TailMoves, ForwardWaits, torch.optim.Op
             with torch.enable_grad():
                 loss = closure()
         self._check_params_attached()
-        self._flush_unlaunched()
-        self._device_waits_for_d2h()
-        result = validate(self._sq_norm_total().sqrt(), self.max_grad_norm)
+        result = validate(self._arrival.total_norm(), self.max_grad_norm)
         self.global_grad_norm = result.total_norm
         self.last_step_skipped = result.verdict is Verdict.SKIP
         # Forward order (first layers first): the next forward needs those first.
         self._stv.conclude(result, [b for b in reversed(self._buckets) if not b.on_device])
         if result.verdict is not Verdict.SKIP:
-            tail = [b for b in self._buckets if b.on_device]
-            self._tail.step(tail, [self._stv.hyper(b, b.step + 1) for b in tail], result.clip_coef)
-        self._learn_firings()
-        self._reset_arrivals()
-        self._sq_norms.zero_()
-        if not self._waits_in_forward:
+            self._tail.step(result.clip_coef)
+        self._arrival.end_step()
+        if not self._waits.per_module:
             self.synchronize()
-        if self._tuner is not None or self.gpu_memory_cap_bytes is not None:
-            self._tune_device_tail()
+        self._tail.after_step()
         return loss
 
     @ownership.in_use
@@ -293,7 +283,7 @@ class SuperOffloadOptimizer(GradArrival, TailMoves, ForwardWaits, torch.optim.Op
     def master_state(self, param: torch.nn.Parameter) -> dict:
         """Copies of the fp32 master, both moments and the step count of ``param``."""
         self.synchronize()
-        return self._param_state(param)
+        return state_io.param_state(self, param)
 
     def manages(self, param: torch.Tensor) -> bool:
         """Whether this optimizer steps ``param`` (and so holds its fp32 master)."""
@@ -324,27 +314,13 @@ class SuperOffloadOptimizer(GradArrival, TailMoves, ForwardWaits, torch.optim.Op
             )
         return slot
 
-    def _param_state(self, param: torch.nn.Parameter) -> dict:
-        return state_io.param_state(self, param)
-
     @ownership.in_use
     def state_dict(self) -> dict:
-        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
-            pre_hook(self)
-        state = state_io.state_dict(self)
-        for post_hook in self._optimizer_state_dict_post_hooks.values():
-            changed = post_hook(self, state)
-            state = state if changed is None else changed
-        return state
+        return state_io.state_dict(self)
 
     @ownership.in_use
     def load_state_dict(self, state_dict: dict) -> None:
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            changed = pre_hook(self, state_dict)
-            state_dict = state_dict if changed is None else changed
         state_io.load_state_dict(self, state_dict)
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_buckets", None) is not None:
@@ -355,10 +331,7 @@ class SuperOffloadOptimizer(GradArrival, TailMoves, ForwardWaits, torch.optim.Op
             )
         super().add_param_group(param_group)
 
-    def __deepcopy__(self, memo):
-        raise TypeError(_NOT_COPYABLE)
-
-    def __reduce_ex__(self, protocol):
+    def __reduce_ex__(self, protocol):  # copy.deepcopy and copy.copy come here too
         raise TypeError(_NOT_COPYABLE)
 
     def close(self) -> None:
@@ -369,11 +342,12 @@ class SuperOffloadOptimizer(GradArrival, TailMoves, ForwardWaits, torch.optim.Op
         """A newer optimizer takes these params over (``ownership.claim``): a step begun is
         rolled back (the params get their values from before it), the worker stops, the hooks
         go, and the buffers are dropped before the newer one allocates its own."""
-        if any(self._micro.values()):
-            self._discard_step()
+        if self._arrival.any_arrived:
+            self._arrival.discard()
         self.close()
         self._taken_over = True
-        self._buckets, self._slot, self._micro, self._tail = [], {}, {}, DeviceTail()
+        self._buckets, self._slot = [], {}  # parts over no buckets: every buffer goes
+        self._compose([], None, self.gradient_accumulation_steps, None, self._tail.cap_bytes)
 
     def __enter__(self):
         return self
@@ -381,26 +355,8 @@ class SuperOffloadOptimizer(GradArrival, TailMoves, ForwardWaits, torch.optim.Op
     def __exit__(self, *exc):
         self.close()
 
-    def _device_waits_for_d2h(self) -> None:
-        if self._link.is_cuda:
-            torch.cuda.current_stream(self._link.device).wait_stream(self._link.d2h_stream)
-
-    def _copy_out_ring(self, plans, dtype: torch.dtype) -> CopyOutRing | None:
-        """Where the kernel writes rounded params when they cross in the model dtype: one
-        small ring for all buckets (any bucket may be on the host; "auto" moves them)."""
-        if dtype == torch.float32 or self._cast.params_on_device:
-            return None
-        return CopyOutRing(self._link, max(p.numel for p in plans), dtype)
-
     def _check_params_attached(self) -> None:
-        moved = [b for b in self._buckets if b.plan.params[0].data_ptr() != b.first_param_ptr]
-        if moved:
-            raise RuntimeError(
-                f"the model's parameters no longer live in SuperOffloadOptimizer's buffers "
-                f"({len(moved)} of {len(self._buckets)} buckets): something copied them after "
-                f"the optimizer was built (model.to(...), a wrapper); the updates would never "
-                f"reach the model. Move or wrap the model first, then build the optimizer."
-            )
+        check_params_attached(self._buckets)
 
 
 # The constructor's keyword names (a misspelled one gets the closest of these).
@@ -417,22 +373,26 @@ _NOT_COPYABLE = (
 )
 
 
-def _grad_hook(this: weakref.ref):
-    """A post-accumulate-grad hook that holds its optimizer weakly."""
+def _before_forward(this: weakref.ref):
+    """The forward waits' way to the gradient arrival part, holding the optimizer weakly (the
+    model's hooks must not keep it alive)."""
 
-    def hook(param: torch.nn.Parameter) -> None:
+    def wait(buckets: list) -> None:
         optimizer = this()
         if optimizer is not None:
-            optimizer._on_grad(param)
+            optimizer._arrival.before_forward(buckets)
 
-    return hook
+    return wait
 
 
-def _shutdown(stv: Stv, hooks: list, link: Link, param_ids: list[int], replicas: Replicas) -> None:
+def _shutdown(
+    stv: Stv, hooks: list[list], link: Link, param_ids: list[int], replicas: Replicas
+) -> None:
     replicas.close()
-    for handle in hooks:
-        handle.remove()
-    hooks.clear()
+    for handles in hooks:  # each part's hooks (a list the part still adds to and removes from)
+        for handle in handles:
+            handle.remove()
+        handles.clear()
     ownership.release(param_ids)
     stv.close()
     link.close()  # after the worker: its last tasks may still use the host buffers

@@ -1,5 +1,6 @@
-"""Moving buckets between the host and the device tail while training runs: a mixin of
-SuperOffloadOptimizer, which owns the buckets, the tail, the tuner and the replicas.
+"""The device tail of the standalone optimizer: the tail buckets' validated step on the
+device (``device_tail.DeviceTail``, torch's AdamW), and moving buckets between the host and the
+device while training runs.
 
 After each step the tuner (tail_tuner.TailTuner, ``gpu_buckets="auto"`` on a GPU) says how
 many elements the device should step more (the GPU waited for the CPU) or fewer (a smaller
@@ -18,49 +19,84 @@ import time
 import torch
 
 from .bucket import Bucket
+from .device_tail import DeviceTail
+from .link import Link
 from .placement import (
     DEVICE_BYTES_PER_ELEMENT,
     LEAN_SHARE,
     device_headroom_bytes,
     lean_tail_elements,
 )
+from .replicas import Replicas
+from .stv import Stv
+from .tail_tuner import TailTuner
 
 logger = logging.getLogger("hf_superoffload")
 
 
+def cap_bytes(gib: float | None) -> int | None:
+    """``gpu_memory_cap`` (GiB, or None: no cap) in bytes, refused unless a number >= 0."""
+    if gib is not None and (isinstance(gib, bool) or not isinstance(gib, (int, float)) or gib < 0):
+        raise ValueError(
+            f"gpu_memory_cap must be a number of GiB >= 0 or None (no cap), got {gib!r}."
+        )
+    return None if gib is None else int(gib * 2**30)
+
+
 class TailMoves:
-    # auto's default budget (placement.LEAN_SHARE), measured before its first growth.
-    _lean_elements: float | None = None
+    """Owns the device AdamW over the tail buckets, the tuner (``gpu_buckets="auto"`` on a
+    GPU, else None), the cap in bytes and auto's lean budget. Of the others it touches only:
+    which buckets are on the device (``Bucket.move_to_device``/``move_to_host``), the STV
+    core's worker (waited for before a move), ``host.elements_stepped``, ``hyper`` and
+    ``stats``, and the replicas' agreement."""
+
+    def __init__(
+        self,
+        *,
+        buckets: list[Bucket],
+        link: Link,
+        replicas: Replicas,
+        stv: Stv,
+        tuner: TailTuner | None,
+        cap_bytes: int | None,
+    ):
+        self._buckets, self._link, self._replicas, self._stv = buckets, link, replicas, stv
+        self.tuner = tuner
+        self.cap_bytes = cap_bytes  # most bytes of tail state (gpu_memory_cap), or None
+        self._lean_elements: float | None = None  # auto's default budget, measured once
+        self._adamw = DeviceTail()
+        for bucket in buckets:
+            if bucket.on_device:
+                self._adamw.register(bucket)
 
     @property
-    def gpu_memory_cap(self) -> float | None:
-        """Most GPU memory (GiB) the tail buckets' optimizer state may hold, or None. Lowering
-        it between steps gives buckets back at the next step()."""
-        cap = self.gpu_memory_cap_bytes
-        return None if cap is None else cap / 2**30
+    def tuning(self) -> bool:
+        """``auto`` is growing the tail or probing a smaller one (not settled yet)."""
+        return self.tuner is not None and self.tuner.active
 
-    @gpu_memory_cap.setter
-    def gpu_memory_cap(self, gib: float | None) -> None:
-        if gib is not None and (
-            isinstance(gib, bool) or not isinstance(gib, (int, float)) or gib < 0
-        ):
-            raise ValueError(
-                f"gpu_memory_cap must be a number of GiB >= 0 or None (no cap), got {gib!r}."
-            )
-        self.gpu_memory_cap_bytes = None if gib is None else int(gib * 2**30)
+    def step(self, coef: float) -> None:
+        """The validated step of every tail bucket, with the clip coefficient applied."""
+        tail = [b for b in self._buckets if b.on_device]
+        self._adamw.step(tail, [self._stv.hyper(b, b.step + 1) for b in tail], coef)
 
-    def _tune_device_tail(self) -> None:
+    def set_step(self, bucket: Bucket) -> None:
+        """A tail bucket's step counts were loaded: the device AdamW takes them over."""
+        self._adamw.set_step(bucket)
+
+    def after_step(self) -> None:
         """Apply the cap, then the tuner's verdict on the step just taken."""
+        if self.tuner is None and self.cap_bytes is None:
+            return
         want = self._cap_excess_elements()
-        if want == 0 and self._tuner is not None:
-            stats = self.stats_counters
-            want = self._tuner.decide(
+        if want == 0 and self.tuner is not None:
+            stats = self._stv.stats
+            want = self.tuner.decide(
                 time.perf_counter(),
                 stats.exposed_cpu_seconds,
                 stats.cpu_step_seconds,
                 self._stv.host.elements_stepped,
                 sum(b.plan.numel for b in self._buckets if not b.on_device),
-                self._device_elements(),
+                self.device_elements(),
             )
         if self._replicas.distributed:
             # Every rank moves the same buckets: one placement, so one arithmetic per bucket.
@@ -68,38 +104,38 @@ class TailMoves:
         if want > 0:
             chosen = self._buckets_to_grow(want)
             if not chosen:
-                self._tuner.settle("device memory, gpu_memory_cap or the lean budget is full")
+                self.tuner.settle("device memory, gpu_memory_cap or the lean budget is full")
                 return
-            self._move_buckets(chosen, to_device=True, why="the GPU waited for the CPU")
+            self.move(chosen, to_device=True, why="the GPU waited for the CPU")
         elif want < 0:
             why = "over gpu_memory_cap" if self._cap_excess_elements() else "measured as fast"
-            self._move_buckets(self._buckets_to_give_back(-want), to_device=False, why=why)
+            self.move(self._buckets_to_give_back(-want), to_device=False, why=why)
 
-    def release_device_tail(self, reason: str) -> int:
+    def release(self, reason: str) -> int:
         """Move every tail bucket that ``auto`` may move back to the host and return the
         allocator's cached blocks to the driver (the CUDA out-of-memory recovery); later
         growth stays below what the tail held before. Returns the elements moved."""
         moved = [b for b in self._buckets if b.on_device]
-        if self._tuner is None or not moved:
+        if self.tuner is None or not moved:
             return 0
         held = sum(b.plan.numel for b in moved) * DEVICE_BYTES_PER_ELEMENT
-        cap = self.gpu_memory_cap_bytes
-        self.gpu_memory_cap_bytes = held // 2 if cap is None else min(cap, held // 2)
-        self._move_buckets(moved, to_device=False, why=reason)
-        self._tuner.settle(reason)
+        cap = self.cap_bytes
+        self.cap_bytes = held // 2 if cap is None else min(cap, held // 2)
+        self.move(moved, to_device=False, why=reason)
+        self.tuner.settle(reason)
         if self._link.is_cuda:
             torch.cuda.empty_cache()
         return sum(b.plan.numel for b in moved)
 
     # ------------------------------------------------------------------------ choosing
 
-    def _device_elements(self) -> int:
+    def device_elements(self) -> int:
         return sum(b.plan.numel for b in self._buckets if b.on_device)
 
     def _cap_excess_elements(self) -> int:
         """Minus the elements to give back to get under the cap (0 when under it)."""
-        cap = self.gpu_memory_cap_bytes
-        held = self._device_elements() * DEVICE_BYTES_PER_ELEMENT
+        cap = self.cap_bytes
+        held = self.device_elements() * DEVICE_BYTES_PER_ELEMENT
         if cap is None or held <= cap:
             return 0
         return -((held - cap + DEVICE_BYTES_PER_ELEMENT - 1) // DEVICE_BYTES_PER_ELEMENT)
@@ -108,12 +144,12 @@ class TailMoves:
         """Host buckets nearest the tail, about ``want`` elements, within the device headroom
         (the smallest over ranks) and the cap."""
         headroom = self._replicas.agree(device_headroom_bytes(self._link.device), "min")
-        if self.gpu_memory_cap_bytes is not None:
-            held = self._device_elements() * DEVICE_BYTES_PER_ELEMENT
-            headroom = min(headroom, self.gpu_memory_cap_bytes - held)
-        elif self._tuner is not None:
+        if self.cap_bytes is not None:
+            held = self.device_elements() * DEVICE_BYTES_PER_ELEMENT
+            headroom = min(headroom, self.cap_bytes - held)
+        elif self.tuner is not None:
             lean = self._lean_tail_elements()
-            headroom = min(headroom, (lean - self._device_elements()) * DEVICE_BYTES_PER_ELEMENT)
+            headroom = min(headroom, (lean - self.device_elements()) * DEVICE_BYTES_PER_ELEMENT)
         chosen, numel = [], 0
         for bucket in reversed(self._buckets):
             if numel >= want:
@@ -129,7 +165,7 @@ class TailMoves:
     def _lean_tail_elements(self) -> float:
         if self._lean_elements is None:  # once: later peaks include the grown tail
             params = sum(b.plan.numel for b in self._buckets)
-            lean = lean_tail_elements(self._link.device, params, self._device_elements())
+            lean = lean_tail_elements(self._link.device, params, self.device_elements())
             self._lean_elements = self._replicas.agree(lean, "min")
             if self._lean_elements != float("inf"):
                 logger.info(
@@ -157,7 +193,7 @@ class TailMoves:
 
     # ------------------------------------------------------------------------ moving
 
-    def _move_buckets(self, buckets: list[Bucket], to_device: bool, why: str) -> None:
+    def move(self, buckets: list[Bucket], to_device: bool, why: str) -> None:
         """Between steps: turn host buckets into tail buckets or back, state and all."""
         if not buckets:
             return
@@ -165,21 +201,21 @@ class TailMoves:
         for bucket in buckets:
             if to_device:
                 bucket.move_to_device(self._link)
-                self._tail.register(bucket)
+                self._adamw.register(bucket)
             else:
-                self._tail.unregister(bucket)
+                self._adamw.unregister(bucket)
                 bucket.move_to_host()
-        self.stats_counters.tail_moves += 1
+        self._stv.stats.tail_moves += 1
         logger.info(
             "hf_superoffload: gpu_buckets='auto' moved %d buckets (%.1fM params) to the %s after "
             "step %d (%s; the GPU waited %.3f s for the CPU last step); n' = %d of %d, %.2f GiB",
             len(buckets),
             sum(b.plan.numel for b in buckets) / 1e6,
             "device" if to_device else "host",
-            self.stats_counters.steps,
+            self._stv.stats.steps,
             why,
-            self._tuner.last_exposed if self._tuner is not None else 0.0,
+            self.tuner.last_exposed if self.tuner is not None else 0.0,
             sum(b.on_device for b in self._buckets),
             len(self._buckets),
-            self._device_elements() * DEVICE_BYTES_PER_ELEMENT / 2**30,
+            self.device_elements() * DEVICE_BYTES_PER_ELEMENT / 2**30,
         )

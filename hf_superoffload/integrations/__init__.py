@@ -9,7 +9,6 @@ import importlib as _importlib
 
 _LAZY = {
     "SuperOffloadOptions": ".plugin",
-    "SuperOffloadPlugin": ".plugin",
     "SuperOffloadArgumentsMixin": ".arguments",
     "SuperOffloadTrainingArguments": ".arguments",
     "SuperOffloadTrainer": ".trainer",

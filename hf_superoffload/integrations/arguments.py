@@ -1,6 +1,6 @@
 """SuperOffload options as training-argument fields, for TrainingArguments / SFTConfig / DPOConfig.
 
-Each field left at None falls back to the SUPEROFFLOAD_* environment variable, then to the
+Each field left at None falls back to the HF_SUPEROFFLOAD_* environment variable, then to the
 default (see plugin.SuperOffloadOptions), so the defaults need no tuning. The engine's options
 mirror the fields of SuperOffloadOptions; ``superoffload_save_dtype`` is the trainer's own (what
 ``save_model`` and checkpoints write), so it is not an optimizer option.
@@ -14,6 +14,7 @@ import os
 import torch
 from transformers import TrainingArguments
 
+from .. import env
 from .plugin import ENV_PREFIX, SuperOffloadOptions
 
 SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -22,15 +23,15 @@ SAVE_DTYPE_HELP = (
     "weights the optimizer keeps, what the plain Trainer writes for an fp32 model trained with "
     "bf16 autocast) or 'bfloat16' (half the size: the master rounded to bf16, which is what a "
     "bf16=True model computes with). Standalone engine only; under DeepSpeed ZeRO-3 the "
-    "Trainer saves what DeepSpeed gathers. Env SUPEROFFLOAD_SAVE_DTYPE; default 'float32'."
+    "Trainer saves what DeepSpeed gathers. Env HF_SUPEROFFLOAD_SAVE_DTYPE; default 'float32'."
 )
 
 
 def resolve_save_dtype(value: str | None) -> torch.dtype:
-    """The save dtype: explicit value > ``SUPEROFFLOAD_SAVE_DTYPE`` > float32."""
+    """The save dtype: explicit value > ``HF_SUPEROFFLOAD_SAVE_DTYPE`` > float32."""
     source = "superoffload_save_dtype"
     if value is None:
-        value = os.environ.get(ENV_PREFIX + "SAVE_DTYPE")
+        value = env.read(ENV_PREFIX + "SAVE_DTYPE")
         source = f"env {ENV_PREFIX}SAVE_DTYPE"
     if value is None:
         return torch.float32
@@ -88,7 +89,7 @@ class SuperOffloadArgumentsMixin:
         resolve_save_dtype(self.superoffload_save_dtype)
 
     def superoffload_options(self) -> SuperOffloadOptions:
-        """The SuperOffloadOptions these arguments describe (unset ones from SUPEROFFLOAD_*)."""
+        """The SuperOffloadOptions these arguments describe (unset ones from HF_SUPEROFFLOAD_*)."""
         prefix = "superoffload_"
         return SuperOffloadOptions(
             **{
@@ -96,9 +97,6 @@ class SuperOffloadArgumentsMixin:
                 for f in dataclasses.fields(SuperOffloadOptions)
             }
         )
-
-    # The first name of superoffload_options; SuperOffloadTrainerMixin calls it.
-    superoffload_plugin = superoffload_options
 
 
 def _on_deepspeed(args: TrainingArguments) -> bool:

@@ -4,7 +4,7 @@ Model FLOPs per token follow the PaLM appendix: 6 N for the weight matmuls forwa
 (N = trainable params less the input embedding, whose lookup does no matmul) plus
 12 x layers x hidden x sequence length for the attention scores and values; recomputation by
 activation checkpointing is not counted. MFU divides achieved model FLOP/s per GPU by the GPU's
-dense bf16 peak: ``SUPEROFFLOAD_PEAK_TFLOPS`` when set (any GPU, or a CPU), else the table below
+dense bf16 peak: ``HF_SUPEROFFLOAD_PEAK_TFLOPS`` when set (any GPU, or a CPU), else the table below
 (GH200, H100 SXM/PCIe/NVL, H200 SXM/NVL, B200, GB200, A100). Without either, ``mfu`` is left
 out of the logs and a message says once how to set the peak.
 
@@ -16,11 +16,12 @@ Models the formula does not describe (no ``config`` with ``num_hidden_layers`` a
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Mapping
 
 import torch
+
+from .. import env
 
 logger = logging.getLogger("hf_superoffload")
 
@@ -46,7 +47,7 @@ PEAK_BF16_TFLOPS = {
     "H100": 989.0,  # SXM / HBM3 ("NVIDIA H100 80GB HBM3")
     "A100": 312.0,
 }
-PEAK_ENV = "SUPEROFFLOAD_PEAK_TFLOPS"
+PEAK_ENV = "HF_SUPEROFFLOAD_PEAK_TFLOPS"
 STV_KEYS = (
     "speculative_steps",
     "rollbacks_clip",
@@ -61,7 +62,7 @@ STV_KEYS = (
 
 def peak_tflops(device_name: str | None = None) -> float | None:
     """The bf16 dense peak of the GPU (or the override); None when unknown (e.g. on CPU)."""
-    override = os.environ.get(PEAK_ENV)
+    override = env.read(PEAK_ENV)
     if override:
         try:
             value = float(override)

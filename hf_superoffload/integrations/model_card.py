@@ -181,11 +181,11 @@ def launch() -> dict[str, str | None]:
 
 
 def environment() -> dict[str, str]:
-    """The SUPEROFFLOAD_* and ACCELERATE_* variables set (they change what the run does)."""
+    """The HF_SUPEROFFLOAD_* and ACCELERATE_* variables set (they change what the run does)."""
     names = sorted(
         k
         for k in os.environ
-        if k.startswith(("SUPEROFFLOAD_", "ACCELERATE_")) and not _SECRET.search(k)
+        if k.startswith(("HF_SUPEROFFLOAD_", "ACCELERATE_")) and not _SECRET.search(k)
     )
     return {k: os.environ[k] for k in names}
 
@@ -225,7 +225,7 @@ def results(log_history: list[dict], stats: dict | None) -> dict[str, str]:
     out["MFU"] = (
         f"{mfu:.1%}"
         if n
-        else "not logged (a CPU run, or a GPU without a known peak: SUPEROFFLOAD_PEAK_TFLOPS)"
+        else "not logged (a CPU run, or a GPU without a known peak: HF_SUPEROFFLOAD_PEAK_TFLOPS)"
     )
     last = next((log for log in reversed(log_history) if "stv/rollbacks_clip" in log), {})
     counters = {k: stats[k] for k in stats} if stats else {k[4:]: v for k, v in last.items()}

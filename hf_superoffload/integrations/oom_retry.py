@@ -47,7 +47,7 @@ def release_for_retry(
     logger.warning(
         "hf_superoffload: CUDA out of memory at optimizer step %d (%s). Moved the %.2f GiB of "
         "optimizer state on the GPU to the host and retrying the batch once; gpu_memory_cap is "
-        "now %.2f GiB%s. To avoid this, set gpu_memory_cap (SUPEROFFLOAD_GPU_MEMORY_CAP) below "
+        "now %.2f GiB%s. To avoid this, set gpu_memory_cap (HF_SUPEROFFLOAD_GPU_MEMORY_CAP) below "
         "what the longest batches leave free.",
         step,
         _first_line(error),

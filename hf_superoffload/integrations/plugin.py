@@ -1,6 +1,6 @@
 """SuperOffloadOptions: the engine's own options, resolved like accelerate's plugin dataclasses.
 
-Each field is resolved as explicit argument > ``SUPEROFFLOAD_<FIELD>`` environment variable >
+Each field is resolved as explicit argument > ``HF_SUPEROFFLOAD_<FIELD>`` environment variable >
 default, so a shell or a launcher's environment can set them without code changes. Learning
 rate, betas, eps, weight decay, clipping and accumulation are not here: they come from the
 training arguments (or the optimizer's own arguments), the single source of truth.
@@ -9,28 +9,20 @@ NOTE: these are options of ``SuperOffloadOptimizer``, not an Accelerate plugin. 
 builds no optimizer and has no extension point for one: it refuses unknown keywords, and a
 ``KwargsHandler`` subclass it does not know fails its ``kwargs_handlers`` lookup. So the options
 go to the optimizer (``SuperOffloadOptimizer(..., **options.optimizer_kwargs())``) or to the
-SuperOffload trainers. ``SuperOffloadPlugin``, the first name of this class, still works;
-``hf_superoffload.SuperOffloadPlugin`` warns (a FutureWarning) that it is deprecated.
+SuperOffload trainers. The environment variables are declared in ``hf_superoffload/env.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
-import os
 from typing import Any
 
-ENV_PREFIX = "SUPEROFFLOAD_"
+from .. import env
+
+ENV_PREFIX = env.PREFIX
 _CASTS = ("auto", "gpu", "cpu")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-# Variables read elsewhere: SAVE_DTYPE (integrations/arguments.py), PEAK_TFLOPS (metrics.py).
-_OTHER_ENV = ("SAVE_DTYPE", "PEAK_TFLOPS", "HOST_MEMORY_GIB")  # read outside the options
-DEPRECATED_NAME_WARNING = (
-    "SuperOffloadPlugin is now SuperOffloadOptions (it holds options of SuperOffloadOptimizer; "
-    "accelerate.Accelerator takes no optimizer plugin). Import SuperOffloadOptions instead; "
-    "the old name will be removed in a later release."
-)
 
 
 @dataclasses.dataclass
@@ -40,20 +32,20 @@ class SuperOffloadOptions:
         metadata={
             "help": "Tail buckets (the first layers) whose optimizer state stays on the GPU: an "
             "int, or 'auto' to size it from free GPU memory and the measured wait for the CPU. "
-            "Env SUPEROFFLOAD_GPU_BUCKETS; default 'auto'."
+            "Env HF_SUPEROFFLOAD_GPU_BUCKETS; default 'auto'."
         },
     )
     bucket_size: int | None = dataclasses.field(
         default=None,
         metadata={
             "help": "Elements per gradient bucket (the unit of transfer and of speculation). "
-            "Env SUPEROFFLOAD_BUCKET_SIZE; default 2**25."
+            "Env HF_SUPEROFFLOAD_BUCKET_SIZE; default 2**25."
         },
     )
     cpu_threads: int | None = dataclasses.field(
         default=None,
         metadata={
-            "help": "Threads of the CPU Adam. Env SUPEROFFLOAD_CPU_THREADS; default: the cores "
+            "help": "Threads of the CPU Adam. Env HF_SUPEROFFLOAD_CPU_THREADS; default: the cores "
             "this process may use, less one for the thread feeding the GPU."
         },
     )
@@ -61,14 +53,14 @@ class SuperOffloadOptions:
         default=None,
         metadata={
             "help": "Start each bucket's CPU Adam step during backward and validate it after "
-            "(speculation-then-validation). Env SUPEROFFLOAD_SPECULATE; default true."
+            "(speculation-then-validation). Env HF_SUPEROFFLOAD_SPECULATE; default true."
         },
     )
     speculate_after_clip: bool | None = dataclasses.field(
         default=None,
         metadata={
             "help": "Also speculate right after a clipped step (with its clip coefficient); off "
-            "by default since then a replay likely follows. Env SUPEROFFLOAD_SPECULATE_AFTER_CLIP."
+            "by default since then a replay likely follows. Env HF_SUPEROFFLOAD_SPECULATE_AFTER_CLIP."
         },
     )
     cast: str | None = dataclasses.field(
@@ -76,7 +68,7 @@ class SuperOffloadOptions:
         metadata={
             "help": "Where to cast between bf16 and fp32: 'auto' (16-bit gradients, fp32 "
             "params), 'gpu' (fp32 both ways) or 'cpu' (16-bit both ways: 2.5 percent faster "
-            "when every step clips, measured before its copy-out ring). Env SUPEROFFLOAD_CAST; "
+            "when every step clips, measured before its copy-out ring). Env HF_SUPEROFFLOAD_CAST; "
             "default 'auto'."
         },
     )
@@ -85,12 +77,12 @@ class SuperOffloadOptions:
         metadata={
             "help": "Most GPU memory (GiB) the optimizer's device tail may hold; 'auto' never "
             "grows past it and gives buckets back to stay under it. Env "
-            "SUPEROFFLOAD_GPU_MEMORY_CAP; default: no cap."
+            "HF_SUPEROFFLOAD_GPU_MEMORY_CAP; default: no cap."
         },
     )
 
     def __post_init__(self):
-        check_env_names()
+        env.check()
         if self.gpu_buckets is None:
             self.gpu_buckets = _env("GPU_BUCKETS", "auto")
         if isinstance(self.gpu_buckets, str) and self.gpu_buckets != "auto":
@@ -135,34 +127,9 @@ class SuperOffloadOptions:
         return dataclasses.asdict(self)
 
 
-# The first name of SuperOffloadOptions. ``hf_superoffload.SuperOffloadPlugin`` warns (the
-# package's module __getattr__); here it stays a plain alias for the package's own modules that
-# still use it (the trainer mixin, the ZeRO-3 options).
-SuperOffloadPlugin = SuperOffloadOptions
-
-
-def known_env_names() -> list[str]:
-    """Every ``SUPEROFFLOAD_*`` variable the package reads."""
-    fields = [f.name.upper() for f in dataclasses.fields(SuperOffloadOptions)]
-    return sorted(ENV_PREFIX + name for name in (*fields, *_OTHER_ENV))
-
-
-def check_env_names() -> None:
-    """Refuse a ``SUPEROFFLOAD_*`` variable the package does not read: a misspelled one would
-    otherwise be ignored and the run would go on with the default."""
-    known = known_env_names()
-    for name in sorted(os.environ):
-        if name.startswith(ENV_PREFIX) and name not in known:
-            close = difflib.get_close_matches(name, known, n=1)
-            hint = f"did you mean {close[0]}? " if close else ""
-            raise ValueError(
-                f"unknown environment variable {name}: {hint}Rename or unset it. The known "
-                f"ones are {known}."
-            )
-
-
 def _env(name: str, default: Any) -> Any:
-    return os.environ.get(ENV_PREFIX + name, default)
+    value = env.read(ENV_PREFIX + name)
+    return default if value is None else value
 
 
 def _int(name: str, value: Any, minimum: int) -> int:
@@ -199,7 +166,7 @@ def _bool(name: str, value: bool | None, default: bool) -> bool:
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be True or False, got {value!r}.")
         return value
-    raw = os.environ.get(ENV_PREFIX + name.upper())
+    raw = env.read(ENV_PREFIX + name.upper())
     if raw is None:
         return default
     if raw.lower() in _TRUE:

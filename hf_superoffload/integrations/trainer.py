@@ -73,14 +73,9 @@ class SuperOffloadTrainerMixin:
         self,
         *args,
         superoffload_options: SuperOffloadOptions | None = None,
-        superoffload_plugin: SuperOffloadOptions | None = None,
         **kwargs,
     ):
-        if superoffload_options is not None and superoffload_plugin is not None:
-            raise ValueError(
-                "pass superoffload_options only (superoffload_plugin is its former name)."
-            )
-        self._superoffload_options = superoffload_options or superoffload_plugin
+        self._superoffload_options = superoffload_options
         self._throughput = ThroughputMeter()
         self._superoffload_built: SuperOffloadOptimizer | None = None
         self._superoffload_warned_bf16 = False
@@ -97,7 +92,7 @@ class SuperOffloadTrainerMixin:
                 )
         else:
             check_optimizer_arguments(self)
-            self._superoffload_save_dtype()  # a bad SUPEROFFLOAD_SAVE_DTYPE fails here
+            self._superoffload_save_dtype()  # a bad HF_SUPEROFFLOAD_SAVE_DTYPE fails here
         self.add_callback(_SuperOffloadCallback(self))
         self.remove_callback(Zero3MetricsCallback)  # for plain Trainers; this one logs them
 
@@ -123,7 +118,7 @@ class SuperOffloadTrainerMixin:
         return engine_optimizer if hasattr(engine_optimizer, "stats") else None
 
     def _explicit_options(self) -> dict:
-        """The engine options given as arguments (a plugin, or superoffload_* fields)."""
+        """The engine options given as arguments (SuperOffloadOptions, or superoffload_* fields)."""
         if self._superoffload_options is not None:
             return self._superoffload_options.optimizer_kwargs()
         prefix = "superoffload_"

@@ -42,6 +42,7 @@ from types import ModuleType
 import torch
 from torch.utils import cpp_extension
 
+from .. import env
 from .build_progress import BuildProgress
 
 try:
@@ -81,7 +82,7 @@ _module: ModuleType | None = None
 
 
 def cache_root() -> Path:
-    explicit = os.environ.get("HF_SUPEROFFLOAD_CACHE")
+    explicit = env.read("HF_SUPEROFFLOAD_CACHE")
     if explicit:
         return Path(explicit)
     xdg = os.environ.get("XDG_CACHE_HOME")
@@ -232,7 +233,7 @@ def _compile(name: str, sources: list[Path], folder: Path) -> ModuleType:
         extra_cflags=list(CFLAGS),
         extra_ldflags=list(LDFLAGS),
         build_directory=str(folder),
-        verbose=os.environ.get("HF_SUPEROFFLOAD_VERBOSE_BUILD") == "1",
+        verbose=env.read("HF_SUPEROFFLOAD_VERBOSE_BUILD") == "1",
     )
 
 

@@ -24,16 +24,18 @@ Right after step 1 (zero moments) AdamW's moments come back exactly.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
+from .. import env
 from ._build import load_extension
 
 _OP_STEP, _OP_ROLLBACK, _OP_REPLAY = 0, 1, 2
 _ISAS = ("avx512", "avx2", "sve", "neon", "scalar")
 
-_isa_override: str | None = os.environ.get("HF_SUPEROFFLOAD_CPU_ADAM_ISA") or None
+ISA_ENV = "HF_SUPEROFFLOAD_CPU_ADAM_ISA"
+_NOT_READ = "not read"  # the variable is read at the first kernel call, not at import
+_isa_override: str | None = _NOT_READ
 _num_threads: int | None = None
 
 
@@ -43,9 +45,17 @@ def available_isas() -> list[str]:
     return [name for name in _ISAS if ext.isa_supported(name)]
 
 
+def _forced_isa() -> str | None:
+    """set_isa's choice, else HF_SUPEROFFLOAD_CPU_ADAM_ISA's (read once), else None."""
+    global _isa_override
+    if _isa_override is _NOT_READ:
+        _isa_override = env.read(ISA_ENV) or None
+    return _isa_override
+
+
 def active_isa() -> str:
     """The instruction set the kernels use now."""
-    return _isa_override or load_extension().best_isa()
+    return _forced_isa() or load_extension().best_isa()
 
 
 def set_isa(name: str | None) -> None:
@@ -152,7 +162,7 @@ def _apply(op, param, grad, exp_avg, exp_avg_sq, out_lowp, constants, scale, new
             raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}.")
     return load_extension().adam_apply(
         op,
-        _isa_override or "",
+        _forced_isa() or "",
         param,
         grad,
         exp_avg,

@@ -47,7 +47,9 @@ class RecipeArguments:
         default=False,
         metadata={"help": "Shrink the config before building (hidden 64, 2 layers, at most 16 "
                   "experts, the tokenizer's vocabulary): the recipe's architecture, code path "
-                  "and arguments in seconds on a CPU, for smoke tests."},
+                  "and arguments in seconds on a CPU (with --bf16 false), for smoke tests. It "
+                  "trains the bundled arithmetic data, not the recipe's Hub dataset, unless "
+                  "--dataset_path is given."},
     )  # fmt: skip
     attn_implementation: str | None = dataclasses.field(
         default=None,

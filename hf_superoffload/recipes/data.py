@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from datasets import Dataset, load_dataset
@@ -23,7 +24,41 @@ def load_train_dataset(recipe, kind: str) -> Dataset:
         if not path.is_file():
             raise ValueError(f"--dataset_path {path}: no such file")
         return load_dataset(builder, data_files=str(path), split="train")
-    if recipe.dataset_name:
+    if recipe.dataset_name and not recipe.shrink_model:
         return load_dataset(recipe.dataset_name, split=recipe.dataset_split)
+    if recipe.dataset_name:  # a shrunken model is a smoke test: no download
+        print(
+            f"--shrink_model: training on the bundled arithmetic data, not {recipe.dataset_name} "
+            "(--dataset_path FILE trains on a file)"
+        )
     rows = arithmetic.make_sft_rows() if kind == "sft" else arithmetic.make_dpo_rows()
+    return Dataset.from_list(rows)
+
+
+def fill_sequences(dataset: Dataset, recipe, args, tokenizer) -> Dataset:
+    """For a run with random weights at full size (a throughput or memory check on the
+    bundled rows), rows of text that each fill ``max_length`` tokens, one per sequence of the
+    run: the bundled rows are a few tokens each, so packing them leaves part-filled sequences
+    (each packing batch ends in one) and too few sequences for a multi-GPU step. Other runs
+    (pretrained weights, ``--shrink_model`` smoke runs, other data) train on their data."""
+    text_rows = {"prompt", "completion"} <= set(dataset.column_names)
+    if not (recipe.random_init_from_config and not recipe.shrink_model and text_rows):
+        return dataset
+    if getattr(args, "packing", False):
+        raise ValueError(
+            "random weights on the bundled rows: each training row already fills --max_length "
+            "tokens; drop --packing"
+        )
+    steps = args.max_steps if args.max_steps > 0 else 1
+    count = args.per_device_train_batch_size * args.world_size
+    count *= args.gradient_accumulation_steps * steps
+    lines = [row["prompt"] + row["completion"] + "\n" for row in dataset]
+    per_line = sum(len(ids) for ids in tokenizer(lines[:200])["input_ids"]) / min(len(lines), 200)
+    width = math.ceil(args.max_length * 1.25 / max(per_line, 1.0))  # lines a row needs, with room
+    rows = []
+    for i in range(count):
+        start = (i * 7919) % len(lines)  # each row starts elsewhere in the data
+        picked = [lines[(start + j) % len(lines)] for j in range(width)]
+        rows.append({"text": "".join(picked)})
+    print(f"random weights: {count} rows of at least {args.max_length} tokens from the bundled data, one per sequence")  # fmt: skip
     return Dataset.from_list(rows)

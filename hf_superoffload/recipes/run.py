@@ -16,7 +16,7 @@ from transformers import set_seed
 
 from . import report
 from .arguments import parse
-from .data import load_train_dataset
+from .data import fill_sequences, load_train_dataset
 from .model import build_model, load_tokenizer
 
 
@@ -53,7 +53,7 @@ def build_trainer(kind: str, argv: list[str] | None = None, prog: str | None = N
     trainer = _trainer_class(kind, recipe.optimizer)(
         model=model,
         args=args,
-        train_dataset=load_train_dataset(recipe, kind),
+        train_dataset=fill_sequences(load_train_dataset(recipe, kind), recipe, args, tokenizer),
         processing_class=tokenizer,
         **extra,
     )

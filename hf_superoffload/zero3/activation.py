@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import importlib.abc
 import logging
-import os
 import sys
 
+from .. import env
 from . import patches
 
 logger = logging.getLogger("hf_superoffload")
@@ -43,8 +43,10 @@ STAGE3_MODULE = "deepspeed.runtime.zero.stage3"
 OPT_OUT_ENV = "HF_SUPEROFFLOAD_DEEPSPEED"
 
 
-def enabled() -> bool:
-    raw = os.environ.get(OPT_OUT_ENV, "1").strip().lower()
+def enabled(check_others: bool = True) -> bool:
+    """The switch's value; ``check_others=False`` at import (``activate``): the other
+    variables are checked when the package reads them, not when it is imported."""
+    raw = (env.read(OPT_OUT_ENV, check_others=check_others) or "1").strip().lower()
     if raw not in ("0", "1", "false", "true", "no", "yes", "off", "on"):
         raise ValueError(f"{OPT_OUT_ENV} must be 1 or 0 (true/false), got {raw!r}.")
     return raw in ("1", "true", "yes", "on")
@@ -54,9 +56,10 @@ def activate() -> None:
     """Patch the modules of ``_patches()`` now if they are loaded, else as soon as each is
     imported. Idempotent; imports neither DeepSpeed nor accelerate itself (that takes
     seconds)."""
-    if not enabled():
+    on = enabled(check_others=False)
+    if not on:
         logger.info("hf_superoffload: %s=0, DeepSpeed's own SuperOffload stays", OPT_OUT_ENV)
-    current = _patches(enabled())
+    current = _patches(on)
     # Added to, never taken from: a module an earlier call was waiting for is still patched.
     _active.update(current)
     pending = False

@@ -75,7 +75,7 @@ def refuse_super_offload_below_stage3(stage: int, super_offload: bool) -> None:
 
 def export_zero3_options(options: dict) -> None:
     """Hand the trainer's SuperOffload options to the ZeRO-3 optimizer DeepSpeed will build
-    (it reads SUPEROFFLOAD_* when it is constructed); refuse those DeepSpeed's config replaces."""
+    (it reads HF_SUPEROFFLOAD_* when it is constructed); refuse those DeepSpeed's config replaces."""
     replaced = {k: REPLACED_BY_DEEPSPEED[k] for k in options if k in REPLACED_BY_DEEPSPEED}
     defaults = {"gpu_buckets": "auto", "bucket_size": DEFAULT_BUCKET_SIZE, "gpu_memory_cap": None}
     replaced = {k: v for k, v in replaced.items() if options[k] != defaults[k]}

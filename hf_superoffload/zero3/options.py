@@ -1,4 +1,4 @@
-"""What the ZeRO-3 path takes from a DeepSpeed config and from SUPEROFFLOAD_* variables.
+"""What the ZeRO-3 path takes from a DeepSpeed config and from HF_SUPEROFFLOAD_* variables.
 
 DeepSpeed's keys of its SuperOffload example act here: ``pin_memory`` (our gradient and param
 transfer buffers page-locked or not; DeepSpeed's own host buffers stay pageable), ``ratio`` (the first
@@ -11,7 +11,7 @@ group completes late in backward) it becomes our bucket size. ``reduce_bucket_si
 DeepSpeed's default (5e8 elements) becomes the sub group size too: gradients reach the host one
 reduce bucket at a time, and the last bucket is reduced only when backward ends, so its CPU work
 (15% of a 3B model at 5e8) could not overlap backward. The speculation and cast options come
-from SUPEROFFLOAD_* variables as on the standalone path.
+from HF_SUPEROFFLOAD_* variables as on the standalone path.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import os
 
 import torch
 
+from .. import env
 from ..engine.checks import cores_of_this_rank, default_cpu_threads
 from ..engine.optimizer import DEFAULT_BUCKET_SIZE
 from ..engine.replicas import Replicas
@@ -57,12 +58,12 @@ def cores_perc_if_set(offload_optimizer_config) -> float | None:
 def resolve_options(cpuadam_cores_perc: float | None, device: torch.device) -> Zero3Options:
     for option, key in REPLACED_BY_DEEPSPEED.items():
         name = ENV_PREFIX + option.upper()
-        if name in os.environ:
+        if env.read(name) is not None:
             raise ValueError(
                 f"{name} does not apply under DeepSpeed ZeRO-3; set {key} in the DeepSpeed "
                 f"config instead (and unset {name})."
             )
-    plugin = SuperOffloadOptions()  # resolves SUPEROFFLOAD_* (and refuses bad values)
+    plugin = SuperOffloadOptions()  # resolves HF_SUPEROFFLOAD_* (and refuses bad values)
     threads = plugin.cpu_threads
     if threads is None and cpuadam_cores_perc is None:
         # As on the standalone path: the rank's cores less one for the training thread, whose

@@ -1,4 +1,4 @@
-"""Runs DeepSpeed's own unit tests against hf_superoffload's ZeRO-3 path (scripts/deepspeed_peer_tests.sh).
+"""Runs DeepSpeed's own unit tests against hf_superoffload's ZeRO-3 path (dev/deepspeed_peer_tests.sh).
 
 Python imports ``sitecustomize`` at start-up in every interpreter that has this folder on
 PYTHONPATH: the pytest process and the ranks DeepSpeed's test harness starts with forkserver or

@@ -1,6 +1,6 @@
 """Run a command and report the peak host memory of its whole process tree and of each GPU.
 
-    python scripts/process_tree_peak.py OUT.json -- accelerate launch ... examples/sft.py ...
+    python dev/process_tree_peak.py OUT.json -- accelerate launch ... examples/sft.py ...
 
 Samples every 0.25 s from /proc (no dependencies): the tree's summed anonymous and shared
 memory (what training allocates, pinned buffers included), its file-backed resident pages

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # DeepSpeed's own ZeRO-3 CPU-offload unit tests as a peer suite for hf_superoffload's ZeRO-3 path.
 #
-#   bash scripts/deepspeed_peer_tests.sh DEEPSPEED_CHECKOUT [TEST_ID[@ADAPT] ...]
+#   bash dev/deepspeed_peer_tests.sh DEEPSPEED_CHECKOUT [TEST_ID[@ADAPT] ...]
 #
 # DEEPSPEED_CHECKOUT is a DeepSpeed source tree whose tests/ match the installed deepspeed (the
 # installed package is what runs; only the test files are read from the checkout). Each test id
@@ -9,7 +9,7 @@
 #   plain  DeepSpeed as shipped: ZeRO-3 with its own CPU offload
 #   ours   the same with "super_offload": true in every stage-3 CPU-offload config and
 #          hf_superoffload imported, so DeepSpeed builds SuperOffloadZero3Optimizer
-# scripts/peer_sitecustomize/sitecustomize.py does both on PYTHONPATH (DeepSpeed's harness starts
+# dev/peer_sitecustomize/sitecustomize.py does both on PYTHONPATH (DeepSpeed's harness starts
 # its ranks with forkserver/spawn, which a conftest.py does not reach) and logs every ZeRO-3
 # optimizer the engine builds; the table's last column counts SuperOffloadZero3Optimizer builds
 # in the "ours" run (the proof that ours ran), next to the plain run's ZeRO-3 builds.
@@ -101,7 +101,7 @@ for entry in "${IDS[@]}"; do
     (
       cd "$DS/tests" &&
       PEER_MODE="$mode" PEER_ADAPT="$adapt" PEER_BUILT_LOG="$stem.built" \
-      PYTHONPATH="$REPO/scripts/peer_sitecustomize:$REPO${PYTHONPATH:+:$PYTHONPATH}" \
+      PYTHONPATH="$REPO/dev/peer_sitecustomize:$REPO${PYTHONPATH:+:$PYTHONPATH}" \
       DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 LOCAL_SIZE=2 DS_UNITTEST_TIMEOUT=$((TIMEOUT - 60)) \
       timeout --kill-after=30 "$TIMEOUT" python -m pytest -p no:randomly -p no:cacheprovider \
           --junitxml="$stem.xml" "$id" > "$stem.log" 2>&1

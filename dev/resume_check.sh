@@ -6,7 +6,7 @@
 # H100 with a 128 GiB host, then, last, the per-step loss and grad norm at full precision
 # (each run's log_history.jsonl).
 #
-#   bash scripts/device_resume_check.sh      # repo root, >= 2 GPUs, `.whl` carried, >= 130 GB disk
+#   bash dev/resume_check.sh      # repo root, >= 2 GPUs, `.whl` carried, >= 130 GB disk
 #
 # The 8B checkpoint (fp32 master and both moments: 12 B/param, plus the 16-bit model) is about
 # 105 GiB, more than the disk of a one-GPU machine here; the host peaks are per process tree, so
@@ -17,10 +17,10 @@ set -u
 OUT="${OUT:-results}"
 SCRATCH="${SCRATCH:-/tmp/resume}"
 mkdir -p "$OUT" "$SCRATCH"
-source scripts/device_env.sh || exit 1
+source dev/gpu_env.sh || exit 1
 find ~/.cache -name lock -delete 2>/dev/null
 export RANDOM_INIT=1 RATIO="${RATIO:-auto}" PLAN_HARDWARE="${PLAN_HARDWARE:---gpu-mem 80 --cpu-mem 128}"
-export SUPEROFFLOAD_CPU_THREADS=14  # two runs share this host's cores
+export HF_SUPEROFFLOAD_CPU_THREADS=14  # two runs share this host's cores
 STEPS=(--max_steps 6 --logging_steps 1 --save_strategy no --save_model false --require_loss_decrease false)
 start=$(date +%s)
 df -h "$SCRATCH" /dev/shm | tail -2
@@ -40,7 +40,7 @@ prepare() {
 # launch NAME GPU: run the prepared command under the peak sampler.
 launch() {
   local dir; dir=$(ls -d "$(runs_dir "$1")"/*/)
-  CUDA_VISIBLE_DEVICES=$2 timeout "${3:-3000}" python scripts/process_tree_peak.py "$OUT/$1.peak.json" -- \
+  CUDA_VISIBLE_DEVICES=$2 timeout "${3:-3000}" python dev/process_tree_peak.py "$OUT/$1.peak.json" -- \
     bash "$dir/command.sh" > "$OUT/$1.log" 2>&1
 }
 

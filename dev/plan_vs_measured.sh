@@ -3,12 +3,12 @@
 # (default: what `plan --ratio auto` picks here), benchmarks/suite.py at that ratio, then per
 # rank the planned and measured GPU (torch-allocated) and host (RSS) peaks and their gap.
 #
-#   bash scripts/plan_vs_measured.sh llama-3.1-8b 1          # one H100: auto's ratio
-#   bash scripts/plan_vs_measured.sh llama-3.1-8b 1 0.9      # a given ratio
-#   bash scripts/plan_vs_measured.sh qwen3-14b 2 0.85        # 2 x H200
+#   bash dev/plan_vs_measured.sh llama-3.1-8b 1          # one H100: auto's ratio
+#   bash dev/plan_vs_measured.sh llama-3.1-8b 1 0.9      # a given ratio
+#   bash dev/plan_vs_measured.sh qwen3-14b 2 0.85        # 2 x H200
 #
-# Run from the repo root on the GPU machine with `.whl` carried (scripts/device_env.sh); one
-# device call each (under 600 s). Writes under $OUT (default ./results).
+# Run from the repo root on the GPU machine with `.whl/` beside the checkout (dev/gpu_env.sh);
+# one command each (under 600 s). Writes under $OUT (default ./results).
 # The plan's host peak counts a resume (memory_plan.resume_extra_host_bytes), and so does the
 # optimizer's host check at start; this script measures training. PLAN_CPU_MEM (GiB) plans for
 # another host size than this one.
@@ -18,7 +18,7 @@ GPUS="${2:-1}"
 RATIO="${3:-auto}"
 OUT="${OUT:-results}"
 mkdir -p "$OUT"
-source scripts/device_env.sh || exit 1
+source dev/gpu_env.sh || exit 1
 find ~/.cache -name lock -delete 2>/dev/null  # a build killed with an earlier call's machine
 
 host=()

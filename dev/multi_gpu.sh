@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The multi-GPU checks of the ZeRO-3 path. Several stages run in one device call, in the order
+# The multi-GPU checks of the ZeRO-3 path. Several stages run in one command, in the order
 # given, inside one time budget:
 #
-#   bash scripts/device_multi_gpu.sh scaling scaling-noclip qwen3-30b-a3b qwen3-30b-a3b-deepspeed
+#   bash dev/multi_gpu.sh scaling scaling-noclip qwen3-30b-a3b qwen3-30b-a3b-deepspeed
 #
 # Stages:
 #   tests                multi_gpu tests: ZeRO-3 vs DeepSpeed, Ulysses, failure watch
@@ -16,14 +16,14 @@
 #
 # Environment:
 #   GPUS=N          GPUs of the scaling stages (default: all this machine has)
-#   DEADLINE_S=S    seconds the whole command may take (default 570, inside the device tool's
-#                   600): each system gets what is left, up to its stage's cap, and a stage
+#   DEADLINE_S=S    seconds the whole command may take (default 570, inside a 600 s job
+#                   limit): each system gets what is left, up to its stage's cap, and a stage
 #                   that cannot get its minimum is skipped and listed as such
-#   HOST_MEM_GIB=M  host memory the plan assumes (default 128 per GPU, as the lent H200 and H100
+#   HOST_MEM_GIB=M  host memory the plan assumes (default 128 per GPU, as the H200 and H100
 #                   hosts have; their MemTotal starts low and grows with use, so it is not read)
 #   RATIO=R         the model stages' offload_optimizer.ratio (default: `plan --ratio auto`)
 #
-# Run from the repo root on a machine with >= 2 GPUs, `.whl` carried (scripts/device_env.sh).
+# Run from the repo root on a machine with >= 2 GPUs, `.whl` carried (dev/gpu_env.sh).
 # Writes under $OUT (default ./results): run.log, suite.csv (a row per system), logs.tgz (each
 # system's log), plan_<model>.txt/.json, env.txt, dmesg.txt; prints a short table last.
 set -u
@@ -41,7 +41,7 @@ SKIPPED=()
 left() { echo $((DEADLINE_S - ($(date +%s) - BEGAN) - RESERVE)); }
 note() { echo "[$(($(date +%s) - BEGAN)) s] $*"; }
 
-source scripts/device_env.sh || exit 1
+source dev/gpu_env.sh || exit 1
 if ! command -v python >/dev/null; then  # the image may name its interpreter python3 only
   mkdir -p /tmp/python_shim && ln -sf "$(command -v python3)" /tmp/python_shim/python
   export PATH="/tmp/python_shim:$PATH"
@@ -63,7 +63,7 @@ HOST_MEM_GIB=${HOST_MEM_GIB:-$((128 * FOUND))}
 note "$FOUND GPUs of $GPU_MEM GiB, host planned as $HOST_MEM_GIB GiB; stages: $*"
 
 # Any GPU process a system left behind holds memory the next one needs: end it, by its pid
-# (on the device machine every GPU process is this command's).
+# (on a dedicated GPU machine every GPU process is this command's).
 end_leftovers() {
   local pids
   pids=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr -d ' ')

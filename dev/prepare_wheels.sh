@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
-# Fill .whl/ with the Python packages the GPU ("device") machine lacks, as wheels to carry there.
+# Fill .whl/ with the Python packages the GPU machine lacks, as wheels to copy there.
 #
-#   bash scripts/prepare_device_wheels.sh          # here, in the repo root; needs PyPI
+#   bash dev/prepare_wheels.sh          # here, in the repo root; needs PyPI
 #
 # The device runs CPython 3.12 (x86-64, manylinux) with torch 2.11, transformers 5.17,
 # accelerate 1.15, peft, numpy, pyarrow, fsspec, protobuf, ... but no trl, datasets, deepspeed,
 # wandb, torchao, hjson or pydantic, and it has no network. Each device command then carries
-# `.whl` (run(..., carry=[".whl"])) and starts with `source scripts/device_env.sh`.
+# `.whl/` beside the checkout and starts with `source dev/gpu_env.sh`.
 #
 # The pins below are the top-level packages plus every runtime dependency of theirs that the
 # device does not have, found by reading each wheel's Requires-Dist (markers evaluated for
 # CPython 3.12 on Linux, no extras) and diffing against the device's `pip list`; the check at the
 # end repeats that diff, so bumping a pin tells you what else to add. No torch wheel: the device's
-# torch 2.11 stays, and device_env.sh installs with --no-deps.
+# torch 2.11 stays, and gpu_env.sh installs with --no-deps.
 # Env: PYTHON (default python3) runs pip here; PY312_CANDIDATE names a CPython 3.12 for step 4.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"

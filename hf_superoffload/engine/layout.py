@@ -1,0 +1,63 @@
+"""Where the standalone optimizer's state lives: its params planned into buckets in gradient
+arrival order, the tail of them chosen for the device, the host memory checked before anything
+is allocated, then each bucket's buffers made (the params re-pointed into them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .bucket import Bucket
+from .buckets import BucketPlan, plan_buckets
+from .cast_policy import CastPlan
+from .copy_out import CopyOutRing
+from .host_memory import STANDALONE_REMEDIES, check_host_memory, standalone_host_parts
+from .link import Link
+from .placement import choose_device_buckets
+from .replicas import Replicas
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    buckets: list[Bucket]  # in gradient arrival order; the last ``device_buckets`` on the device
+    slot: dict[int, tuple[Bucket, int]]  # id(param) -> its bucket and its index there
+    copy_out: CopyOutRing | None  # where the kernel writes rounded params (see copy_out.py)
+
+
+def lay_out(
+    param_groups: list[dict],
+    model: torch.nn.Module | None,
+    *,
+    bucket_size: int,
+    gpu_buckets: int | str,
+    cap_bytes: int | None,
+    accumulating: bool,
+    link: Link,
+    replicas: Replicas,
+    cast: CastPlan,
+    dtype: torch.dtype,
+) -> Layout:
+    """Plan, place, check and allocate (see the module docstring). With replicas every rank
+    keeps the same number of tail buckets (the smallest any rank chose)."""
+    order = {id(p): i for i, p in enumerate(model.parameters())} if model is not None else None
+    plans = plan_buckets(param_groups, bucket_size, order)
+    chosen = choose_device_buckets(gpu_buckets, plans, link.device, cap_bytes)
+    first_device = len(plans) - int(replicas.agree(chosen, "min"))
+    host_numel = sum(p.numel for p in plans if p.index < first_device or not link.is_cuda)
+    parts = standalone_host_parts(host_numel, dtype, cast, accumulating)
+    check_host_memory(parts, STANDALONE_REMEDIES)  # before allocating, not OOM-killed later
+    buckets = [Bucket(plan, link, plan.index >= first_device, cast) for plan in plans]
+    slot = {id(p): (bucket, i) for bucket in buckets for i, p in enumerate(bucket.plan.params)}
+    return Layout(buckets, slot, _copy_out_ring(link, plans, dtype, cast))
+
+
+def _copy_out_ring(
+    link: Link, plans: list[BucketPlan], dtype: torch.dtype, cast: CastPlan
+) -> CopyOutRing | None:
+    """One small ring for all buckets when params cross in the model dtype (any bucket may be
+    on the host: "auto" moves them)."""
+    if dtype == torch.float32 or cast.params_on_device:
+        return None
+    return CopyOutRing(link, max(p.numel for p in plans), dtype)

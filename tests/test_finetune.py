@@ -1,0 +1,224 @@
+"""``hf-superoffload finetune MODEL MODE``: the recipe launcher's logic (examples/finetune_*.sh
+call it; tests/test_recipes.py runs those wrappers). In-process, with --dry-run: the run
+directory it writes, the ratio it chooses, the command it would launch, and its refusals, each
+pointing at a command that explains it."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hf_superoffload.cli import finetune
+from hf_superoffload.cli import main as cli_main
+from hf_superoffload.recipes import arguments
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def finetune_cli(capsys, tmp_path, *args: str) -> tuple[int, str, str]:
+    code = cli_main(["finetune", "--runs-dir", str(tmp_path / "runs"), *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _run_dir(tmp_path: Path) -> Path:
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    return run_dir
+
+
+def _command(run_dir: Path) -> list[str]:
+    return shlex.split((run_dir / "command.sh").read_text().splitlines()[-1])
+
+
+def test_a_dry_run_writes_the_configs_and_a_command_that_parses(capsys, tmp_path):
+    code, out, _ = finetune_cli(
+        capsys, tmp_path, "phi-4", "superoffload", "--dry-run", "--ratio", "0.9",
+        "--batch", "2", "--", "--max_steps", "5",
+    )  # fmt: skip
+    assert code == 0
+    run_dir = _run_dir(tmp_path)
+    assert run_dir.name.startswith("phi-4_superoffload_b2_")
+    assert f"run directory: {run_dir}" in out
+    offload = json.loads((run_dir / "deepspeed.json").read_text())["zero_optimization"]
+    assert offload["offload_optimizer"] == {**offload["offload_optimizer"], "ratio": 0.9}
+    assert offload["offload_optimizer"]["super_offload"] == "hf_superoffload"
+    accelerate = yaml.safe_load((run_dir / "accelerate.yaml").read_text())
+    assert accelerate["num_processes"] == 1
+    assert accelerate["deepspeed_config"]["deepspeed_config_file"] == str(
+        run_dir / "deepspeed.json"
+    )
+    command = _command(run_dir)
+    assert command[:4] == [
+        "accelerate",
+        "launch",
+        "--config_file",
+        str(run_dir / "accelerate.yaml"),
+    ]
+    assert command[4] == str(REPO / "examples" / "sft.py")
+    _, training = arguments.parse("sft", [*command[5:], "--bf16", "false"])
+    assert training.per_device_train_batch_size == 2 and training.max_steps == 5
+    assert not (run_dir / "plan.json").exists()  # a given ratio is not planned
+
+
+def test_script_arguments_pass_through_with_or_without_the_separator(capsys, tmp_path):
+    code, _, _ = finetune_cli(
+        capsys, tmp_path, "qwen3-14b", "zerooffload", "--dry-run", "--max_steps", "7",
+        "--save_model", "false",
+    )  # fmt: skip
+    assert code == 0
+    command = _command(_run_dir(tmp_path))
+    assert command[-4:] == ["--max_steps", "7", "--save_model", "false"]
+    assert command[command.index("--optimizer") + 1] == "adamw"  # the baseline's optimizer
+    recipe, _ = arguments.parse("sft", [*command[5:], "--bf16", "false"])
+    assert recipe.save_model is False
+
+
+def test_random_init_trains_the_bundled_data_offline(capsys, tmp_path):
+    code, _, _ = finetune_cli(
+        capsys, tmp_path, "llama-3.1-8b", "superoffload", "--dry-run", "--random-init",
+        "--ratio", "1.0",
+    )  # fmt: skip
+    assert code == 0
+    run_dir = _run_dir(tmp_path)
+    assert "export HF_HUB_OFFLINE=1" in (run_dir / "command.sh").read_text()
+    recipe, training = arguments.parse("sft", [*_command(run_dir)[5:], "--bf16", "false"])
+    assert recipe.random_init_from_config == "llama-3.1-8b"
+    assert recipe.dataset_path == str(REPO / "examples" / "data" / "arithmetic_sft.jsonl")
+    assert training.packing is False  # each row fills max_length (recipes/data.fill_sequences)
+
+
+def test_ratio_auto_writes_the_plans_ratio_and_keeps_the_plan(capsys, tmp_path):
+    code, out, _ = finetune_cli(
+        capsys, tmp_path, "llama-3.1-8b", "superoffload", "--dry-run",
+        "--hardware", "h100", "--cpu-mem", "512",
+    )  # fmt: skip
+    assert code == 0
+    assert "RATIO=auto: ratio 0.85" in out
+    run_dir = _run_dir(tmp_path)
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["run"]["ratio"] == 0.85 and plan["fits"]
+    offload = json.loads((run_dir / "deepspeed.json").read_text())["zero_optimization"]
+    assert offload["offload_optimizer"]["ratio"] == 0.85
+
+
+def test_a_run_that_fits_at_no_ratio_names_the_plan_that_explains_it(capsys, tmp_path):
+    code, _, err = finetune_cli(
+        capsys, tmp_path, "qwen3-14b", "superoffload", "--dry-run", "--hardware", "h100"
+    )
+    assert code == 1 and "host: needs" in err, err
+    assert not (tmp_path / "runs").exists()  # nothing written
+    quoted = re.search(r"`hf-superoffload (plan [^`]*)`", err)
+    assert quoted, err
+    assert cli_main(shlex.split(quoted.group(1))) == 1  # the plan that explains it: no fit
+    assert "does not fit, because host" in capsys.readouterr().out
+
+
+def test_too_few_gpus_names_a_plan_command_that_runs(capsys, tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    code, _, err = finetune_cli(capsys, tmp_path, "llama-3.3-70b", "superoffload")
+    assert code == 1 and "llama-3.3-70b runs on 4 GPU(s); this machine has 1" in err, err
+    quoted = re.search(r"`hf-superoffload (plan [^`]*)`", err)
+    assert quoted and "--gpus 4" in quoted.group(1), err
+    assert cli_main(shlex.split(quoted.group(1))) in (0, 1)  # a plan, not a usage error
+    assert "per GPU" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["qwen3-14b", "superoffload", "--ratio", "1.5"], "RATIO must be auto or a number"),
+        (["qwen3-14b", "zerooffload", "--ratio", "0.9"], "RATIO applies to superoffload mode"),
+        (["qwen3-14b", "zerooffload", "--hardware", "h100"], "plan superoffload runs"),
+        (["qwen9-1t", "superoffload"], "the recipes are gpt-oss-20b"),
+        (
+            ["qwen3-14b", "superoffload", "--gpus", "0", "--ratio", "1.0"],
+            "--gpus must be at least 1",
+        ),
+    ],
+)
+def test_bad_input_exits_2_and_writes_nothing(capsys, tmp_path, args, message):
+    code, _, err = finetune_cli(capsys, tmp_path, *args, "--dry-run")
+    assert code == 2 and message in err, err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_bad_mode_or_batch_is_a_usage_error(capsys, tmp_path):
+    for args, message in (
+        (["phi-4", "fastoffload"], "invalid choice: 'fastoffload'"),
+        (["phi-4", "superoffload", "--batch", "four"], "batch_size must be a positive integer"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            finetune_cli(capsys, tmp_path, *args)
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_launch_runs_the_command_and_keeps_its_log(capsys, tmp_path, monkeypatch):
+    """Without --dry-run the written command runs from the checkout, its output shown and kept
+    in train.log, its exit code returned (the command replaced: accelerate would train)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    prepare = finetune.prepare
+
+    def prepared(args):
+        run_dir, _, variables = prepare(args)
+        script = "import os; print('trained', os.getcwd(), os.environ['HF_HUB_OFFLINE']); exit(3)"
+        return run_dir, [sys.executable, "-c", script], variables
+
+    monkeypatch.setattr(finetune, "prepare", prepared)
+    code, out, _ = finetune_cli(
+        capsys, tmp_path, "phi-4", "superoffload", "--ratio", "1.0", "--random-init"
+    )
+    assert code == 3
+    assert f"trained {REPO} 1" in out
+    assert (_run_dir(tmp_path) / "train.log").read_text() == f"trained {REPO} 1\n"
+
+
+def test_a_dry_run_without_a_gpu_or_a_machine_writes_ratio_1(capsys, tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, _, err = finetune_cli(capsys, tmp_path, "phi-4", "superoffload", "--dry-run")
+    assert code == 0 and "no GPU here to plan for, so this dry run writes ratio 1.0" in err
+    offload = json.loads((_run_dir(tmp_path) / "deepspeed.json").read_text())
+    assert offload["zero_optimization"]["offload_optimizer"]["ratio"] == 1.0
+
+
+def test_a_run_that_saves_nothing_is_planned_without_the_save(capsys, tmp_path):
+    """Llama-3.3-70B at batch 2 on a GB200 node fits only when nothing is saved (the save
+    gathers the 16-bit model into rank 0's host): the refusal says so, and --save_model false
+    (the recipe's save_strategy is no) plans without it."""
+    args = ("llama-3.3-70b", "superoffload", "--dry-run", "--batch", "2", "--hardware", "gb200")
+    code, _, err = finetune_cli(capsys, tmp_path, *args)
+    assert code == 1 and "while the model is saved" in err, err
+    assert "change: --no-save: --ratio auto chooses 0.65" in err
+    assert "saves nothing when given --save_model false" in err
+    code, out, _ = finetune_cli(capsys, tmp_path, *args, "--", "--save_model", "false")
+    assert code == 0 and "RATIO=auto: ratio 0.65" in out
+    plan = json.loads((_run_dir(tmp_path) / "plan.json").read_text())
+    assert plan["run"]["saves_model"] is False and plan["host_save_bytes_rank0"] == 0
+    assert _command(_run_dir(tmp_path))[-2:] == ["--save_model", "false"]
+    # A run that still writes checkpoints saves: planned with the save.
+    code, _, _ = finetune_cli(
+        capsys, tmp_path / "steps", *args, "--", "--save_model", "false", "--save_strategy", "steps"
+    )
+    assert code == 1
+
+
+@pytest.mark.parametrize("gpus", [4, 8])
+def test_any_gpu_count_runs_the_shipped_settings_on_that_many_processes(capsys, tmp_path, gpus):
+    code, _, _ = finetune_cli(
+        capsys, tmp_path, "llama-3.1-8b", "superoffload", "--dry-run", "--gpus", str(gpus),
+        "--ratio", "1.0",
+    )  # fmt: skip
+    assert code == 0
+    accelerate = yaml.safe_load((_run_dir(tmp_path) / "accelerate.yaml").read_text())
+    assert accelerate["num_processes"] == gpus and accelerate["distributed_type"] == "DEEPSPEED"
