@@ -1,4 +1,4 @@
-# Run (from the repository root, with the package installed: pip install -e .):
+# Run (from the repository root, with the package installed: pip install -e ".[trl]"):
 #   python examples/dpo.py                                   # the demo: tiny Llama, bundled pairs
 #   python examples/dpo.py --model_name_or_path outputs/sft-tiny-llama   # DPO after the SFT demo
 #   python examples/dpo.py --help                            # every argument (TRL's and superoffload_*)

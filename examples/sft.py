@@ -1,4 +1,4 @@
-# Run (from the repository root, with the package installed: pip install -e .):
+# Run (from the repository root, with the package installed: pip install -e ".[trl]"):
 #   python examples/sft.py                                   # the demo: tiny Llama, bundled data
 #   python examples/sft.py --max_steps 200 --output_dir outputs/sft-long
 #   python examples/sft.py --config examples/recipes/qwen3-14b.yaml --model_name_or_path Qwen/Qwen3-14B

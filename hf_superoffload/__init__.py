@@ -1,50 +1,47 @@
-"""hf_superoffload: SuperOffload (speculation-then-validation CPU-offloaded Adam) for Hugging Face."""
+"""hf_superoffload: SuperOffload (speculation-then-validation CPU-offloaded Adam) for Hugging Face.
+
+``import hf_superoffload`` is light: it loads none of transformers, accelerate, DeepSpeed, TRL,
+datasets or wandb. The public names below load their module on first use (module
+``__getattr__``), so ``from hf_superoffload import SuperOffloadOptimizer`` needs torch alone.
+
+The import does one thing besides: it arms the DeepSpeed switch (``zero3/activation.py``), an
+import hook that patches DeepSpeed when, and only when, DeepSpeed itself is imported. A script
+that imports this package before it builds its trainer runs ``"super_offload": true`` DeepSpeed
+configs on this package's ZeRO-3 optimizer.
+"""
 
 __version__ = "0.1.0"
 
-import contextlib as _contextlib
-import sys as _sys
+import importlib as _importlib
 
-from .engine import SuperOffloadOptimizer
+from .zero3 import activation as _deepspeed_switch
 
-# transformers prints "[INFO] Running in WANDB offline mode" to stdout when its integrations
-# load under WANDB_MODE=offline; sent to stderr, it cannot corrupt machine-readable output
-# such as `hf-superoffload plan --json`, which the recipe launchers parse.
-with _contextlib.redirect_stdout(_sys.stderr):
-    from .integrations import (
-        SuperOffloadTrainer,
-        SuperOffloadTrainerMixin,
-        SuperOffloadTrainingArguments,
-    )
-from .integrations.plugin import SuperOffloadOptions
-from .zero3 import activate as _activate_deepspeed_superoffload
+_deepspeed_switch.activate()
 
-# DeepSpeed's "super_offload": true builds our ZeRO-3 optimizer from here on (zero3/activation.py).
-_activate_deepspeed_superoffload()
-
-# TRL is imported on first use of these names only: it is slow to import.
-_TRL_NAMES = (
-    "SuperOffloadDPOConfig",
-    "SuperOffloadDPOTrainer",
-    "SuperOffloadSFTConfig",
-    "SuperOffloadSFTTrainer",
-)
+# Public name -> the module that defines it, imported on first access.
+_LAZY = {
+    "SuperOffloadOptimizer": ".engine",
+    "SuperOffloadOptions": ".integrations.plugin",
+    "SuperOffloadTrainingArguments": ".integrations.arguments",
+    "SuperOffloadTrainer": ".integrations.trainer",
+    "SuperOffloadTrainerMixin": ".integrations.trainer",
+    "SuperOffloadSFTConfig": ".integrations.trl",
+    "SuperOffloadSFTTrainer": ".integrations.trl",
+    "SuperOffloadDPOConfig": ".integrations.trl",
+    "SuperOffloadDPOTrainer": ".integrations.trl",
+}
 
 
 def __getattr__(name: str):
-    if name in _TRL_NAMES:
-        from .integrations import trl
+    if name not in _LAZY:
+        raise AttributeError(f"module 'hf_superoffload' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(_LAZY[name], __name__), name)
+    globals()[name] = value  # later reads skip this function
+    return value
 
-        return getattr(trl, name)
-    raise AttributeError(f"module 'hf_superoffload' has no attribute {name!r}")
+
+def __dir__():
+    return sorted([*globals(), *_LAZY])
 
 
-__all__ = [
-    "SuperOffloadOptimizer",
-    "SuperOffloadOptions",
-    "SuperOffloadTrainer",
-    "SuperOffloadTrainerMixin",
-    "SuperOffloadTrainingArguments",
-    "__version__",
-    *_TRL_NAMES,
-]
+__all__ = ["__version__", *_LAZY]

@@ -40,6 +40,7 @@ except ImportError:  # transformers < 4.50 checks nothing before torch.load
         pass
 
 
+from .. import upstream
 from ..engine import SuperOffloadOptimizer
 from ..engine.state_io import save_atomically
 from ..zero3.config import export_zero3_options, require_super_offload
@@ -59,6 +60,10 @@ from .save import (
     with_empty_groups_of,
 )
 from .zero3_callback import Zero3MetricsCallback
+
+# The Trainer methods the mixin overrides, and the other names it relies on (upstream.py).
+upstream.check("transformers")
+upstream.check("accelerate")
 
 logger = logging.getLogger("hf_superoffload")
 

@@ -5,10 +5,17 @@ from __future__ import annotations
 
 import dataclasses
 
-from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
-
+from ..extras import require
 from .arguments import SuperOffloadArgumentsMixin
 from .trainer import SuperOffloadTrainerMixin
+
+require("trl", purpose="the SuperOffload TRL trainers")
+
+from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer  # noqa: E402
+
+from .. import upstream  # noqa: E402
+
+upstream.check("trl")
 
 
 @dataclasses.dataclass

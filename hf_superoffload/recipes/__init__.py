@@ -6,3 +6,9 @@
 model and tokenizer, ``data`` the training set, ``report`` the progress bar, loss curve and
 summary, ``arithmetic`` the bundled data.
 """
+
+from ..extras import require
+
+# Checked before any recipe module loads: a missing one is named with its pip install at once,
+# not after the model has loaded (matplotlib draws loss.png at the end of a run).
+require("trl", "datasets", "matplotlib", purpose="the recipes and the demo")

@@ -7,6 +7,9 @@ __all__ = ["SuperOffloadZero3Optimizer", "activate", "is_active"]
 
 def __getattr__(name: str):
     if name == "SuperOffloadZero3Optimizer":  # imports DeepSpeed: only when asked for
+        from ..extras import require
+
+        require("deepspeed", purpose="SuperOffload on DeepSpeed ZeRO-3")
         from .optimizer import SuperOffloadZero3Optimizer
 
         return SuperOffloadZero3Optimizer

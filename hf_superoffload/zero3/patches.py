@@ -29,6 +29,8 @@ import logging
 import os
 import socket
 
+from .. import upstream
+from ..extras import is_installed
 from .config import refuse_super_offload_below_stage3, super_offload_requested, with_flag_read
 
 logger = logging.getLogger("hf_superoffload")
@@ -47,6 +49,8 @@ MPI_LAUNCHER_VARIABLES = (
 
 
 def _wrap(owner, name: str, make) -> None:
+    module = owner.__module__ if isinstance(owner, type) else owner.__name__
+    upstream.require_member(owner, name, module.split(".")[0])  # named, with tested versions
     original = getattr(owner, name)
     if getattr(original, _MARK, False):
         return
@@ -73,6 +77,7 @@ def guard_engine(module) -> None:
             refuse_super_offload_below_stage3(self.zero_optimization_stage(), self.super_offload())
             if not self.super_offload():
                 return original(self, client_optimizer, model_parameters)
+            upstream.check("deepspeed")  # every DeepSpeed name the ZeRO-3 optimizer relies on
             check_deepspeed_optimizer(self, client_optimizer)
             if not isinstance(client_optimizer, HostAdamState):
                 return original(self, client_optimizer, model_parameters)
@@ -118,6 +123,9 @@ def accept_host_adam_state(module) -> None:
 
 
 def map_client_optimizer(module) -> None:
+    if not hasattr(module, "map_pytorch_optim_to_deepspeed") and not is_installed("deepspeed"):
+        return  # accelerate defines it only with DeepSpeed installed, and maps nothing without
+
     def make(original):
         def map_pytorch_optim_to_deepspeed(optimizer):
             if not _accelerate_runs_super_offload():
