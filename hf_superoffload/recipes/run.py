@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from transformers import set_seed
 
-from . import report, sequence_parallel
+from . import liger, report, sequence_parallel
 from .arguments import parse
 from .data import load_train_dataset
 from .model import build_model, load_tokenizer
@@ -44,10 +44,12 @@ def build_trainer(kind: str, argv: list[str] | None = None, prog: str | None = N
     sp_size = sequence_parallel.requested_size(recipe)
     if sp_size > 1:  # refused before anything is built
         sequence_parallel.check_arguments(sp_size, kind, args)
+    liger.check_device(args)
     _pick_threads(recipe)
     set_seed(args.seed)
     tokenizer = load_tokenizer(recipe)
     model = build_model(recipe, tokenizer, args.seed)
+    liger.check_model(args, model.config)
     if sp_size > 1:
         attention = sequence_parallel.check_model(
             sp_size, model.config, getattr(args, "packing", False)
