@@ -2,7 +2,7 @@
 applies Liger's kernels when training starts), and where Liger cannot run, the recipe refuses
 before the model is built: no CUDA GPU (Liger's kernels are Triton), no liger-kernel package, a
 model type Liger has no kernels for (transformers would only log that and train without them).
-On a GPU with liger-kernel installed, the demo trains with Liger's RMSNorm in the model."""
+On a GPU with liger-kernel installed, the demo trains with Liger's RMSNorm patched in."""
 
 from __future__ import annotations
 
@@ -69,7 +69,8 @@ def test_demo_trains_with_liger_kernels_on_a_gpu(tmp_path):
     ]  # fmt: skip
     _, trainer, model = run.build_trainer("sft", argv)
     trainer.train()
-    assert type(model.model.norm).__name__ == "LigerRMSNorm"
+    # Liger patches the instances (forward, and the name the module reports), not the classes.
+    assert model.model.norm._get_name() == "LigerRMSNorm"
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     assert len(losses) == 5 and all(math.isfinite(v) for v in losses)
     assert losses[-1] < losses[0]
