@@ -13,9 +13,12 @@ import transformers
 
 from hf_superoffload.zero3.memory_plan import (
     HOST_HEADROOM,
+    LIGER_MODEL_TYPES,
     ModelShape,
     Zero3Run,
+    liger_loss_bytes,
     resume_extra_host_bytes,
+    trl_loss_bytes,
     zero3_memory_plan,
 )
 from hf_superoffload.zero3.sub_group_cut import DEEPSPEED_PERSISTENCE_THRESHOLD
@@ -183,3 +186,51 @@ def test_recomputed_mlp_is_as_wide_as_the_experts_a_token_goes_through(name, wid
     assert plan.shape.active_intermediate == width
     # Three activations of that width (gate, up and their product) per token, in bf16.
     assert plan.gpu["layer_recompute"] == 3 * 2 * 4096 * 4 * width
+
+
+def test_liger_chunk_follows_its_own_worked_example():
+    """Liger's comment on its chunking (fused_linear_cross_entropy.py, 0.8.5): BT = 4096 x 4,
+    V = 32000, H = 4096 give 8 chunks of 2048 tokens. The plan holds one chunk's logits, the
+    hidden states' and head weight's gradients (bf16) and an fp32 loss a token."""
+    expected = 2 * (2048 * 32000 + 16384 * 4096 + 32000 * 4096) + 4 * 16384
+    assert liger_loss_bytes(16384, 4096, 32000, 2) == expected
+    # 100 tokens there: 8 chunks' worth rounds up to 16 tokens a chunk.
+    chunked = 2 * (16 * 32000 + 100 * 4096 + 32000 * 4096) + 400
+    assert liger_loss_bytes(100, 4096, 32000, 2) == chunked
+    # A vocabulary within C x hidden: one chunk of all the tokens, never more than there are.
+    whole = 2 * (100 * 4000 + 100 * 4096 + 4000 * 4096) + 400
+    assert liger_loss_bytes(100, 4096, 4000, 2) == whole
+
+
+def test_trl_fused_head_holds_fp32_gradients_and_one_tile():
+    tokens, hidden, vocab = 16384, 5120, 151936
+    tile = 2 * 4096 * 32768
+    expected = 6 * tokens * hidden + 6 * vocab * hidden + tile
+    assert trl_loss_bytes(tokens, hidden, vocab, 2) == expected
+
+
+def test_a_fused_loss_frees_the_logits_and_changes_nothing_else():
+    """Qwen3-14B at seq 4096, batch 4: 27.8 GiB of logits and their fp32 copies a rank, against
+    a few GiB for either fused loss; every other part of the plan stays as it was."""
+    full = _plan("qwen3-14b")
+    assert full.gpu["logits_and_loss"] / GIB == pytest.approx(27.82, abs=0.01)
+    for fused, most in (("trl", 5.1), ("liger", 2.0)):
+        plan = _plan("qwen3-14b", fused_cross_entropy=fused)
+        assert plan.gpu["logits_and_loss"] < most * GIB, fused
+        others = {k: v for k, v in plan.gpu.items() if k != "logits_and_loss"}
+        assert others == {k: v for k, v in full.gpu.items() if k != "logits_and_loss"}
+        assert plan.host == full.host and plan.host_bytes == full.host_bytes
+
+
+def test_liger_is_refused_for_a_model_it_does_not_patch():
+    """Seed-OSS is not among the model types Liger-Kernel 0.8.5 patches."""
+    with pytest.raises(ValueError, match="does not patch 'seed_oss'"):
+        _plan("seed-oss-36b", fused_cross_entropy="liger")
+    assert _plan("seed-oss-36b", fused_cross_entropy="trl").gpu["logits_and_loss"] > 0
+    for name in ("llama-3.1-8b", "qwen3-14b", "qwen3-30b-a3b", "phi-4", "gpt-oss-20b"):
+        assert _config(name).model_type in LIGER_MODEL_TYPES, name
+
+
+def test_an_unknown_fused_loss_is_refused():
+    with pytest.raises(ValueError, match="fused_cross_entropy must be None"):
+        _plan("3b", fused_cross_entropy="cut_cross_entropy")

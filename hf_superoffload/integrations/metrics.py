@@ -173,7 +173,10 @@ class ThroughputMeter:
         self.flops = 0.0
         self.since = time.perf_counter()
 
-    def add_batch(self, inputs, model: torch.nn.Module) -> None:
+    def add_batch(self, inputs, model: torch.nn.Module, sequence_parallel: int = 1) -> None:
+        """Count a micro batch. Under Ulysses sequence parallelism (``sequence_parallel`` ranks
+        share each sequence) ``inputs`` is this rank's shard: its tokens are this rank's, but
+        each of them attends to the whole sequence, ``sequence_parallel`` shards long."""
         ids = inputs.get("input_ids") if isinstance(inputs, Mapping) else None
         if not isinstance(ids, torch.Tensor):
             return
@@ -191,7 +194,7 @@ class ThroughputMeter:
                     self._no_flops,
                 )
         if self._n_params is not None:
-            seq_len = ids.shape[-1]
+            seq_len = ids.shape[-1] * sequence_parallel
             self.flops += tokens * model_flops_per_token(self._config, self._n_params, seq_len)
 
     def metrics(self, accelerator, peak: float | None) -> dict[str, float]:

@@ -238,7 +238,9 @@ class SuperOffloadTrainerMixin:
         optimizer = self.superoffload_optimizer
         if optimizer is not None:  # the Trainer decided before this backward if it syncs
             optimizer.set_accumulation_boundary(self.accelerator.sync_gradients)
-        self._throughput.add_batch(inputs, self.accelerator.unwrap_model(model))
+        self._throughput.add_batch(
+            inputs, self.accelerator.unwrap_model(model), self._sequence_parallel_size()
+        )
         earlier = self._micro_batches_in_window
         try:
             loss = super().training_step(model, inputs, num_items_in_batch)
@@ -255,6 +257,13 @@ class SuperOffloadTrainerMixin:
             loss = super().training_step(model, inputs, num_items_in_batch)
         self._micro_batches_in_window = 0 if self.accelerator.sync_gradients else earlier + 1
         return loss
+
+    def _sequence_parallel_size(self) -> int:
+        """Ranks that share each sequence under DeepSpeed's Ulysses (1 without it)."""
+        pc = getattr(self.accelerator, "parallelism_config", None)
+        if pc is not None and pc.sp_backend == "deepspeed" and pc.sp_enabled:
+            return pc.sp_size
+        return 1
 
     def log(self, logs, start_time=None):
         """Training logs gain tokens_per_second, tflops, mfu and the stv/ counters (reduced

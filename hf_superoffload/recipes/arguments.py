@@ -11,11 +11,11 @@ nothing in 50 steps). A recipe YAML or the command line still override each of t
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 from trl import TrlParser
 
+from ..integrations.arguments import _on_deepspeed
 from ..integrations.trl import SuperOffloadDPOConfig, SuperOffloadSFTConfig
 
 KINDS = {"sft": SuperOffloadSFTConfig, "dpo": SuperOffloadDPOConfig}
@@ -55,6 +55,14 @@ class RecipeArguments:
         default=None,
         metadata={"help": "transformers' attention implementation (eager, sdpa, "
                   "flash_attention_2, ...); default: transformers' choice for the model."},
+    )  # fmt: skip
+    sequence_parallel_size: int | None = dataclasses.field(
+        default=None,
+        metadata={"help": "Ulysses sequence parallelism (SFT, DeepSpeed ZeRO-3): split each "
+                  "sequence over this many ranks, for sequences too long for one GPU; with N "
+                  "ranks, --gradient_accumulation_steps N covers the sequences N data-parallel "
+                  "ranks take a step. Default: an accelerate config's parallelism_config_sp_size "
+                  "(accelerate_configs/*_sp2.yaml), else 1 (off)."},
     )  # fmt: skip
     dataset_name: str | None = dataclasses.field(
         default=None, metadata={"help": "Hub dataset id (load_dataset); needs network or cache."}
@@ -149,11 +157,13 @@ def demo_defaults(kind: str) -> dict:
         "optim": "adamw_torch",  # the --optimizer adamw comparison uses torch's own AdamW
         **_no_checkpointing(KINDS[kind]),  # a model this small needs no memory saving
     }
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED") != "true":
-        # One default bucket would hold the whole model; small ones exercise the pipeline.
-        # (Under a DeepSpeed config the partition is its sub_group_size.)
-        defaults["superoffload_bucket_size"] = 1 << 14
     return defaults
+
+
+# The demo's bucket on the standalone engine: one default bucket would hold the whole model;
+# small ones exercise the pipeline. Under DeepSpeed (an accelerate config or --deepspeed) the
+# partition is the config's sub_group_size, and the argument is refused there.
+DEMO_BUCKET_SIZE = 1 << 14
 
 
 def build_parser(kind: str, prog: str | None = None) -> TrlParser:
@@ -175,4 +185,7 @@ def parse(kind: str, argv: list[str] | None = None, prog: str | None = None):
     recipe, _ = script_only.parse_args_and_config(argv, return_remaining_strings=True)
     if recipe.demo:
         parser.set_defaults_with_config(**demo_defaults(kind))
-    return parser.parse_args_and_config(argv)
+    recipe, args = parser.parse_args_and_config(argv)
+    if recipe.demo and args.superoffload_bucket_size is None and not _on_deepspeed(args):
+        args.superoffload_bucket_size = DEMO_BUCKET_SIZE
+    return recipe, args

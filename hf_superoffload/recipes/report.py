@@ -94,7 +94,8 @@ def summarize(trainer, model, kind: str, train_metrics: dict) -> dict:
         "train_runtime_s": train_metrics.get("train_runtime"),
         "tokens_per_second": statistics.median(tokens) if tokens else None,
         "device": str(trainer.args.device),
-        "processes": trainer.args.world_size,  # data-parallel ranks that trained together
+        "processes": trainer.args.world_size,  # ranks that trained together
+        "sequence_parallel_size": _sequence_parallel_size(trainer),  # ranks a sequence spans
         "bf16": bool(trainer.args.bf16),
         "optimizer": type(running_optimizer(trainer)).__name__,
         "superoffload_stats": stats or None,
@@ -103,13 +104,20 @@ def summarize(trainer, model, kind: str, train_metrics: dict) -> dict:
     }
 
 
+def _sequence_parallel_size(trainer) -> int:
+    pc = getattr(trainer.accelerator, "parallelism_config", None)
+    return pc.sp_size if pc is not None and pc.sp_enabled else 1
+
+
 def format_summary(summary: dict) -> str:
     first, last = summary["first_loss"], summary["last_loss"]
     runtime = summary["train_runtime_s"] or 0.0
     tokens = summary["tokens_per_second"]
+    sp_size = summary.get("sequence_parallel_size", 1)
+    sp = f", sequence parallel over {sp_size} ranks" if sp_size > 1 else ""
     lines = [
         f"{summary['kind']}: loss {first:.4f} -> {last:.4f} over {summary['steps']} steps, "
-        f"{runtime:.1f} s on {summary['device']} (bf16={summary['bf16']}), "
+        f"{runtime:.1f} s on {summary['device']} (bf16={summary['bf16']}{sp}), "
         + (f"{tokens:,.0f} tokens/s (median)" if tokens else "tokens/s not logged"),
     ]
     stats = summary["superoffload_stats"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from transformers import set_seed
 
-from . import report
+from . import liger, report, sequence_parallel
 from .arguments import parse
 from .data import fill_sequences, load_train_dataset
 from .model import build_model, load_tokenizer
@@ -41,10 +41,20 @@ def _pick_threads(recipe) -> None:
 def build_trainer(kind: str, argv: list[str] | None = None, prog: str | None = None):
     """(recipe arguments, trainer, model) ready to train, from a command line."""
     recipe, args = parse(kind, argv, prog)
+    sp_size = sequence_parallel.requested_size(recipe)
+    if sp_size > 1:  # refused before anything is built
+        sequence_parallel.check_arguments(sp_size, kind, args)
+    liger.check_device(args)
     _pick_threads(recipe)
     set_seed(args.seed)
     tokenizer = load_tokenizer(recipe)
     model = build_model(recipe, tokenizer, args.seed)
+    liger.check_model(args, model.config)
+    if sp_size > 1:
+        attention = sequence_parallel.check_model(
+            sp_size, model.config, getattr(args, "packing", False)
+        )
+        sequence_parallel.configure(sp_size, args, attention)
     extra = {}
     if kind == "dpo" and (recipe.demo or recipe.random_init_from_config):
         # TRL loads the reference model from the policy's path, which random weights lack: the
@@ -57,6 +67,8 @@ def build_trainer(kind: str, argv: list[str] | None = None, prog: str | None = N
         processing_class=tokenizer,
         **extra,
     )
+    if sp_size > 1:
+        sequence_parallel.join_deepspeed_comm()
     report.use_loss_bar(trainer)
     trainer.add_callback(report.LogLines())
     return recipe, trainer, model
