@@ -20,6 +20,7 @@ EXTRA_OF = {
     "wandb": "wandb",
     "psutil": "bench",
     "torchao": "bench",
+    "liger_kernel": "liger",
 }
 
 

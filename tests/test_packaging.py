@@ -21,7 +21,9 @@ from packaging.version import Version
 from hf_superoffload import extras, upstream
 
 REPO = Path(__file__).resolve().parents[1]
-OPTIONAL = {"deepspeed", "trl", "wandb", "datasets", "matplotlib", "psutil", "torchao"}
+OPTIONAL = {
+    "deepspeed", "trl", "wandb", "datasets", "matplotlib", "psutil", "torchao", "liger_kernel"
+}  # fmt: skip
 # Import name -> distribution name, where they differ.
 DISTRIBUTION_OF = {"yaml": "pyyaml"}
 
@@ -57,10 +59,11 @@ def test_hard_requirements_hold_no_optional_library():
 
 def test_the_extras():
     found = _extras()
-    assert set(found) == {"deepspeed", "trl", "wandb", "bench", "all", "dev"}
+    assert set(found) == {"deepspeed", "trl", "wandb", "bench", "liger", "all", "dev"}
     assert [r.name for r in found["deepspeed"]] == ["deepspeed"]
     assert {r.name for r in found["trl"]} == {"trl", "datasets", "matplotlib"}
-    assert found["all"] == [Requirement("hf_superoffload[deepspeed,trl,wandb,bench]")]
+    assert found["all"] == [Requirement("hf_superoffload[deepspeed,trl,wandb,bench,liger]")]
+    assert [r.name for r in found["liger"]] == ["liger-kernel"]
     dev = {r.name for r in _external(found["dev"])}
     assert {"pytest", "ruff"} <= dev
     # dev installs what the CPU tests import: every extra but bench's GPU-only torchao.
@@ -94,7 +97,8 @@ def test_the_bounds_of_the_upstream_libraries_are_their_tested_range(library):
 
 @pytest.mark.parametrize(
     "requirement",
-    [r for r in _all_requirements() if r.name != "torchao"],  # torchao: GPU benchmarks only
+    # torchao and liger-kernel: GPU only, outside the CPU tier's [dev]
+    [r for r in _all_requirements() if r.name not in ("torchao", "liger-kernel")],
     ids=str,
 )
 def test_the_installed_version_is_within_the_declared_bounds(requirement):
@@ -125,7 +129,7 @@ def test_every_imported_library_is_declared():
 def test_extras_of_extras_py_match_setup_cfg():
     found = _extras()
     for module, extra in extras.EXTRA_OF.items():
-        assert module in {r.name for r in found[extra]}, (module, extra)
+        assert module in {r.name.replace("-", "_") for r in found[extra]}, (module, extra)
 
 
 def _run_without(module: str, code: str) -> subprocess.CompletedProcess:

@@ -43,7 +43,7 @@ def test_without_a_gpu_the_recipe_refuses_before_building_the_model(tmp_path, mo
 def test_without_the_package_it_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, LIGER_MODULE, None)  # import fails as if not installed
     config = tiny_llama_config(vocab_size=32)
-    with pytest.raises(ValueError, match=r"pip install 'hf_superoffload\[liger\]'"):
+    with pytest.raises(ImportError, match=r'pip install "hf_superoffload\[liger\]"'):
         liger.check_model(SimpleNamespace(use_liger_kernel=True), config)
     liger.check_model(SimpleNamespace(use_liger_kernel=False), config)  # off: nothing needed
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-INSTALL = "pip install 'hf_superoffload[liger]' (or: pip install liger-kernel)"
+from ..extras import missing_extra
 
 
 def check_device(args) -> None:
@@ -29,7 +29,7 @@ def check_model(args, config) -> None:
     try:
         from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
     except ImportError:
-        raise ValueError(f"--use_liger_kernel true needs Liger-Kernel: {INSTALL}") from None
+        raise missing_extra("liger_kernel", "--use_liger_kernel true") from None
     model_type = config.model_type
     if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
         raise ValueError(
