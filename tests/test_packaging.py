@@ -188,3 +188,16 @@ def test_require_raises_for_the_first_missing_module(monkeypatch):
         extras.require("torch", "wandb", purpose="logging to wandb")
     assert missing.value.name == "wandb"
     assert 'pip install "hf_superoffload[wandb]"' in str(missing.value)
+
+
+def test_no_test_module_sets_the_deepspeed_accelerator_for_the_whole_session():
+    """pytest imports every test module at collection, selected or not: a module-level
+    DS_ACCELERATOR=cpu made the GPU tier's ZeRO-3 ranks run DeepSpeed's CPU accelerator over
+    NCCL. conftest.py sets it for machines without a GPU; a module may only do so behind that
+    same check."""
+    for path in sorted((REPO / "tests").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:  # module level, outside any if/def
+            call = isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
+            if call and "DS_ACCELERATOR" in ast.unparse(node):
+                raise AssertionError(f"{path.name}:{node.lineno}: {ast.unparse(node)}")

@@ -13,9 +13,6 @@ import types
 from pathlib import Path
 
 import pytest
-
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
 from packaging.version import Version
 
 from hf_superoffload import upstream
