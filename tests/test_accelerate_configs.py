@@ -98,7 +98,7 @@ def test_header_names_only_options_that_exist(path):
 
 def test_one_name_per_config():
     """No config is shipped twice under two names, and the names follow one scheme:
-    ``<machine>[x<GPUs>]_superoffload.yaml`` for DeepSpeed ZeRO-3 with SuperOffload (any
+    ``<machine>[x<GPUs>]_superoffload[_sp<N>].yaml`` for DeepSpeed ZeRO-3 with SuperOffload (any
     script), ``..._superoffload_trainers.yaml`` for the standalone engine's trainers."""
     seen = {}
     for path in CONFIGS:
@@ -107,7 +107,9 @@ def test_one_name_per_config():
         assert settings not in seen, f"{path.name} repeats {seen.get(settings)}"
         seen[settings] = path.name
         if path.name != "single_gpu.yaml":
-            assert re.fullmatch(r"(gh200|x86)(x[248])?_superoffload(_trainers)?\.yaml", path.name)
+            assert re.fullmatch(
+                r"(gh200|x86)(x[248])?_superoffload(_trainers|_sp[248])?\.yaml", path.name
+            )
 
 
 PLAIN = [p for p in CONFIGS if not _is_deepspeed(p)]

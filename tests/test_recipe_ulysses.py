@@ -289,7 +289,7 @@ def test_sp_config_launches_the_example_with_ulysses(tmp_path):
     env.pop(sequence_parallel.LAUNCHER_SP_SIZE, None)
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch",
-        "--config_file", "accelerate_configs/x86x2_zero3_superoffload_sp2.yaml",
+        "--config_file", "accelerate_configs/x86x2_superoffload_sp2.yaml",
         "examples/sft.py", "--use_cpu", "true", "--max_steps", "4",
         "--gradient_accumulation_steps", "2", "--pad_to_multiple_of", "64",
         "--output_dir", str(tmp_path / "out"), "--save_model", "false",

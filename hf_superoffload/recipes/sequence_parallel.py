@@ -64,7 +64,7 @@ def check_arguments(size: int, kind: str, args) -> None:
         raise ValueError(
             f"--sequence_parallel_size {size} needs DeepSpeed ZeRO-3 (Ulysses is DeepSpeed's): "
             f"launch with an accelerate config such as "
-            f"accelerate_configs/x86x2_zero3_superoffload_sp2.yaml, or pass --deepspeed "
+            f"accelerate_configs/x86x2_superoffload_sp2.yaml, or pass --deepspeed "
             f"accelerate_configs/deepspeed/zero3_superoffload.json"
         )
     if plugin.zero_stage != 3:
