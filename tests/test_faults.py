@@ -12,6 +12,7 @@ import _thread
 import functools
 import gc
 import logging
+import signal
 import threading
 import time
 import traceback
@@ -296,6 +297,9 @@ def test_keyboard_interrupt_while_step_waits_for_the_worker_then_a_new_optimizer
         time.sleep(0.05)
         slow_pass(self, *args, **kwargs)
 
+    # A suite started in the background (`cmd &` in a script) inherits SIGINT ignored, and then
+    # interrupt_main() does nothing: Ctrl-C's own handler for this test, whatever started it.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     with monkeypatch.context() as patch:
         patch.setattr(HostSteps, "_pass", slow)
         x = batches[1]
@@ -310,6 +314,7 @@ def test_keyboard_interrupt_while_step_waits_for_the_worker_then_a_new_optimizer
         waited = time.perf_counter() - start
         timer.join()
         assert waited < 2.0, f"the interrupt took {waited:.2f} s to end the wait"
+        signal.signal(signal.SIGINT, previous)
         assert "synchronize" in "".join(traceback.format_tb(raised.tb))
         del raised  # its traceback holds the optimizer
         holder = [opt]
