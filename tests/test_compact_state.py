@@ -88,7 +88,7 @@ def test_the_first_step_is_adamws_and_the_moments_are_its_moments_encoded():
     ref.grad = g.clone()
     adamw = torch.optim.AdamW([ref], lr=1e-2, weight_decay=0.1)
     adamw.step()
-    moments = CompactMoments.zeros(p.numel())
+    moments = CompactMoments.zeros(p.numel(), format=CompactFormat(stochastic=False))
     skipped = compact_adam_step(
         p, g, moments, step=1, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1
     )

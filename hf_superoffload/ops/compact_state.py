@@ -14,9 +14,11 @@ scale (so the largest element is exactly 1.0):
   2**-33 of the block's largest: the square of the first moment's range, so that an element
   whose first moment is representable never sees a zero second moment).
 
-Every step is computed in fp32 from the decoded moments, then the new moments are encoded;
-encoding and decoding are exact bit manipulations with round-to-nearest-even, and the update
-uses no fused multiply-add, so any implementation of the same operations gives the same bits.
+Every step is computed in fp32 from the decoded moments, then the new moments are encoded.
+Codes round stochastically by default, with bits drawn from a counter-based hash of the
+element, the param and the step (round to nearest lets a slowly moving moment stall); encoding
+and decoding are exact bit manipulations and the update uses no fused multiply-add, so any
+implementation of the same operations gives the same bits.
 """
 
 from __future__ import annotations
@@ -139,7 +141,9 @@ class CompactFormat:
     exp_avg: tuple[int, int] = EXP_AVG_FORMAT
     exp_avg_sq: tuple[int, int] = EXP_AVG_SQ_FORMAT
     block: int = BLOCK
-    stochastic: bool = False
+    # The default: within torch AdamW's seed-to-seed spread in
+    # docs/runs/2026-11-26-compact-state-convergence-cpu.md, where rounding to nearest stalls.
+    stochastic: bool = True
 
     def key(self, salt: int, step: int, moment: int) -> int | None:
         """The rounding bits' key of one moment of one step (None: round to nearest)."""
