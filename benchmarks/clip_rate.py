@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--clip-first", type=int, default=0,
         help="with --clip-rate: the first N steps clip, then the rate applies (clipping that "
-        "stops: gpu_buckets='auto' should give memory back)",
+        "stops: gpu_tail='auto' should give memory back)",
     )  # fmt: skip
 
 

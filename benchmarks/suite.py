@@ -371,7 +371,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="warm-up steps of the peers")
     parser.add_argument(
         "--superoffload-warmup", type=int, default=20,
-        help="superoffload's: gpu_buckets='auto' may place buckets for up to ~18 steps, and "
+        help="superoffload's: gpu_tail='auto' may place buckets for up to ~18 steps, and "
         "train_step.py refuses to time while it still does",
     )  # fmt: skip
     parser.add_argument("--clip", type=float, default=1.0)
@@ -381,7 +381,7 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument(
         "--gpu-memory-cap", type=float, default=None,
-        help="superoffload's gpu_memory_cap in GiB (the tail's optimizer state)",
+        help="superoffload's gpu_tail_cap in GiB (the tail's optimizer state)",
     )  # fmt: skip
     parser.add_argument(
         "--ratio", type=float, default=1.0,

@@ -106,8 +106,8 @@ class SuperOffload(TrainingSystem):
         buckets = args.gpu_buckets if args.gpu_buckets == "auto" else int(args.gpu_buckets)
         self.optimizer = SuperOffloadOptimizer(
             self.model.parameters(), lr=LR, weight_decay=0.0, max_grad_norm=args.clip,
-            model=self.model, gpu_buckets=buckets, bucket_size=args.bucket_size, cast=args.cast,
-            gpu_memory_cap=getattr(args, "gpu_memory_cap", None),  # timeline.py has none
+            model=self.model, gpu_tail=buckets, bucket_size=args.bucket_size, cast=args.cast,
+            gpu_tail_cap=getattr(args, "gpu_memory_cap", None),  # timeline.py has none
         )  # fmt: skip
 
     def forward(self, batch):
@@ -121,7 +121,7 @@ class SuperOffload(TrainingSystem):
         return float(self.optimizer.global_grad_norm)
 
     def still_tuning(self) -> bool:
-        """gpu_buckets='auto' may still move buckets (each move synchronizes everything)."""
+        """gpu_tail='auto' may still move buckets (each move synchronizes everything)."""
         return bool(self.optimizer.stats["tail_tuning"])
 
     def finish(self):

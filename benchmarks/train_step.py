@@ -103,7 +103,7 @@ MAX_EXTRA_WARMUP = 40  # steps a still-tuning "auto" may add to the warm-up
 
 
 def _tail_moves(system) -> int | None:
-    """The standalone engine's bucket moves so far (gpu_buckets='auto' or its cap)."""
+    """The standalone engine's bucket moves so far (gpu_tail='auto' or its cap)."""
     optimizer = getattr(system, "optimizer", None)
     stats = getattr(optimizer, "stats", None)
     return stats.get("tail_moves") if isinstance(stats, dict) else None
@@ -234,14 +234,14 @@ def main() -> None:
         torch.manual_seed(1000 + rank)  # each rank its own data
     batch = torch.randint(0, config.vocab_size, (args.batch, args.seq), device="cuda")
     times, phases = [], []
-    warmup = args.warmup  # grows while gpu_buckets='auto' is still moving buckets
+    warmup = args.warmup  # grows while gpu_tail='auto' is still moving buckets
     moves_before_timing = _tail_moves(system) if warmup == 0 else None
     step = 0
     while step < warmup + args.steps:
         if step == warmup and args.system == "superoffload" and system.still_tuning():
             if warmup >= args.warmup + MAX_EXTRA_WARMUP:
                 sys.exit(
-                    f"gpu_buckets='auto' was still placing buckets after {warmup} warm-up "
+                    f"gpu_tail='auto' was still placing buckets after {warmup} warm-up "
                     "steps, so a move could land in a timed step: raise --warmup (suite.py: "
                     "--superoffload-warmup)."
                 )

@@ -34,8 +34,8 @@ def _declare(*variables: Variable) -> dict[str, Variable]:
 VARIABLES = _declare(
     # The options of SuperOffloadOptions (integrations/plugin.py), one per field.
     Variable(
-        "HF_SUPEROFFLOAD_GPU_BUCKETS",
-        "buckets (the first layers) whose optimizer state stays on the GPU: an int or 'auto'",
+        "HF_SUPEROFFLOAD_GPU_TAIL",
+        "the GPU tail: buckets (the first layers) whose optimizer state stays on the GPU, an int or 'auto'",
         "auto",
     ),
     Variable("HF_SUPEROFFLOAD_BUCKET_SIZE", "elements per gradient bucket", "2**25"),
@@ -54,8 +54,8 @@ VARIABLES = _declare(
     ),
     Variable("HF_SUPEROFFLOAD_CAST", "where bf16 <-> fp32 casts run: auto, gpu or cpu", "auto"),
     Variable(
-        "HF_SUPEROFFLOAD_GPU_MEMORY_CAP",
-        "most GPU memory (GiB) the optimizer's device tail may hold",
+        "HF_SUPEROFFLOAD_GPU_TAIL_CAP",
+        "most GPU memory (GiB) the optimizer's GPU tail may hold",
         "no cap",
     ),
     # The trainers', the metrics' and the host check's.
@@ -95,6 +95,14 @@ VARIABLES = _declare(
 )
 
 
+# Variables renamed before 0.1.0 (the GPU tail's): refused like any undeclared one, naming
+# the new variable (difflib would point GPU_BUCKETS at BUCKET_SIZE).
+RENAMED = {
+    PREFIX + "GPU_BUCKETS": PREFIX + "GPU_TAIL",
+    PREFIX + "GPU_MEMORY_CAP": PREFIX + "GPU_TAIL_CAP",
+}
+
+
 def check() -> None:
     """Refuse an ``HF_SUPEROFFLOAD_*`` variable that is not declared, or a ``SUPEROFFLOAD_*``
     one (the former prefix), naming the closest declared variable."""
@@ -102,8 +110,11 @@ def check() -> None:
         if name in VARIABLES:
             continue
         if name.startswith(PREFIX):
-            close = difflib.get_close_matches(name, VARIABLES, n=1)
-            hint = f"did you mean {close[0]}? " if close else ""
+            if name in RENAMED:
+                hint = f"it is now {RENAMED[name]}. "
+            else:
+                close = difflib.get_close_matches(name, VARIABLES, n=1)
+                hint = f"did you mean {close[0]}? " if close else ""
             raise ValueError(
                 f"unknown environment variable {name}: {hint}Rename or unset it. "
                 f"hf_superoffload reads {', '.join(VARIABLES)}."

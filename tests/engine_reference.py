@@ -389,7 +389,7 @@ def engine_kwargs(cfg: RunConfig, net: torch.nn.Module, **overrides: Any) -> dic
         "eps": cfg.eps,
         "weight_decay": cfg.weight_decay,
         "max_grad_norm": cfg.max_grad_norm,
-        "gpu_buckets": 2,
+        "gpu_tail": 2,
         "bucket_size": BUCKET_SIZE,
         "model": net,
         "gradient_accumulation_steps": cfg.accum,
@@ -470,7 +470,7 @@ def run_superoffload(
 ) -> TrainResult:
     """Train with `SuperOffloadOptimizer` on the same model, data and schedule as the reference.
 
-    ``overrides`` go to the constructor (``gpu_buckets``, ``speculate``, ``cast`` ...);
+    ``overrides`` go to the constructor (``gpu_tail``, ``speculate``, ``cast`` ...);
     ``call_clip`` also calls ``opt.clip_grad_norm_(max_norm)`` between backward and step and
     records what it returns; ``pass_model=False`` builds the engine without ``model=``.
     """

@@ -16,7 +16,7 @@ micro-batches never cancel, which keeps the bound below tight (see `undo_ratio`)
 `run_reference` trains a `FuzzCase` with `torch.optim.AdamW(fused=False, foreach=False)` in
 fp32, `torch.nn.utils.clip_grad_norm_` over the params that have a gradient, and no
 `optimizer.step()` at all when the total norm is not finite (AdamW with a skip). `run_engine`
-trains it with `SuperOffloadOptimizer`: the case's bucket size, device tail, accumulation,
+trains it with `SuperOffloadOptimizer`: the case's bucket size, GPU tail, accumulation,
 speculation switches and a resume point (state_dict -> torch.save -> torch.load -> a new model
 and optimizer).
 """
@@ -63,7 +63,7 @@ class FuzzCase:
     seed: int = 0
     # Engine side only
     bucket_size: int = 64
-    gpu_buckets: int = 0
+    gpu_tail: int = 0
     declare_accumulation: bool = True
     speculate: bool = True
     speculate_after_clip: bool = False
@@ -283,7 +283,7 @@ def make_engine(case: FuzzCase, model: ParamBag, **overrides: Any):
 
     kwargs = {
         "max_grad_norm": case.max_grad_norm,
-        "gpu_buckets": case.gpu_buckets,
+        "gpu_tail": case.gpu_tail,
         "bucket_size": case.bucket_size,
         "speculate": case.speculate,
         "speculate_after_clip": case.speculate_after_clip,

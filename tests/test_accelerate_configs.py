@@ -25,9 +25,9 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "accelerate_configs").glob("*.yaml"))
 # Options the ZeRO-3 path takes from the DeepSpeed JSON instead (refused as arguments there).
 NOT_ON_ZERO3 = {
-    "superoffload_gpu_buckets",
+    "superoffload_gpu_tail",
     "superoffload_bucket_size",
-    "superoffload_gpu_memory_cap",
+    "superoffload_gpu_tail_cap",
 }
 
 

@@ -57,7 +57,7 @@ def _run(kind: str, max_norm: float) -> LoopResult:
     model = build_model(CFG).to(accelerator.device)  # on its device before the optimizer
     hyper = dict(lr=CFG.lr, betas=CFG.betas, eps=CFG.eps, weight_decay=CFG.weight_decay)
     if kind == "superoffload":
-        options = SuperOffloadOptions(bucket_size=BUCKET_SIZE, gpu_buckets=0)
+        options = SuperOffloadOptions(bucket_size=BUCKET_SIZE, gpu_tail=0)
         optimizer = SuperOffloadOptimizer(
             model.parameters(),
             **hyper,

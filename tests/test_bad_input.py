@@ -17,7 +17,7 @@ def _linear():
 
 
 def _build(params, **kwargs):
-    return SuperOffloadOptimizer(params, **{"gpu_buckets": 0, **kwargs})
+    return SuperOffloadOptimizer(params, **{"gpu_tail": 0, **kwargs})
 
 
 @pytest.mark.parametrize(
@@ -36,7 +36,7 @@ def _build(params, **kwargs):
         ({"speculate": "no"}, ValueError, "speculate must be True or False"),
         ({"cpu_threads": "2"}, ValueError, r"cpu_threads \(threads of the CPU Adam\).*=8"),
         ({"cpu_threads": 0}, ValueError, "cpu_threads .* must be a positive int"),
-        ({"gpu_buckets": "2"}, ValueError, "gpu_buckets must be a non-negative int or 'auto'"),
+        ({"gpu_tail": "2"}, ValueError, "gpu_tail must be a non-negative int or 'auto'"),
     ],
 )
 def test_wrong_option_is_a_clear_error(kwargs, exc, match):
@@ -75,8 +75,8 @@ def _train_both(make_params, steps=3, **kwargs):
     return models
 
 
-def test_gpu_buckets_larger_than_the_buckets_means_all():
-    a, b = _train_both(lambda m: m.parameters(), gpu_buckets=100)
+def test_gpu_tail_larger_than_the_buckets_means_all():
+    a, b = _train_both(lambda m: m.parameters(), gpu_tail=100)
     for p, q in zip(a.parameters(), b.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
 

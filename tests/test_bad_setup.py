@@ -21,7 +21,7 @@ from hf_superoffload.integrations import checks as trainer_checks
 from hf_superoffload.zero3.config import refuse_super_offload_below_stage3
 from hf_superoffload.zero3.options import warn_unused_offload_keys
 
-KNOWN = ("lr", "betas", "eps", "weight_decay", "gpu_buckets", "bucket_size", "cpu_threads")
+KNOWN = ("lr", "betas", "eps", "weight_decay", "gpu_tail", "bucket_size", "cpu_threads")
 
 
 # --- unknown keyword arguments ----------------------------------------------------------------
@@ -29,7 +29,7 @@ KNOWN = ("lr", "betas", "eps", "weight_decay", "gpu_buckets", "bucket_size", "cp
 
 @pytest.mark.parametrize(
     ("given", "suggestion"),
-    [("gpu_bucket", "gpu_buckets"), ("bucketsize", "bucket_size"), ("weight_decy", "weight_decay")],
+    [("gpu_tial", "gpu_tail"), ("bucketsize", "bucket_size"), ("weight_decy", "weight_decay")],
 )
 def test_unknown_kwarg_names_the_closest_known_one(given, suggestion):
     with pytest.raises(TypeError) as err:
@@ -46,7 +46,7 @@ def test_unknown_kwarg_far_from_every_name_lists_them():
 
 
 def test_known_kwargs_pass():
-    refuse_unknown_kwargs({"lr": 1e-3, "gpu_buckets": 0}, KNOWN, "SuperOffloadOptimizer")
+    refuse_unknown_kwargs({"lr": 1e-3, "gpu_tail": 0}, KNOWN, "SuperOffloadOptimizer")
     refuse_unknown_kwargs({}, KNOWN, "SuperOffloadOptimizer")
 
 
@@ -65,7 +65,7 @@ def test_fp16_params_warn_that_there_is_no_loss_scaler_and_overflows_skip(caplog
     model = _fp16_linear()
     x = torch.randn(16, 8).half()
     with caplog.at_level(logging.WARNING, logger="hf_superoffload"):
-        opt = SuperOffloadOptimizer(model.parameters(), lr=1e-2, gpu_buckets=0)
+        opt = SuperOffloadOptimizer(model.parameters(), lr=1e-2, gpu_tail=0)
     assert [r.getMessage() for r in caplog.records].count(FP16_WARNING) == 1
     with opt:
         model(x).float().square().mean().backward()
@@ -118,7 +118,7 @@ def test_tied_weights_get_one_master_and_train_as_adamw():
     model, ref = TiedLM(), TiedLM()
     ids = torch.randint(0, 16, (4, 6), generator=torch.Generator().manual_seed(0))
     opt = SuperOffloadOptimizer(
-        model.parameters(), lr=1e-2, eps=1e-6, gpu_buckets=0, bucket_size=64, model=model
+        model.parameters(), lr=1e-2, eps=1e-6, gpu_tail=0, bucket_size=64, model=model
     )
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
     with opt:

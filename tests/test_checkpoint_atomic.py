@@ -45,7 +45,7 @@ def _torn_save(obj, f, *args, **kwargs):
 def _trained(steps: int):
     cfg = RunConfig(steps=steps)
     model = build_model(cfg)
-    opt = make_engine(model, cfg, gpu_buckets=0)
+    opt = make_engine(model, cfg, gpu_tail=0)
     train_loop(cfg, model, opt, make_batches(cfg), engine_do_step(opt))
     opt.synchronize()
     return cfg, model, opt
@@ -55,7 +55,7 @@ def _loads_as(path, want: dict) -> None:
     """``path`` loads into a new optimizer over a fresh model and gives the state ``want``."""
     cfg = RunConfig()
     model = build_model(cfg)
-    with make_engine(model, cfg, gpu_buckets=0) as opt:
+    with make_engine(model, cfg, gpu_tail=0) as opt:
         opt.load_state_dict(torch.load(path, weights_only=True))
         got = engine_state(opt, model)
     for name, entry in want.items():

@@ -461,7 +461,7 @@ def test_demo_runs_the_main_job_with_the_jobs_own_arguments(capsys, tmp_path, mo
 def test_demo_recipe_help_lists_trls_and_superoffload_arguments(capsys):
     code, out, _ = cli(capsys, "demo", "--dpo", "--recipe-help")
     assert code == 0
-    for option in ("--beta", "--superoffload_gpu_buckets", "--random_init_from_config"):
+    for option in ("--beta", "--superoffload_gpu_tail", "--random_init_from_config"):
         assert option in out
 
 

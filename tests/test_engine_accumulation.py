@@ -85,7 +85,7 @@ def _plain_loop_runs(cfg: RunConfig, clip: str, pass_model: bool, repeats: int) 
     want = run_reference(cfg)  # AdamW on the sum of each step's micro-batch gradients
     with BusyThreads():
         for run in range(repeats):
-            got = run_superoffload(cfg, pass_model=pass_model, gpu_buckets=0, **PLAIN)
+            got = run_superoffload(cfg, pass_model=pass_model, gpu_tail=0, **PLAIN)
             try:
                 assert_same_trajectory(got, want)
             except AssertionError as error:
@@ -121,7 +121,7 @@ def test_no_global_hook_outlives_the_step():
     before = len(hooks)
     cfg = RunConfig(steps=1, accum=1, max_grad_norm=None)
     model = build_model(cfg)
-    opt = make_engine(model, cfg, model=None, gpu_buckets=0)
+    opt = make_engine(model, cfg, model=None, gpu_tail=0)
     x = make_batches(cfg, 1)[0]
     model(input_ids=x, labels=x).loss.backward()
     assert len(hooks) == before + 1  # speculating: the watch is on
@@ -155,7 +155,7 @@ class BareParams:
 
 
 def _bare_optimizer(bare: BareParams, **kwargs) -> SuperOffloadOptimizer:
-    options = {"lr": 1e-2, "max_grad_norm": None, "gpu_buckets": 0, "bucket_size": 256}
+    options = {"lr": 1e-2, "max_grad_norm": None, "gpu_tail": 0, "bucket_size": 256}
     return SuperOffloadOptimizer(bare.params(), **{**options, **kwargs})
 
 
@@ -237,7 +237,7 @@ def test_graphs_built_before_the_first_backward_are_refused():
     backward's speculation overwrote them, whether or not the model's hooks are known."""
     cfg = RunConfig(steps=1, max_grad_norm=None)
     model = build_model(cfg)
-    opt = make_engine(model, cfg, gpu_buckets=0, **PLAIN)
+    opt = make_engine(model, cfg, gpu_tail=0, **PLAIN)
     before = engine_state(opt, model)
     x, y = make_batches(cfg, 2)
     first, second = model(input_ids=x, labels=x).loss, model(input_ids=y, labels=y).loss

@@ -58,7 +58,7 @@ def _one_step(model, opt, x) -> None:
 
 
 def test_stats_keys_and_types():
-    got = run_superoffload(BASE.replace(steps=3), gpu_buckets=0)
+    got = run_superoffload(BASE.replace(steps=3), gpu_tail=0)
     for key in (
         "speculative_steps",
         "rollbacks_clip",
@@ -74,14 +74,14 @@ def test_stats_keys_and_types():
         value = got.stats[key]
         assert isinstance(value, (int, float)) and math.isfinite(value) and value >= 0, (key, value)
     assert got.stats["cpu_step_seconds"] > 0  # every bucket stepped on the CPU
-    assert got.stats["device_buckets"] == got.stats["device_params"] == 0
-    assert got.stats["tail_tuning"] == 0  # a fixed gpu_buckets never tunes
+    assert got.stats["gpu_tail_buckets"] == got.stats["gpu_tail_params"] == 0
+    assert got.stats["tail_tuning"] == 0  # a fixed gpu_tail never tunes
     assert got.stats["buckets"] > 0
 
 
 def test_stats_speculative_steps_without_clipping():
     cfg = BASE.replace(steps=12, max_grad_norm=1e6)
-    got = run_superoffload(cfg, gpu_buckets=0, speculate=True)
+    got = run_superoffload(cfg, gpu_tail=0, speculate=True)
     assert got.stats["speculative_steps"] == cfg.steps
     assert got.stats["rollbacks_clip"] == 0
     assert got.stats["rollbacks_nonfinite"] == 0
@@ -101,7 +101,7 @@ def test_stats_rollbacks_by_cause():
         inject=((3, "lm_head.weight", "nan"), (9, "model.layers.0.mlp.up_proj.weight", "inf"))
     )
     ref = run_reference(cfg)
-    got = run_superoffload(cfg, gpu_buckets=0, speculate=True)
+    got = run_superoffload(cfg, gpu_tail=0, speculate=True)
     assert_same_trajectory(got, ref)
     stats = got.stats
 
@@ -130,7 +130,7 @@ def test_stats_no_speculation_no_rollbacks():
     every step clips."""
     cfg = BASE.replace(steps=6)
     cfg = cfg.replace(max_grad_norm=clip_threshold(cfg, "most"))
-    got = run_superoffload(cfg, gpu_buckets=0, speculate=False)
+    got = run_superoffload(cfg, gpu_tail=0, speculate=False)
     assert clipped_steps(got, cfg.max_grad_norm) == cfg.steps
     assert got.stats["speculative_steps"] == 0
     assert got.stats["rollbacks_clip"] == 0
@@ -186,20 +186,20 @@ def test_state_dict_layout_matches_torch(tmp_path):
         torch.testing.assert_close(st["exp_avg_sq"], ref.exp_avg_sq[name], **EXP_AVG_SQ_TOL)
 
 
-@pytest.mark.parametrize("gpu_buckets", [0, 2])
-def test_save_load_continue_equals_uninterrupted(tmp_path, gpu_buckets):
+@pytest.mark.parametrize("gpu_tail", [0, 2])
+def test_save_load_continue_equals_uninterrupted(tmp_path, gpu_tail):
     """10 steps, save model + optimizer + scheduler, load into a fresh model (other random
     weights) and a fresh optimizer, 10 more steps == 20 steps in one go, bit for bit (the same
     ops run on the same values)."""
     cfg = _some(BASE.replace(steps=20, two_groups=True, schedule="warmup_decay"))
-    whole = run_superoffload(cfg, gpu_buckets=gpu_buckets)
-    assert whole.stats["device_buckets"] == gpu_buckets
-    assert (whole.stats["device_params"] > 0) == (gpu_buckets > 0)
+    whole = run_superoffload(cfg, gpu_tail=gpu_tail)
+    assert whole.stats["gpu_tail_buckets"] == gpu_tail
+    assert (whole.stats["gpu_tail_params"] > 0) == (gpu_tail > 0)
     batches = make_batches(cfg)
 
     first = cfg.replace(steps=10)
     model = build_model(first)
-    with make_engine(model, first, gpu_buckets=gpu_buckets) as opt:
+    with make_engine(model, first, gpu_tail=gpu_tail) as opt:
         scheduler = make_scheduler(cfg, opt)
         losses1 = train_loop(first, model, opt, batches, engine_do_step(opt), scheduler=scheduler)[
             0
@@ -216,7 +216,7 @@ def test_save_load_continue_equals_uninterrupted(tmp_path, gpu_buckets):
 
     model = build_model(cfg.replace(model_seed=99))
     model.load_state_dict(checkpoint["model"])
-    with make_engine(model, cfg, gpu_buckets=gpu_buckets) as opt:
+    with make_engine(model, cfg, gpu_tail=gpu_tail) as opt:
         scheduler = make_scheduler(cfg, opt)  # created first, restored last, as Trainer does
         opt.load_state_dict(checkpoint["optimizer"])
         scheduler.load_state_dict(checkpoint["scheduler"])
@@ -270,7 +270,7 @@ def test_worker_exception_reaches_training_thread(monkeypatch):
     before = set(worker_threads())
     model = build_model(cfg)
     batches = make_batches(cfg, 3)
-    opt = make_engine(model, cfg, gpu_buckets=0)
+    opt = make_engine(model, cfg, gpu_tail=0)
     try:
         _one_step(model, opt, batches[0])  # healthy step: the worker is up
         patched = _patch_adam_step(monkeypatch)
@@ -301,7 +301,7 @@ def test_close_is_idempotent_and_context_manager_stops_worker():
     before = set(worker_threads())
 
     model = build_model(cfg)
-    with make_engine(model, cfg, gpu_buckets=0) as opt:
+    with make_engine(model, cfg, gpu_tail=0) as opt:
         _one_step(model, opt, batches[0])
         _one_step(model, opt, batches[1])
         assert [t for t in worker_threads() if t not in before], (
@@ -312,7 +312,7 @@ def test_close_is_idempotent_and_context_manager_stops_worker():
     assert finished and exc is None, exc
 
     model = build_model(cfg)
-    opt = make_engine(model, cfg, gpu_buckets=0)
+    opt = make_engine(model, cfg, gpu_tail=0)
     _one_step(model, opt, batches[0])
     for _ in range(2):
         finished, _, exc = call_with_timeout(opt.close, TIMEOUT_S)
@@ -330,7 +330,7 @@ def test_lr_scheduler_drives_the_engine():
     cfg = BASE.replace(max_grad_norm=None, lr=1e-3)
     model = build_model(cfg)
     batches = make_batches(cfg, 2)
-    with make_engine(model, cfg, gpu_buckets=2) as opt:
+    with make_engine(model, cfg, gpu_tail=2) as opt:
         assert isinstance(opt, torch.optim.Optimizer)
         for group in opt.param_groups:
             assert group["lr"] == cfg.lr and tuple(group["betas"]) == cfg.betas
@@ -359,7 +359,7 @@ def test_clip_grad_norm_returns_reference_norm():
 
     model = build_model(cfg)
     x = make_batches(cfg, 1)[0]
-    with make_engine(model, cfg, gpu_buckets=2) as opt:
+    with make_engine(model, cfg, gpu_tail=2) as opt:
         model(input_ids=x, labels=x).loss.backward()
         returned = opt.clip_grad_norm_(cfg.max_grad_norm)
         assert isinstance(returned, torch.Tensor)
@@ -380,7 +380,7 @@ def test_master_state_is_a_copy():
     cfg = BASE.replace(max_grad_norm=None)
     model = build_model(cfg)
     x = make_batches(cfg, 1)[0]
-    with make_engine(model, cfg, gpu_buckets=0) as opt:
+    with make_engine(model, cfg, gpu_tail=0) as opt:
         _one_step(model, opt, x)
         first = engine_state(opt, model)
         p = next(iter(model.parameters()))

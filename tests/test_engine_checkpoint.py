@@ -1,5 +1,5 @@
 """`SuperOffloadOptimizer` checkpoints (engine/state_io.py): bit-exact resume after a clipped
-step, reproducible CPU runs with ``gpu_buckets="auto"``, saving and loading without a second
+step, reproducible CPU runs with ``gpu_tail="auto"``, saving and loading without a second
 copy of the state in host memory, loading torch's AdamW state dicts (also a plain HF Trainer
 checkpoint's optimizer.pt), and what load_state_dict says when a state dict does not fit.
 
@@ -67,20 +67,18 @@ def _save_load(tmp_path, obj, name="checkpoint.pt", **load_kwargs):
 
 
 @pytest.mark.parametrize(
-    ("gpu_buckets", "speculate_after_clip"),
+    ("gpu_tail", "speculate_after_clip"),
     [(0, False), (2, False), (0, True)],
     ids=["host", "device-tail", "speculate-after-clip"],
 )
-def test_resume_right_after_a_clipped_step_is_bit_exact(
-    tmp_path, gpu_buckets, speculate_after_clip
-):
+def test_resume_right_after_a_clipped_step_is_bit_exact(tmp_path, gpu_tail, speculate_after_clip):
     """Save after a step that clipped and before one that clips again, load into a fresh model
     and optimizer, continue: params, masters and both moments equal the uninterrupted run's
     bit for bit. (Without the saved coefficient the resumed step speculates with 1.0 where
     the uninterrupted one did not speculate, or speculated with the last coefficient, and its
     replay rounds differently: 17-21 of the 21 tensors differed here.)"""
     cfg = _some(BASE.replace(steps=16, two_groups=True, schedule="warmup_decay"))
-    options = {"gpu_buckets": gpu_buckets, "speculate_after_clip": speculate_after_clip}
+    options = {"gpu_tail": gpu_tail, "speculate_after_clip": speculate_after_clip}
     whole = run_superoffload(cfg, **options)
     clipped = [i for i, n in enumerate(whole.grad_norms) if n > cfg.max_grad_norm]
     # After step `at - 1` (clipped) and before step `at` (clips again), late enough that the
@@ -131,7 +129,7 @@ def test_a_checkpoint_without_the_coefficient_still_loads_and_the_key_is_tolerat
     Optimizer.load_state_dict ignores the extra top-level key."""
     cfg = BASE.replace(steps=3, max_grad_norm=1e-3)  # every step clips
     model = build_model(cfg)
-    with make_engine(model, cfg, gpu_buckets=0) as opt:
+    with make_engine(model, cfg, gpu_tail=0) as opt:
         train_loop(cfg, model, opt, make_batches(cfg), engine_do_step(opt))
         sd = opt.state_dict()
         assert 0 < sd[EXTRA_KEY]["predicted_coef"] == opt._stv.predicted_coef < 1
@@ -145,7 +143,7 @@ def test_a_checkpoint_without_the_coefficient_still_loads_and_the_key_is_tolerat
         torch.optim.AdamW(param_groups(model, cfg)).load_state_dict(sd)
 
 
-def test_gpu_buckets_auto_on_cpu_means_no_device_buckets_and_no_tuning():
+def test_gpu_tail_auto_on_cpu_means_no_device_buckets_and_no_tuning():
     params = [torch.nn.Parameter(torch.zeros(100)) for _ in range(30)]
     plans = plan_buckets([{"params": params}], bucket_size=100)
     cpu = torch.device("cpu")
@@ -157,22 +155,22 @@ def test_gpu_buckets_auto_on_cpu_means_no_device_buckets_and_no_tuning():
     assert isinstance(make_tail_tuner("auto", torch.device("cuda", 0)), TailTuner)
 
 
-def test_two_runs_with_default_gpu_buckets_are_bit_identical_on_cpu():
-    """The default gpu_buckets="auto": no bucket is ever on the device on a CPU-only run (no
+def test_two_runs_with_default_gpu_tail_are_bit_identical_on_cpu():
+    """The default gpu_tail="auto": no bucket is ever on the device on a CPU-only run (no
     placement by timings), so two runs in one process agree to the bit."""
     cfg = _some(BASE.replace(steps=12))
     placed = []
 
     def probe(phase, step, model, opt):
-        placed.append(opt.stats["device_buckets"])
+        placed.append(opt.stats["gpu_tail_buckets"])
 
     model = build_model(cfg)
     with SuperOffloadOptimizer(model.parameters(), bucket_size=2_000, model=model) as opt:
-        assert opt.stats["device_buckets"] == 0  # the default, "auto", on the CPU
-    a = run_superoffload(cfg, probe=probe, gpu_buckets="auto")
-    b = run_superoffload(cfg, probe=probe, gpu_buckets="auto")
+        assert opt.stats["gpu_tail_buckets"] == 0  # the default, "auto", on the CPU
+    a = run_superoffload(cfg, probe=probe, gpu_tail="auto")
+    b = run_superoffload(cfg, probe=probe, gpu_tail="auto")
     assert placed == [0] * (4 * cfg.steps)
-    assert a.stats["device_buckets"] == b.stats["device_buckets"] == 0
+    assert a.stats["gpu_tail_buckets"] == b.stats["gpu_tail_buckets"] == 0
     assert a.losses == b.losses and a.grad_norms == b.grad_norms
     for key in ("params", "master", "exp_avg", "exp_avg_sq"):
         assert_states_equal(getattr(a, key), getattr(b, key), f"two 'auto' runs: {key}")
@@ -182,15 +180,15 @@ def test_two_runs_with_default_gpu_buckets_are_bit_identical_on_cpu():
 # --- item 7: no second copy of the state on save or load --------------------------------------
 
 
-@pytest.mark.parametrize("gpu_buckets", [0, 2])
-def test_state_dict_views_the_live_state_and_the_file_holds_each_bucket_once(tmp_path, gpu_buckets):
+@pytest.mark.parametrize("gpu_tail", [0, 2])
+def test_state_dict_views_the_live_state_and_the_file_holds_each_bucket_once(tmp_path, gpu_tail):
     """Like torch's Optimizer.state_dict: the entries are the live state (views into the
     buckets' flat buffers), so the values are the current ones and a later step changes
     them; torch.save writes each bucket's buffers once (the file is ~12 B/param)."""
     cfg = _some(BASE.replace(steps=4))
     model = build_model(cfg)
     batches = make_batches(cfg, cfg.steps + 1)
-    with make_engine(model, cfg, gpu_buckets=gpu_buckets) as opt:
+    with make_engine(model, cfg, gpu_tail=gpu_tail) as opt:
         train_loop(cfg, model, opt, batches, engine_do_step(opt))
         sd = opt.state_dict()
         copies = engine_state(opt, model)
@@ -317,7 +315,7 @@ def test_save_and_mmap_load_need_no_second_copy_of_the_state(tmp_path, record_pr
 
     net = _linear_stack(width, depth, seed=0)
     opt = SuperOffloadOptimizer(
-        net.parameters(), lr=1e-3, gpu_buckets=0, bucket_size=width * width, model=net
+        net.parameters(), lr=1e-3, gpu_tail=0, bucket_size=width * width, model=net
     )
     _one_linear_step(net, opt, width, seed=1)
     _one_linear_step(net, opt, width, seed=2)
@@ -328,7 +326,7 @@ def test_save_and_mmap_load_need_no_second_copy_of_the_state(tmp_path, record_pr
 
     net2 = _linear_stack(width, depth, seed=3)
     opt2 = SuperOffloadOptimizer(
-        net2.parameters(), lr=1e-3, gpu_buckets=0, bucket_size=width * width, model=net2
+        net2.parameters(), lr=1e-3, gpu_tail=0, bucket_size=width * width, model=net2
     )
     with _HostMemory() as load:
         checkpoint = torch.load(path, mmap=True, weights_only=True)
@@ -382,8 +380,8 @@ def _adamw_prefix(cfg: RunConfig, steps: int):
     return model, optimizer, scheduler, records
 
 
-@pytest.mark.parametrize("gpu_buckets", [0, 2])
-def test_torch_adamw_state_dict_continues_like_adamw(tmp_path, gpu_buckets):
+@pytest.mark.parametrize("gpu_tail", [0, 2])
+def test_torch_adamw_state_dict_continues_like_adamw(tmp_path, gpu_tail):
     """AdamW 8 steps, its state dict (and the model's and scheduler's) saved; a
     SuperOffloadOptimizer built with other hyperparameters on a copy of the model loads it
     and continues 12 steps, clipping on some: everything follows AdamW continuing (the
@@ -404,7 +402,7 @@ def test_torch_adamw_state_dict_continues_like_adamw(tmp_path, gpu_buckets):
     model = build_model(cfg.replace(model_seed=99))
     model.load_state_dict(checkpoint["model"])
     other = cfg.replace(lr=cfg.lr / 3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.0)
-    with make_engine(model, other, gpu_buckets=gpu_buckets) as opt:
+    with make_engine(model, other, gpu_tail=gpu_tail) as opt:
         scheduler = make_scheduler(cfg, opt)
         opt.load_state_dict(checkpoint["optimizer"])
         scheduler.load_state_dict(checkpoint["scheduler"])
@@ -442,7 +440,7 @@ def test_a_param_without_adamw_state_starts_afresh(tmp_path):
     del sd["state"][1]
     model = build_model(cfg.replace(model_seed=99))
     model.load_state_dict(ref_model.state_dict())
-    with make_engine(model, cfg, gpu_buckets=0) as opt:
+    with make_engine(model, cfg, gpu_tail=0) as opt:
         train_loop(cfg.replace(steps=2), model, opt, make_batches(cfg), engine_do_step(opt))
         opt.synchronize()  # the last step's params are still on their way into the model
         model.load_state_dict(ref_model.state_dict())  # the weights first, then the optimizer
@@ -524,7 +522,7 @@ def test_plain_trainer_checkpoint_optimizer_pt_loads_and_continues_like_adamw(tm
     ref_model = fresh_model()
     opt = SuperOffloadOptimizer(
         groups(model), lr=5e-2, eps=1e-4, max_grad_norm=clip, bucket_size=1 << 12,
-        gpu_buckets=0, model=model,
+        gpu_tail=0, model=model,
     )  # fmt: skip
     reference = torch.optim.AdamW(groups(ref_model), lr=5e-2, eps=1e-4, fused=False)
     with opt:
@@ -582,7 +580,7 @@ def _names(model, params) -> list[str]:
 def _trained(cfg: RunConfig, steps: int = 2, **options):
     """A model and engine after ``steps`` steps (the caller closes the engine)."""
     model = build_model(cfg)
-    opt = make_engine(model, cfg, gpu_buckets=0, **options)
+    opt = make_engine(model, cfg, gpu_tail=0, **options)
     train_loop(cfg.replace(steps=steps), model, opt, make_batches(cfg), engine_do_step(opt))
     return model, opt
 
@@ -710,7 +708,7 @@ def test_state_for_a_frozen_param_and_a_non_state_dict_are_refused():
     opt.close()
     model2 = build_model(cfg)
     model2.model.norm.weight.requires_grad_(False)
-    with make_engine(model2, cfg, gpu_buckets=0) as opt2:
+    with make_engine(model2, cfg, gpu_tail=0) as opt2:
         names = [n for n, _ in model2.named_parameters()]
         _refused(
             opt2, model2, sd, rf"entry {names.index('model.norm.weight')} .*does not require grad"
@@ -753,25 +751,25 @@ def test_loading_keeps_training_on_the_loaded_lr():
 
 
 @pytest.mark.gpu
-def test_gpu_state_dict_copies_only_the_tail_and_an_integer_gpu_buckets_resumes_bit_exact(
+def test_gpu_state_dict_copies_only_the_tail_and_an_integer_gpu_tail_resumes_bit_exact(
     tmp_path,
 ):
     """On a GPU: host buckets' entries view their page-locked buffers, tail buckets' entries
-    are host copies; the file is ~12 B/param; and with an integer gpu_buckets a run resumed
+    are host copies; the file is ~12 B/param; and with an integer gpu_tail a run resumed
     (memory-mapped) right after a clipped step equals the uninterrupted one bit for bit."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     device = "cuda"
     cfg = _some(BASE.replace(steps=16, two_groups=True, schedule="warmup_decay"))
-    whole = run_superoffload(cfg, device, gpu_buckets=2)
-    assert whole.stats["device_buckets"] == 2
+    whole = run_superoffload(cfg, device, gpu_tail=2)
+    assert whole.stats["gpu_tail_buckets"] == 2
     clipped = [i for i, n in enumerate(whole.grad_norms) if n > cfg.max_grad_norm]
     at = next(i + 1 for i in clipped if i + 1 in clipped and i >= 4)
     batches = make_batches(cfg, device=device)
 
     first = cfg.replace(steps=at)
     model = build_model(first, device)
-    with make_engine(model, first, gpu_buckets=2) as opt:
+    with make_engine(model, first, gpu_tail=2) as opt:
         scheduler = make_scheduler(cfg, opt)
         train_loop(first, model, opt, batches, engine_do_step(opt), scheduler=scheduler)
         sd = opt.state_dict()
@@ -795,7 +793,7 @@ def test_gpu_state_dict_copies_only_the_tail_and_an_integer_gpu_buckets_resumes_
 
     model = build_model(cfg.replace(model_seed=99), device)
     model.load_state_dict(checkpoint["model"])
-    with make_engine(model, cfg, gpu_buckets=2) as opt:
+    with make_engine(model, cfg, gpu_tail=2) as opt:
         scheduler = make_scheduler(cfg, opt)
         opt.load_state_dict(checkpoint["optimizer"])
         scheduler.load_state_dict(checkpoint["scheduler"])
@@ -815,7 +813,7 @@ def test_a_superoffload_state_dict_continues_in_torch_adamw():
     data = torch.randn(5, 4, 8, generator=torch.Generator().manual_seed(3))
     options = {"lr": 1e-2, "weight_decay": 0.01}
     with SuperOffloadOptimizer(
-        model.parameters(), max_grad_norm=0.0, gpu_buckets=0, **options
+        model.parameters(), max_grad_norm=0.0, gpu_tail=0, **options
     ) as ours:
         for step in range(3):
             model(data[step]).pow(2).mean().backward()

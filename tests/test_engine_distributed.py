@@ -101,8 +101,8 @@ def _as_one_process(results: list[dict]) -> TrainResult:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "options",
-    [{"gpu_buckets": 0}, {"gpu_buckets": 2}, {"gpu_buckets": "auto"}],
-    ids=lambda o: f"gpu_buckets={o['gpu_buckets']}",
+    [{"gpu_tail": 0}, {"gpu_tail": 2}, {"gpu_tail": "auto"}],
+    ids=lambda o: f"gpu_tail={o['gpu_tail']}",
 )
 def test_two_ranks_on_half_batches_follow_one_process_on_the_whole(tmp_path, options):
     cfg = _config()
@@ -115,7 +115,7 @@ def test_two_ranks_on_half_batches_follow_one_process_on_the_whole(tmp_path, opt
 @pytest.mark.slow
 def test_a_nan_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     cfg = _config(inject=((5, "lm_head.weight", "nan"),))
-    results = _run_ranks(tmp_path, cfg, {"gpu_buckets": 2}, inject_on_rank=1)
+    results = _run_ranks(tmp_path, cfg, {"gpu_tail": 2}, inject_on_rank=1)
     _assert_replicas_identical(results)
     assert results[0]["skipped"][5] and sum(results[0]["skipped"]) == 1
     assert_same_trajectory(_as_one_process(results), run_reference(cfg))
@@ -123,13 +123,13 @@ def test_a_nan_on_one_rank_skips_the_step_on_every_rank(tmp_path):
 
 def test_accumulation_and_param_groups_with_a_schedule(tmp_path):
     cfg = _config(accum=2, two_groups=True, schedule="warmup_decay")
-    results = _run_ranks(tmp_path, cfg, {"gpu_buckets": 2})
+    results = _run_ranks(tmp_path, cfg, {"gpu_tail": 2})
     _assert_replicas_identical(results)
     assert_same_trajectory(_as_one_process(results), run_reference(cfg))
 
 
 @pytest.mark.multi_gpu
-@pytest.mark.parametrize("options", [{"gpu_buckets": 2}, {"gpu_buckets": "auto"}], ids=str)
+@pytest.mark.parametrize("options", [{"gpu_tail": 2}, {"gpu_tail": "auto"}], ids=str)
 def test_two_gpus_with_nccl_follow_one_gpu_on_the_whole_batch(tmp_path, options):
     if torch.cuda.device_count() < WORLD:
         pytest.skip(f"needs {WORLD} CUDA GPUs")
@@ -193,9 +193,7 @@ def _unused_on_rank(rank, rendezvous, out_dir) -> None:
         model = _ThreeLayers()
         data = torch.randn(_UNUSED_STEPS, WORLD, 8, generator=torch.Generator().manual_seed(1))
         options = {"lr": 1e-2, "weight_decay": 0.0, "max_grad_norm": 1.0, "bucket_size": 72}
-        with SuperOffloadOptimizer(
-            model.parameters(), gpu_buckets=0, model=model, **options
-        ) as opt:
+        with SuperOffloadOptimizer(model.parameters(), gpu_tail=0, model=model, **options) as opt:
             for step in range(_UNUSED_STEPS):
                 model(data[step, rank], use_b=rank == 0).backward()  # rank 1 never uses b
                 opt.step()
@@ -257,9 +255,7 @@ def _learning_on_rank(rank, rendezvous, out_dir, passes) -> None:
         model = _SharedInCheckpoints()
         data = _learning_data(passes)
         options = {"lr": 1e-2, "weight_decay": 0.0, "max_grad_norm": 0.5, "bucket_size": 150}
-        with SuperOffloadOptimizer(
-            model.parameters(), gpu_buckets=0, model=model, **options
-        ) as opt:
+        with SuperOffloadOptimizer(model.parameters(), gpu_tail=0, model=model, **options) as opt:
             fired = []
             model.shared.weight.register_post_accumulate_grad_hook(lambda p: fired.append(1))
             for step in range(_LEARNING_STEPS):

@@ -84,7 +84,7 @@ def loss_of(model: nn.Module, x: torch.Tensor, route=(0, 1, 2), scale: float = 1
 
 
 def ours(model: nn.Module, **overrides) -> SuperOffloadOptimizer:
-    kwargs = {**HYPER, "max_grad_norm": None, "gpu_buckets": 0, "bucket_size": 300}
+    kwargs = {**HYPER, "max_grad_norm": None, "gpu_tail": 0, "bucket_size": 300}
     kwargs.update(overrides)
     return SuperOffloadOptimizer(model.parameters(), model=model, **kwargs)
 
@@ -140,16 +140,16 @@ def run_both(steps: int, body, clip: float | None = None, **engine_overrides):
 
 
 @pytest.mark.parametrize("clip", [None, 0.5])  # never clips; clips every step
-@pytest.mark.parametrize("gpu_buckets", [0, 100])  # host buckets; every bucket in the tail
-def test_undeclared_second_backward_sums_like_adamw(gpu_buckets, clip, device):
+@pytest.mark.parametrize("gpu_tail", [0, 100])  # host buckets; every bucket in the tail
+def test_undeclared_second_backward_sums_like_adamw(gpu_tail, clip, device):
     def two_passes(model, opt, step, reference):
         for micro in range(2):
             loss_of(model, batch(2 * step + micro), scale=0.5).backward()
 
     steps = 5
-    opt, mine, ref_opt, ref = run_both(steps, two_passes, clip=clip, gpu_buckets=gpu_buckets)
+    opt, mine, ref_opt, ref = run_both(steps, two_passes, clip=clip, gpu_tail=gpu_tail)
     assert_matches_adamw(opt, mine, ref_opt, ref)
-    if gpu_buckets == 0:
+    if gpu_tail == 0:
         # Step 1 speculated after the first pass, and undid it when the second forward came;
         # later steps expect two passes and speculate at the second (unless clipping).
         assert opt.stats["rollbacks_accumulation"] == len(opt._buckets)
@@ -226,9 +226,9 @@ def test_bf16_micro_batch_gradients_sum_in_fp32(told, device):
 # --- 3. a param without a gradient is not stepped ---------------------------------------------
 
 
-@pytest.mark.parametrize("gpu_buckets", [0, 100])
+@pytest.mark.parametrize("gpu_tail", [0, 100])
 @pytest.mark.parametrize("clip", [None, 0.3])
-def test_params_without_gradients_are_skipped_like_adamw(gpu_buckets, clip, device):
+def test_params_without_gradients_are_skipped_like_adamw(gpu_tail, clip, device):
     """Each step routes through some experts only (expert 2 never at first, then sometimes):
     AdamW skips the others entirely (no decay, no moment decay, no step count); so must we,
     with per-param step counts afterwards."""
@@ -237,7 +237,7 @@ def test_params_without_gradients_are_skipped_like_adamw(gpu_buckets, clip, devi
     def routed(model, opt, step, reference):
         loss_of(model, batch(step), route=routes[step]).backward()
 
-    opt, mine, ref_opt, ref = run_both(len(routes), routed, clip=clip, gpu_buckets=gpu_buckets)
+    opt, mine, ref_opt, ref = run_both(len(routes), routed, clip=clip, gpu_tail=gpu_tail)
     assert_matches_adamw(opt, mine, ref_opt, ref)
     steps = {n: opt.master_state(p)["step"] for n, p in mine.named_parameters()}
     assert steps["experts.2.weight"] == 2 and steps["experts.0.weight"] == 4
@@ -273,8 +273,8 @@ def test_per_param_step_counts_survive_save_and_load_like_adamw():
 # --- 9. a hook that fires twice in one backward -----------------------------------------------
 
 
-@pytest.mark.parametrize("gpu_buckets", [0, 100])
-def test_shared_weight_under_reentrant_checkpointing_like_adamw(gpu_buckets, device):
+@pytest.mark.parametrize("gpu_tail", [0, 100])
+def test_shared_weight_under_reentrant_checkpointing_like_adamw(gpu_tail, device):
     fired = []
 
     def shared(model, opt, step, reference):
@@ -287,15 +287,15 @@ def test_shared_weight_under_reentrant_checkpointing_like_adamw(gpu_buckets, dev
             handle.remove()
 
     opt, mine, ref_opt, ref = run_both(
-        4, shared, clip=0.5, gpu_buckets=gpu_buckets, model_args={"shared_in_checkpoints": True}
+        4, shared, clip=0.5, gpu_tail=gpu_tail, model_args={"shared_in_checkpoints": True}
     )
     assert fired.count(0) >= 2  # the case at hand: a hook firing again in one backward
     assert_matches_adamw(opt, mine, ref_opt, ref)
 
 
 @pytest.mark.parametrize("told", ["boundary", "declared"])
-@pytest.mark.parametrize("gpu_buckets", [0, 100])
-def test_shared_weight_with_told_accumulation_rolls_back_once_like_adamw(told, gpu_buckets, device):
+@pytest.mark.parametrize("gpu_tail", [0, 100])
+def test_shared_weight_with_told_accumulation_rolls_back_once_like_adamw(told, gpu_tail, device):
     """Two micro-batches per step, a hook firing twice in each (a shared weight under reentrant
     checkpointing), and the optimizer told about the accumulation: with the boundary announced
     before each backward (as SuperOffloadTrainer does), or only the count declared. The first
@@ -315,14 +315,14 @@ def test_shared_weight_with_told_accumulation_rolls_back_once_like_adamw(told, g
     opt, mine, ref_opt, ref = run_both(
         steps,
         shared_in_two_passes,
-        gpu_buckets=gpu_buckets,
+        gpu_tail=gpu_tail,
         gradient_accumulation_steps=passes,
         model_args={"shared_in_checkpoints": True},
     )
     assert_matches_adamw(opt, mine, ref_opt, ref)
     after_first, final = rollbacks_before_step[1], opt.stats["rollbacks_accumulation"]
     assert [*rollbacks_before_step[2:], final] == [after_first] * (steps - 1)
-    if gpu_buckets == 0:  # host buckets speculate: the first step undid a launch
+    if gpu_tail == 0:  # host buckets speculate: the first step undid a launch
         assert after_first >= 1
         assert opt.stats["speculative_steps"] == steps
 
@@ -479,7 +479,7 @@ def test_negative_hyperparameters_are_refused(key):
         ours(model, **{key: -1e-3})
     group = {"params": list(model.parameters()), key: -1e-3}
     with pytest.raises(ValueError, match=f"{key} must be >= 0"):
-        SuperOffloadOptimizer([group], gpu_buckets=0)
+        SuperOffloadOptimizer([group], gpu_tail=0)
 
 
 @pytest.mark.parametrize("where", ["arguments", "groups"])
@@ -502,7 +502,7 @@ def test_adamw_switches_at_their_defaults_train_like_adamw(where):
     else:
         groups = [{"params": list(mine.parameters()), **switches, "fused": True}]
         opt = SuperOffloadOptimizer(
-            groups, model=mine, **HYPER, max_grad_norm=None, gpu_buckets=0, bucket_size=300
+            groups, model=mine, **HYPER, max_grad_norm=None, gpu_tail=0, bucket_size=300
         )
         assert groups[0]["fused"] is True and "foreach" in groups[0]  # not taken out of theirs
         assert not set(switches) & set(opt.param_groups[0])
@@ -533,7 +533,7 @@ def test_adamw_switches_it_does_not_implement_are_refused(switch, value, says, w
             ours(model, **{switch: value})
         else:
             groups = [{"params": list(model.parameters()), switch: value}]
-            SuperOffloadOptimizer(groups, gpu_buckets=0)
+            SuperOffloadOptimizer(groups, gpu_tail=0)
     assert says in str(refused.value)
     if where == "groups":
         assert "in param group 0" in str(refused.value)
@@ -542,14 +542,14 @@ def test_adamw_switches_it_does_not_implement_are_refused(switch, value, says, w
 # --- master_view: the fp32 master of a param, for integrations ---------------------------------
 
 
-@pytest.mark.parametrize("gpu_buckets", [0, 100])
-def test_master_view_is_the_live_fp32_master_like_adamws_param(gpu_buckets, device):
+@pytest.mark.parametrize("gpu_tail", [0, 100])
+def test_master_view_is_the_live_fp32_master_like_adamws_param(gpu_tail, device):
     """Right after step() (updates still in flight: model= defers the wait to the next
     forward) the view holds the new master, equal to AdamW's param; it is a view, shaped like
     the param, and what is written into it (with the param) is where the next step starts,
     as with AdamW's param. The hand-set weight (a ramp to 1) changes the step visibly."""
     mine, ref = twins()
-    opt, ref_opt = ours(mine, gpu_buckets=gpu_buckets), adamw(ref)
+    opt, ref_opt = ours(mine, gpu_tail=gpu_tail), adamw(ref)
     named = dict(mine.named_parameters())
     for step in range(3):
         if step == 2:  # set a weight by hand between steps, in both

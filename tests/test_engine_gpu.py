@@ -63,8 +63,8 @@ def _reference_fp32(max_norm, nan_step):
     return params, opt, norms
 
 
-@pytest.mark.parametrize("gpu_buckets", [0, 2])
-def test_fp32_model_matches_torch_adamw_on_gpu(gpu_buckets):
+@pytest.mark.parametrize("gpu_tail", [0, 2])
+def test_fp32_model_matches_torch_adamw_on_gpu(gpu_tail):
     _, _, free_norms = _reference_fp32(1e9, None)
     max_norm = _clip_threshold(free_norms)
     ref_params, ref_opt, _ = _reference_fp32(max_norm, nan_step=7)
@@ -76,7 +76,7 @@ def test_fp32_model_matches_torch_adamw_on_gpu(gpu_buckets):
         lr=LR,
         weight_decay=0.1,
         max_grad_norm=max_norm,
-        gpu_buckets=gpu_buckets,
+        gpu_tail=gpu_tail,
         bucket_size=20_000,
         model=model,
     )
@@ -138,7 +138,7 @@ def _superoffload_bf16(max_norm, steps, cast):
         lr=LR,
         weight_decay=0.1,
         max_grad_norm=max_norm,
-        gpu_buckets=1,
+        gpu_tail=1,
         bucket_size=20_000,
         model=model,
         cast=cast,
@@ -204,7 +204,7 @@ def test_host_buffers_are_page_locked_at_their_own_size_and_released():
 
     model = _model(torch.bfloat16)
     opt = SuperOffloadOptimizer(
-        model.parameters(), lr=LR, gpu_buckets=0, bucket_size=20_000, model=model, cast="cpu"
+        model.parameters(), lr=LR, gpu_tail=0, bucket_size=20_000, model=model, cast="cpu"
     )
     link, buckets = opt._link, opt._buckets
     buffers = [b.master for b in buckets] + [b.host_grad for b in buckets]

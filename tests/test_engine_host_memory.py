@@ -174,7 +174,7 @@ def test_the_other_ranks_of_the_host_count(monkeypatch):
         "rank(s) on this host (LOCAL_WORLD_SIZE) = 50.00 GiB of host memory (pinned and "
         "pageable), but only 40.00 GiB is available"
     )
-    assert "fewer GPUs per host" in str(err.value) and "gpu_buckets" in str(err.value)
+    assert "fewer GPUs per host" in str(err.value) and "gpu_tail" in str(err.value)
     assert isinstance(err.value, MemoryError)
 
 

@@ -1,5 +1,5 @@
 """Placement of tail buckets: the request checks, the cap and the device headroom (the tuner of
-gpu_buckets='auto' has tests/test_engine_tail_tuner.py)."""
+gpu_tail='auto' has tests/test_engine_tail_tuner.py)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def test_requested_count_is_capped_at_the_bucket_count():
 
 @pytest.mark.parametrize("bad", [-1, "all", 1.5, True])
 def test_bad_request_says_what_to_pass(bad):
-    with pytest.raises(ValueError, match="gpu_buckets must be"):
+    with pytest.raises(ValueError, match="gpu_tail must be"):
         choose_device_buckets(bad, _plans([10, 10]), torch.device("cpu"))
 
 
@@ -47,7 +47,7 @@ def test_a_cap_bounds_auto_and_refuses_a_count_above_it(monkeypatch):
     assert choose_device_buckets("auto", plans, cuda, cap_bytes=3300) == 2
     assert choose_device_buckets("auto", plans, cuda, cap_bytes=0) == 0
     assert choose_device_buckets(2, plans, cuda, cap_bytes=3200) == 2
-    with pytest.raises(ValueError, match="above gpu_memory_cap"):
+    with pytest.raises(ValueError, match="above gpu_tail_cap"):
         choose_device_buckets(3, plans, cuda, cap_bytes=3200)
 
 

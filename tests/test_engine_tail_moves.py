@@ -1,5 +1,5 @@
-"""Buckets moving between the host and the device tail mid-training (gpu_buckets='auto''s
-growth and give-back, gpu_memory_cap) leave the trajectory AdamW + clip_grad_norm_'s.
+"""Buckets moving between the host and the GPU tail mid-training (gpu_tail='auto''s
+growth and give-back, gpu_tail_cap) leave the trajectory AdamW + clip_grad_norm_'s.
 
 On the CPU the "device" tail is CPU memory stepped by torch's AdamW, the same code path as on a
 GPU; a scripted tuner stands in for the measuring one (which has tests/test_engine_tail_tuner.py)
@@ -61,10 +61,10 @@ def test_growing_and_giving_back_keeps_the_adamw_trajectory():
     cfg = _config(inject=((7, "model.layers.0.mlp.up_proj.weight", "nan"),))
     # Grow by ~3 buckets, give 2 back, give all back, take everything: every bucket crosses.
     tuner = ScriptedTuner({3: 5_000, 5: -4_000, 9: -(10**9), 11: 10**9})
-    got = run_superoffload(cfg, gpu_buckets=1, probe=_install(tuner))
+    got = run_superoffload(cfg, gpu_tail=1, probe=_install(tuner))
     assert_same_trajectory(got, run_reference(cfg))
     assert got.stats["tail_moves"] == 4
-    assert got.stats["device_buckets"] == got.stats["buckets"]  # the last move took them all
+    assert got.stats["gpu_tail_buckets"] == got.stats["buckets"]  # the last move took them all
     assert got.skipped[7]
 
 
@@ -85,11 +85,11 @@ def test_auto_grows_no_further_than_its_lean_budget_unless_a_cap_replaces_it(mon
             opt._tail.tuner = tuner
             budget.append(sum(b.plan.numel for b in opt._buckets[-3:]))
         if when == "after_step":
-            seen.append(opt.stats["device_buckets"])
+            seen.append(opt.stats["gpu_tail_buckets"])
         if when == "after_step" and step == 6:
-            opt.gpu_memory_cap = 1e6  # GiB: a cap replaces the lean budget
+            opt.gpu_tail_cap = 1e6  # GiB: a cap replaces the lean budget
 
-    got = run_superoffload(cfg, gpu_buckets=1, probe=probe)
+    got = run_superoffload(cfg, gpu_tail=1, probe=probe)
     assert_same_trajectory(got, run_reference(cfg))
     assert seen[2] == 3 and seen[4] == 3  # asked for everything twice, kept to the budget
     assert "lean budget" in tuner.settled[0]
@@ -102,13 +102,13 @@ def test_lowering_the_cap_between_steps_gives_buckets_back_at_the_next_step():
 
     def probe(when, step, model, opt):
         if when == "after_step":
-            seen.append((opt.stats["device_buckets"], opt.stats["device_params"]))
+            seen.append((opt.stats["gpu_tail_buckets"], opt.stats["gpu_tail_params"]))
         if when == "after_step" and step == 4:
             # Room for the tail-most bucket only: the three before it must go back.
             cap.append(opt._buckets[-1].plan.numel * 16 + 8)
-            opt.gpu_memory_cap = cap[0] / 2**30
+            opt.gpu_tail_cap = cap[0] / 2**30
 
-    got = run_superoffload(cfg, gpu_buckets=4, probe=probe)
+    got = run_superoffload(cfg, gpu_tail=4, probe=probe)
     assert_same_trajectory(got, run_reference(cfg))
     assert seen[4][0] == 4 and seen[5][0] == 1  # step 5's step() honoured the new cap
     assert all(params * 16 <= cap[0] for _, params in seen[5:])
@@ -117,10 +117,10 @@ def test_lowering_the_cap_between_steps_gives_buckets_back_at_the_next_step():
 
 @pytest.mark.parametrize("bad", [-1.0, "8GiB", True])
 def test_a_bad_cap_says_what_to_pass(bad):
-    with pytest.raises(ValueError, match="gpu_memory_cap must be a number of GiB"):
-        run_superoffload(RunConfig(steps=1), gpu_memory_cap=bad)
+    with pytest.raises(ValueError, match="gpu_tail_cap must be a number of GiB"):
+        run_superoffload(RunConfig(steps=1), gpu_tail_cap=bad)
 
 
 def test_a_fixed_count_above_the_cap_is_refused_with_what_to_change():
-    with pytest.raises(ValueError, match="above gpu_memory_cap"):
-        run_superoffload(RunConfig(steps=1), gpu_buckets=3, gpu_memory_cap=1e-6)
+    with pytest.raises(ValueError, match="above gpu_tail_cap"):
+        run_superoffload(RunConfig(steps=1), gpu_tail=3, gpu_tail_cap=1e-6)

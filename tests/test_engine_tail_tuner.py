@@ -1,4 +1,4 @@
-"""gpu_buckets='auto''s tuner on scripted timings: grow while the GPU waits for the CPU, settle
+"""gpu_tail='auto''s tuner on scripted timings: grow while the GPU waits for the CPU, settle
 at the knee, give memory back when the waiting stops (with hysteresis), regrow when it
 returns."""
 

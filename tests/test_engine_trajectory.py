@@ -50,15 +50,15 @@ def _engine_accepts(name: str) -> bool:
     return name in inspect.signature(SuperOffloadOptimizer.__init__).parameters
 
 
-@pytest.mark.parametrize("gpu_buckets", [0, 2])
+@pytest.mark.parametrize("gpu_tail", [0, 2])
 @pytest.mark.parametrize("regime", ["none", "some", "most", "tiny"])
-def test_clipping_regimes_follow_reference(regime, gpu_buckets):
+def test_clipping_regimes_follow_reference(regime, gpu_tail):
     """Clipping on none / some / most steps ("most": coefficient ~0.5, "tiny": ~1e-3)."""
     cfg = _config(regime)
     ref = run_reference(cfg)
     _check_regime(regime, clipped_steps(ref, cfg.max_grad_norm))  # the harness itself
 
-    got = run_superoffload(cfg, gpu_buckets=gpu_buckets)
+    got = run_superoffload(cfg, gpu_tail=gpu_tail)
     assert_same_trajectory(got, ref)
     stats = got.stats
     assert stats["rollbacks_nonfinite"] == 0
@@ -91,7 +91,7 @@ def test_speculating_every_step_while_clipping(regime):
     clipped = clipped_steps(ref, cfg.max_grad_norm)
     _check_regime(regime, clipped)
 
-    got = run_superoffload(cfg, gpu_buckets=2, speculate_after_clip=True)
+    got = run_superoffload(cfg, gpu_tail=2, speculate_after_clip=True)
     assert_same_trajectory(got, ref)
     stats = got.stats
     assert stats["speculative_steps"] == STEPS
@@ -105,8 +105,8 @@ def test_speculating_every_step_while_clipping(regime):
         _check_regime(regime, stats["rollbacks_clip"])
 
 
-# (kind, parameter, gpu_buckets): lm_head gets its gradient first in backward (a speculated CPU
-# bucket), the embedding last (a device tail bucket when gpu_buckets > 0).
+# (kind, parameter, gpu_tail): lm_head gets its gradient first in backward (a speculated CPU
+# bucket), the embedding last (a GPU tail bucket when gpu_tail > 0).
 NONFINITE_CASES = [
     ("nan", "lm_head.weight", 2),
     ("inf", "model.embed_tokens.weight", 2),
@@ -118,9 +118,9 @@ BAD_STEP = 7
 
 
 @pytest.mark.parametrize("regime", ["none", "some"])
-@pytest.mark.parametrize(("kind", "name", "gpu_buckets"), NONFINITE_CASES)
+@pytest.mark.parametrize(("kind", "name", "gpu_tail"), NONFINITE_CASES)
 @pytest.mark.parametrize("speculate", [True, False], ids=["speculate", "no-speculate"])
-def test_nonfinite_step_is_skipped_and_state_unchanged(kind, name, gpu_buckets, speculate, regime):
+def test_nonfinite_step_is_skipped_and_state_unchanged(kind, name, gpu_tail, speculate, regime):
     """A step with a NaN/Inf gradient is skipped: master weights, both moments, step counts and
     the model's params as before it (bit-identical where nothing needed undoing, see below),
     one non-finite rollback counted, and the whole trajectory the reference's (which skips
@@ -143,10 +143,10 @@ def test_nonfinite_step_is_skipped_and_state_unchanged(kind, name, gpu_buckets, 
         if phase == "after_step":
             last_skipped.append(bool(opt.last_step_skipped))
 
-    got = run_superoffload(cfg, probe=probe, gpu_buckets=gpu_buckets, speculate=speculate)
+    got = run_superoffload(cfg, probe=probe, gpu_tail=gpu_tail, speculate=speculate)
     assert last_skipped == [step == BAD_STEP for step in range(STEPS)]
     assert_same_trajectory(got, ref)
-    if speculate and gpu_buckets != ALL_BUCKETS:  # CPU buckets were speculated: one rollback
+    if speculate and gpu_tail != ALL_BUCKETS:  # CPU buckets were speculated: one rollback
         assert got.stats["rollbacks_nonfinite"] == 1
     else:  # nothing may have been speculated; counted at most once either way
         assert got.stats["rollbacks_nonfinite"] in (0, 1)
@@ -158,7 +158,7 @@ def test_nonfinite_step_is_skipped_and_state_unchanged(kind, name, gpu_buckets, 
     # speculated are undone algebraically: equal up to the rollback's rounding.
     before_state, before_params = snaps["before_step"]
     after_state, after_params = snaps["after_step"]
-    exact = name == "lm_head.weight" or not speculate or gpu_buckets == ALL_BUCKETS
+    exact = name == "lm_head.weight" or not speculate or gpu_tail == ALL_BUCKETS
     if exact:
         assert_states_equal(after_state, before_state, f"{kind} step {BAD_STEP}")
         assert_states_equal(
@@ -189,10 +189,10 @@ def test_two_param_groups_with_lr_scheduler(schedule):
     assert_same_trajectory(got, ref)
 
 
-@pytest.mark.parametrize("gpu_buckets", [0, 2, ALL_BUCKETS], ids=["none", "two", "all"])
-def test_gpu_tail_buckets(gpu_buckets):
+@pytest.mark.parametrize("gpu_tail", [0, 2, ALL_BUCKETS], ids=["none", "two", "all"])
+def test_gpu_tail_buckets(gpu_tail):
     cfg = _config("some")
-    got = run_superoffload(cfg, gpu_buckets=gpu_buckets)
+    got = run_superoffload(cfg, gpu_tail=gpu_tail)
     assert_same_trajectory(got, run_reference(cfg))
 
 
@@ -211,7 +211,7 @@ def test_no_speculation_same_trajectory(regime):
         {"cast": "cpu"},
         {"cast": "gpu"},
         {"cpu_threads": 1},
-        {"gpu_buckets": "auto"},
+        {"gpu_tail": "auto"},
         {"bucket_size": 20_000},
     ],
     ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()),

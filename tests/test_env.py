@@ -32,14 +32,14 @@ def _clean_env(monkeypatch):
 
 
 def test_a_misspelled_variable_is_refused_naming_the_closest_declared_one(monkeypatch):
-    monkeypatch.setenv("HF_SUPEROFFLOAD_GPU_BUCKET", "2")
-    message = "HF_SUPEROFFLOAD_GPU_BUCKET: did you mean HF_SUPEROFFLOAD_GPU_BUCKETS?"
+    monkeypatch.setenv("HF_SUPEROFFLOAD_GPU_TAL", "2")
+    message = "HF_SUPEROFFLOAD_GPU_TAL: did you mean HF_SUPEROFFLOAD_GPU_TAIL?"
     with pytest.raises(ValueError, match=re.escape(message)) as error:
         SuperOffloadOptions()
     assert "HF_SUPEROFFLOAD_CPU_THREADS" in str(error.value)  # the declared ones are listed
     # The optimizer too: it reads the host memory override before allocating.
     with pytest.raises(ValueError, match=re.escape(message)):
-        SuperOffloadOptimizer(torch.nn.Linear(4, 4).parameters(), gpu_buckets=0)
+        SuperOffloadOptimizer(torch.nn.Linear(4, 4).parameters(), gpu_tail=0)
 
 
 def test_the_former_prefix_is_refused_saying_the_new_name(monkeypatch):
@@ -51,8 +51,8 @@ def test_the_former_prefix_is_refused_saying_the_new_name(monkeypatch):
     ):  # fmt: skip
         SuperOffloadOptions()
     monkeypatch.delenv("SUPEROFFLOAD_CPU_THREADS")
-    monkeypatch.setenv("SUPEROFFLOAD_GPU_BUCKET", "2")  # the old prefix and a typo
-    with pytest.raises(ValueError, match="did you mean HF_SUPEROFFLOAD_GPU_BUCKETS"):
+    monkeypatch.setenv("SUPEROFFLOAD_GPU_TAL", "2")  # the old prefix and a typo
+    with pytest.raises(ValueError, match="did you mean HF_SUPEROFFLOAD_GPU_TAIL"):
         SuperOffloadOptions()
 
 
@@ -64,13 +64,13 @@ def test_variables_of_other_names_are_not_ours(monkeypatch):
 
 def test_every_declared_variable_is_accepted_and_read(monkeypatch):
     values = {
-        "HF_SUPEROFFLOAD_GPU_BUCKETS": "1",
+        "HF_SUPEROFFLOAD_GPU_TAIL": "1",
         "HF_SUPEROFFLOAD_BUCKET_SIZE": "64",
         "HF_SUPEROFFLOAD_CPU_THREADS": "1",
         "HF_SUPEROFFLOAD_SPECULATE": "1",
         "HF_SUPEROFFLOAD_SPECULATE_AFTER_CLIP": "0",
         "HF_SUPEROFFLOAD_CAST": "cpu",
-        "HF_SUPEROFFLOAD_GPU_MEMORY_CAP": "8",
+        "HF_SUPEROFFLOAD_GPU_TAIL_CAP": "8",
         "HF_SUPEROFFLOAD_SAVE_DTYPE": "float32",
         "HF_SUPEROFFLOAD_PEAK_TFLOPS": "1.0",
         "HF_SUPEROFFLOAD_HOST_MEMORY_GIB": "240",
@@ -81,8 +81,8 @@ def test_every_declared_variable_is_accepted_and_read(monkeypatch):
     for name, value in values.items():
         monkeypatch.setenv(name, value)
     options = SuperOffloadOptions()
-    assert (options.gpu_buckets, options.bucket_size, options.cast) == (1, 64, "cpu")
-    assert options.gpu_memory_cap == 8.0 and options.cpu_threads == 1
+    assert (options.gpu_tail, options.bucket_size, options.cast) == (1, 64, "cpu")
+    assert options.gpu_tail_cap == 8.0 and options.cpu_threads == 1
     assert env.read("HF_SUPEROFFLOAD_HOST_MEMORY_GIB") == "240"
     with pytest.raises(KeyError, match="not declared"):
         env.read("HF_SUPEROFFLOAD_NOT_A_THING")

@@ -79,8 +79,8 @@ def collect_reference(model, optimizer, records):
     return result
 
 
-@pytest.mark.parametrize("gpu_buckets", [0, 1], ids=["host", "tail-bucket"])
-def test_nonfinite_storm_leaves_state_bit_identical_then_follows_adamw(gpu_buckets, caplog):
+@pytest.mark.parametrize("gpu_tail", [0, 1], ids=["host", "tail-bucket"])
+def test_nonfinite_storm_leaves_state_bit_identical_then_follows_adamw(gpu_tail, caplog):
     """20 consecutive NaN/Inf steps: params, fp32 masters and both moments bit-identical to
     before the storm, 20 non-finite rollbacks counted and 20 warnings logged; the steps after
     it match AdamW + clip_grad_norm_ (which skips the same steps)."""
@@ -99,11 +99,11 @@ def test_nonfinite_storm_leaves_state_bit_identical_then_follows_adamw(gpu_bucke
 
     with (
         caplog.at_level(logging.WARNING, logger="hf_superoffload"),
-        make_engine(model, cfg, gpu_buckets=gpu_buckets) as opt,
+        make_engine(model, cfg, gpu_tail=gpu_tail) as opt,
     ):
         records = train_loop(cfg, model, opt, batches, engine_do_step(opt), probe=probe)
         got = collect_engine_result(opt, model, records)
-    assert got.stats["device_buckets"] == gpu_buckets
+    assert got.stats["gpu_tail_buckets"] == gpu_tail
 
     (state_before, params_before), (state_after, params_after) = snaps["before"], snaps["after"]
     assert_states_equal(state_after, state_before, "over the storm")
@@ -168,7 +168,7 @@ def _after_one_step(cfg):
     batches = make_batches(cfg, 3)
     before = set(worker_threads())
     model = build_model(cfg)
-    opt = make_engine(model, cfg, gpu_buckets=0)
+    opt = make_engine(model, cfg, gpu_tail=0)
     _one_step(model, opt, batches[0])
     return cfg, batches, before, model, opt
 
@@ -178,7 +178,7 @@ def _two_steps_match_adamw(cfg, model, batches) -> None:
     same weights."""
     start = {name: p.detach().clone() for name, p in model.named_parameters()}
     two = cfg.replace(steps=2)
-    with make_engine(model, two, gpu_buckets=0) as opt:
+    with make_engine(model, two, gpu_tail=0) as opt:
         got = collect_engine_result(
             opt, model, train_loop(two, model, opt, batches, engine_do_step(opt))
         )

@@ -44,7 +44,7 @@ def _step(model, opt, ids):
 def test_out_of_memory_in_backward_ends_promptly_and_releases_everything():
     before = set(worker_threads())
     model = build_tiny_llama().to("cuda", torch.bfloat16)
-    opt = SuperOffloadOptimizer(model.parameters(), model=model, gpu_buckets=0, bucket_size=4096)
+    opt = SuperOffloadOptimizer(model.parameters(), model=model, gpu_tail=0, bucket_size=4096)
     ids = torch.randint(4, 100, (4, 32), device="cuda")
     _step(model, opt, ids)
     link = opt._link
@@ -65,7 +65,7 @@ def test_out_of_memory_in_backward_ends_promptly_and_releases_everything():
 
     for p in model.parameters():  # gradients the failed backward left behind
         p.grad = None
-    again = SuperOffloadOptimizer(model.parameters(), model=model, gpu_buckets=0, bucket_size=4096)
+    again = SuperOffloadOptimizer(model.parameters(), model=model, gpu_tail=0, bucket_size=4096)
     losses = [_step(model, again, ids) for _ in range(3)]
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
     assert again.stats["steps"] == 3 and not again.last_step_skipped

@@ -135,7 +135,7 @@ def fuzz_cases(draw) -> FuzzCase:
         lr_decay=draw(st.sampled_from([1.0, 0.9])),
         seed=draw(st.integers(0, 2**16)),
         bucket_size=draw(st.one_of(st.integers(1, 16), st.integers(17, 2_000))),
-        gpu_buckets=draw(st.sampled_from([0, 0, 1, 2])),
+        gpu_tail=draw(st.sampled_from([0, 0, 1, 2])),
         declare_accumulation=declare,
         speculate=draw(st.sampled_from([True, True, False])),
         speculate_after_clip=draw(st.booleans()),
@@ -220,7 +220,7 @@ def test_gradient_spike_that_clips_matches_adamw():
     ours, ref = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
     adamw = torch.optim.AdamW([ref], lr=1e-3, weight_decay=0.0)
     with SuperOffloadOptimizer(
-        [ours], lr=1e-3, weight_decay=0.0, max_grad_norm=1.0, gpu_buckets=0
+        [ours], lr=1e-3, weight_decay=0.0, max_grad_norm=1.0, gpu_tail=0
     ) as opt:
         for scale in (0.25, 100.0):  # per element; the norm is twice that
             for p in (ours, ref):

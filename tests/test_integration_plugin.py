@@ -34,23 +34,23 @@ from hf_superoffload.toy import build_tiny_llama
 
 FIELDS = [f.name for f in dataclasses.fields(SuperOffloadOptions)]
 DEFAULTS = {
-    "gpu_buckets": "auto",
+    "gpu_tail": "auto",
     "bucket_size": 1 << 25,
     "cpu_threads": None,
     "speculate": True,
     "speculate_after_clip": False,
     "cast": "auto",
-    "gpu_memory_cap": None,
+    "gpu_tail_cap": None,
 }
 # Per field: (explicit value, env string, what the env string resolves to).
 CASES = {
-    "gpu_buckets": (2, "5", 5),
+    "gpu_tail": (2, "5", 5),
     "bucket_size": (4096, "1000", 1000),
     "cpu_threads": (3, "7", 7),
     "speculate": (True, "false", False),
     "speculate_after_clip": (False, "yes", True),
     "cast": ("gpu", "cpu", "cpu"),
-    "gpu_memory_cap": (12.5, "40", 40.0),
+    "gpu_tail_cap": (12.5, "40", 40.0),
 }
 
 
@@ -109,8 +109,8 @@ def test_explicit_overrides_env(monkeypatch, field):
     [
         ("speculate", False),
         ("speculate_after_clip", False),
-        ("gpu_buckets", 0),
-        ("gpu_memory_cap", 0.0),
+        ("gpu_tail", 0),
+        ("gpu_tail_cap", 0.0),
     ],
 )
 def test_explicit_falsy_values_win(monkeypatch, field, falsy):
@@ -134,12 +134,12 @@ def test_bool_env_spellings(monkeypatch, raw):
     assert SuperOffloadOptions().speculate is (raw.lower() in ("1", "true", "yes", "on"))
 
 
-def test_gpu_buckets_auto_and_numeric_strings(monkeypatch):
-    assert SuperOffloadOptions(gpu_buckets="auto").gpu_buckets == "auto"
-    assert SuperOffloadOptions(gpu_buckets="3").gpu_buckets == 3
-    assert SuperOffloadOptions(gpu_buckets=0).gpu_buckets == 0
-    monkeypatch.setenv("HF_SUPEROFFLOAD_GPU_BUCKETS", "auto")
-    assert SuperOffloadOptions().gpu_buckets == "auto"
+def test_gpu_tail_auto_and_numeric_strings(monkeypatch):
+    assert SuperOffloadOptions(gpu_tail="auto").gpu_tail == "auto"
+    assert SuperOffloadOptions(gpu_tail="3").gpu_tail == 3
+    assert SuperOffloadOptions(gpu_tail=0).gpu_tail == 0
+    monkeypatch.setenv("HF_SUPEROFFLOAD_GPU_TAIL", "auto")
+    assert SuperOffloadOptions().gpu_tail == "auto"
 
 
 # ---------------------------------------------------------------------------- invalid values
@@ -152,22 +152,22 @@ def test_gpu_buckets_auto_and_numeric_strings(monkeypatch):
         ({"bucket_size": 1.5}, "bucket_size"),
         ({"bucket_size": "many"}, "bucket_size"),
         ({"bucket_size": True}, "bucket_size"),
-        ({"gpu_buckets": -1}, "gpu_buckets"),
-        ({"gpu_buckets": "-2"}, "gpu_buckets"),
-        ({"gpu_buckets": "all"}, "gpu_buckets"),
-        ({"gpu_buckets": 1.0}, "gpu_buckets"),
-        ({"gpu_buckets": True}, "gpu_buckets"),
+        ({"gpu_tail": -1}, "gpu_tail"),
+        ({"gpu_tail": "-2"}, "gpu_tail"),
+        ({"gpu_tail": "all"}, "gpu_tail"),
+        ({"gpu_tail": 1.0}, "gpu_tail"),
+        ({"gpu_tail": True}, "gpu_tail"),
         ({"cpu_threads": 0}, "cpu_threads"),
         ({"cpu_threads": "two"}, "cpu_threads"),
         ({"speculate": "yes"}, "speculate"),
         ({"speculate_after_clip": 1}, "speculate_after_clip"),
         ({"cast": "bf16"}, "cast"),
         ({"cast": "GPU"}, "cast"),
-        ({"gpu_memory_cap": -1}, "gpu_memory_cap"),
-        ({"gpu_memory_cap": "lots"}, "gpu_memory_cap"),
-        ({"gpu_memory_cap": float("nan")}, "gpu_memory_cap"),
-        ({"gpu_memory_cap": float("inf")}, "gpu_memory_cap"),
-        ({"gpu_memory_cap": True}, "gpu_memory_cap"),
+        ({"gpu_tail_cap": -1}, "gpu_tail_cap"),
+        ({"gpu_tail_cap": "lots"}, "gpu_tail_cap"),
+        ({"gpu_tail_cap": float("nan")}, "gpu_tail_cap"),
+        ({"gpu_tail_cap": float("inf")}, "gpu_tail_cap"),
+        ({"gpu_tail_cap": True}, "gpu_tail_cap"),
     ],
 )
 def test_invalid_explicit_values_raise(kwargs, match):
@@ -201,15 +201,15 @@ def test_explicit_falsy_invalid_values_raise(monkeypatch, field, invalid, env_va
         ("bucket_size", "0"),
         ("bucket_size", "1e6"),
         ("bucket_size", "lots"),
-        ("gpu_buckets", "-1"),
-        ("gpu_buckets", "some"),
+        ("gpu_tail", "-1"),
+        ("gpu_tail", "some"),
         ("cpu_threads", "0"),
         ("cpu_threads", "x"),
         ("speculate", "maybe"),
         ("speculate_after_clip", "2"),
         ("cast", "fp8"),
-        ("gpu_memory_cap", "-0.5"),
-        ("gpu_memory_cap", "40GiB"),
+        ("gpu_tail_cap", "-0.5"),
+        ("gpu_tail_cap", "40GiB"),
     ],
 )
 def test_invalid_env_values_raise(monkeypatch, field, raw):
@@ -236,8 +236,8 @@ def test_optimizer_kwargs_match_the_optimizer_signature():
     for name in kwargs:
         assert params[name].kind is inspect.Parameter.KEYWORD_ONLY, name
     # None (the default) means no cap, on both sides.
-    assert kwargs["gpu_memory_cap"] is None and params["gpu_memory_cap"].default is None
-    assert SuperOffloadOptions(gpu_memory_cap=20).optimizer_kwargs()["gpu_memory_cap"] == 20.0
+    assert kwargs["gpu_tail_cap"] is None and params["gpu_tail_cap"].default is None
+    assert SuperOffloadOptions(gpu_tail_cap=20).optimizer_kwargs()["gpu_tail_cap"] == 20.0
 
 
 # ------------------------------------------------------------------------------- the old name
@@ -272,12 +272,12 @@ def test_arguments_mirror_the_option_fields():
 
 
 def test_training_arguments_build_the_options(tmp_path, monkeypatch):
-    args = _training_args(tmp_path, superoffload_gpu_buckets="3")
+    args = _training_args(tmp_path, superoffload_gpu_tail="3")
     options = args.superoffload_options()
     assert isinstance(options, SuperOffloadOptions)
-    assert options.gpu_buckets == 3
-    assert {name: getattr(options, name) for name in FIELDS if name != "gpu_buckets"} == {
-        name: value for name, value in DEFAULTS.items() if name != "gpu_buckets"
+    assert options.gpu_tail == 3
+    assert {name: getattr(options, name) for name in FIELDS if name != "gpu_tail"} == {
+        name: value for name, value in DEFAULTS.items() if name != "gpu_tail"
     }
 
     # Unset arguments fall back to the environment; set ones beat it.
@@ -286,8 +286,8 @@ def test_training_arguments_build_the_options(tmp_path, monkeypatch):
     options = _training_args(tmp_path, superoffload_bucket_size=4096).superoffload_options()
     assert options.cast == "cpu" and options.bucket_size == 4096
 
-    with pytest.raises(ValueError, match="gpu_buckets"):
-        _training_args(tmp_path, superoffload_gpu_buckets="-1").superoffload_options()
+    with pytest.raises(ValueError, match="gpu_tail"):
+        _training_args(tmp_path, superoffload_gpu_tail="-1").superoffload_options()
 
 
 def test_hf_argument_parser(tmp_path):
@@ -311,10 +311,10 @@ def test_hf_argument_parser(tmp_path):
     assert args.superoffload_cast == "cpu"
     assert args.superoffload_bucket_size == 1000
     assert args.superoffload_speculate is False
-    assert args.superoffload_gpu_buckets is None
+    assert args.superoffload_gpu_tail is None
     options = args.superoffload_options()
     assert (options.cast, options.bucket_size, options.speculate) == ("cpu", 1000, False)
-    assert options.gpu_buckets == "auto"
+    assert options.gpu_tail == "auto"
 
 
 # TRL's configs default the deprecated `gradient_checkpointing` to True (TRL's own business).
@@ -329,9 +329,9 @@ def test_trl_configs_carry_the_same_fields(tmp_path, config_name):
     base = getattr(trl, config_name.removeprefix("SuperOffload"))
     assert issubclass(cls, base)
     assert _argument_fields(cls) == _argument_fields(SuperOffloadTrainingArguments)
-    args = _training_args(tmp_path, cls, superoffload_gpu_buckets="2", superoffload_cast="gpu")
+    args = _training_args(tmp_path, cls, superoffload_gpu_tail="2", superoffload_cast="gpu")
     options = args.superoffload_options()
-    assert (options.gpu_buckets, options.cast) == (2, "gpu")
+    assert (options.gpu_tail, options.cast) == (2, "gpu")
 
     parser = HfArgumentParser(cls)
     (parsed,) = parser.parse_args_into_dataclasses(
@@ -344,29 +344,29 @@ def test_trl_configs_carry_the_same_fields(tmp_path, config_name):
     assert parsed.superoffload_options().cpu_threads == 2
 
 
-def test_gpu_memory_cap_argument(tmp_path, monkeypatch):
+def test_gpu_tail_cap_argument(tmp_path, monkeypatch):
     parser = HfArgumentParser(SuperOffloadTrainingArguments)
     (args,) = parser.parse_args_into_dataclasses(
-        ["--output_dir", str(tmp_path), "--use_cpu", "--superoffload_gpu_memory_cap", "12.5"]
+        ["--output_dir", str(tmp_path), "--use_cpu", "--superoffload_gpu_tail_cap", "12.5"]
     )
-    assert args.superoffload_options().gpu_memory_cap == 12.5
-    with pytest.raises(ValueError, match="gpu_memory_cap must be a number of GiB >= 0"):
-        _training_args(tmp_path, superoffload_gpu_memory_cap=-1.0)
+    assert args.superoffload_options().gpu_tail_cap == 12.5
+    with pytest.raises(ValueError, match="gpu_tail_cap must be a number of GiB >= 0"):
+        _training_args(tmp_path, superoffload_gpu_tail_cap=-1.0)
     # DeepSpeed ZeRO-3 takes the GPU's share from its config: the argument is refused there,
     # whether the config comes as an argument or from `accelerate launch`.
     with pytest.raises(ValueError, match=r"offload_optimizer\.ratio"):
-        _training_args(tmp_path, superoffload_gpu_memory_cap=8.0, deepspeed={"train_batch_size": 1})
+        _training_args(tmp_path, superoffload_gpu_tail_cap=8.0, deepspeed={"train_batch_size": 1})
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     with pytest.raises(ValueError, match=r"offload_optimizer\.ratio"):
-        _training_args(tmp_path, superoffload_gpu_memory_cap=8.0)
+        _training_args(tmp_path, superoffload_gpu_tail_cap=8.0)
 
 
-def test_the_trainer_hands_the_gpu_memory_cap_to_the_optimizer(tmp_path):
-    args = _training_args(tmp_path, superoffload_gpu_memory_cap=3.5, superoffload_bucket_size=4096)
+def test_the_trainer_hands_the_gpu_tail_cap_to_the_optimizer(tmp_path):
+    args = _training_args(tmp_path, superoffload_gpu_tail_cap=3.5, superoffload_bucket_size=4096)
     trainer = SuperOffloadTrainer(model=build_tiny_llama(), args=args)
     trainer.create_optimizer()
     try:
-        assert trainer.superoffload_optimizer.gpu_memory_cap == 3.5
+        assert trainer.superoffload_optimizer.gpu_tail_cap == 3.5
     finally:
         trainer.superoffload_optimizer.close()
 

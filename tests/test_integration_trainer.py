@@ -364,7 +364,7 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path, max_grad_nor
         # A fixed tail: "auto" moves buckets by measured timings, so on a loaded machine two
         # identical runs can place them differently, and tail and host buckets round
         # differently (a known defect, issue 11 item 6).
-        "superoffload_gpu_buckets": "2",
+        "superoffload_gpu_tail": "2",
     }
     full = _trainer(tmp_path / "full", True, **ckpt_args)
     full.train()

@@ -1,4 +1,4 @@
-"""A CUDA out-of-memory error in forward or backward after gpu_buckets='auto' grew the device
+"""A CUDA out-of-memory error in forward or backward after gpu_tail='auto' grew the device
 tail: the Trainer gives the tail back and retries the batch once (integrations/oom_retry.py).
 
 The GPU tests force a real allocator failure (a forward hook asks for more than the card has)
@@ -93,7 +93,7 @@ def test_out_of_memory_gives_the_tail_back_and_retries_the_batch_once(
         trainer.train()
     stats = trainer.superoffload_stats
     assert stats["oom_retries"] == 1
-    assert stats["device_buckets"] == 0  # the whole tail went back to the host
+    assert stats["gpu_tail_buckets"] == 0  # the whole tail went back to the host
     assert trainer.state.global_step == STEPS  # the run went on to the end
     assert fail.calls == STEPS * accumulation + 1  # one batch ran twice
     assert "CUDA out of memory at optimizer step" in caplog.text
@@ -115,14 +115,14 @@ def test_buckets_moved_back_free_their_gpu_memory():
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad()
-    tail = opt.stats["device_params"]
+    tail = opt.stats["gpu_tail_params"]
     assert tail > 0  # "auto" keeps a tail on a GPU
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     assert opt.release_device_tail("test") == tail
     freed = before - torch.cuda.memory_allocated()
     assert freed >= 16 * tail  # master, both moments and fp32 gradients: 16 B per element
-    assert opt.stats["device_buckets"] == 0
+    assert opt.stats["gpu_tail_buckets"] == 0
     model(input_ids=ids, labels=ids).loss.backward()  # training goes on with host buckets
     opt.step()
     assert opt.stats["steps"] == 3 and not opt.last_step_skipped

@@ -14,7 +14,7 @@ error naming it whenever it would change the math (or promise something the engi
 keep); a switch with a value that is a no-op here may be refused or accepted, and if it is
 accepted the run must still equal AdamW's.
 
-The engine runs on the CPU here with every bucket on the host (``gpu_buckets=0``), small
+The engine runs on the CPU here with every bucket on the host (``gpu_tail=0``), small
 buckets so that a model of a few ``nn.Linear`` layers has several, and no clipping
 (``max_grad_norm=None``: AdamW does not clip).
 """
@@ -34,7 +34,7 @@ from hf_superoffload import SuperOffloadOptimizer
 
 STEPS = 5
 BUCKET_SIZE = 100  # elements: the model below gets 4 buckets
-ENGINE = {"max_grad_norm": None, "gpu_buckets": 0, "bucket_size": BUCKET_SIZE}
+ENGINE = {"max_grad_norm": None, "gpu_tail": 0, "bucket_size": BUCKET_SIZE}
 TOLERANCES = {  # torch.testing.assert_close(rtol, atol) per compared quantity
     "param": (1e-4, 1e-6),
     "exp_avg": (1e-4, 1e-7),

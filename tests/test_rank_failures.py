@@ -93,13 +93,13 @@ def _replicas_rank(rank: int, rendezvous: str, out_dir: str, where: str) -> None
         model = build_model(cfg)
         if rank == 1 and where == "constructor":
             # A failure of this rank's own resources once the group is formed (as a GPU with
-            # less free memory refusing gpu_buckets would).
+            # less free memory refusing gpu_tail would).
             def refuse(*args, **kwargs):
                 _mark_failure(out_dir)
                 raise RuntimeError("injected: this rank's device cannot hold the tail buckets")
 
             layout.choose_device_buckets = refuse
-        opt = make_engine(model, cfg, gpu_buckets=0)
+        opt = make_engine(model, cfg, gpu_tail=0)
         for step in range(4):
             if rank == 1 and where == "worker" and step == 1:
 
@@ -250,11 +250,11 @@ def _handling_rank(rank: int, rendezvous: str, out_dir: str) -> None:
 
             layout.check_host_memory = refuse
         try:
-            make_engine(model, cfg, gpu_buckets=0).close()
+            make_engine(model, cfg, gpu_tail=0).close()
         except RuntimeError as error:
             outcome["handled"].append(str(error))
         layout.check_host_memory = real_check
-        opt = make_engine(model, cfg, gpu_buckets=0)  # a later optimizer: starts with no failure
+        opt = make_engine(model, cfg, gpu_tail=0)  # a later optimizer: starts with no failure
         for step in range(3):
             x = batches[step]
             model(input_ids=x, labels=x).loss.backward()

@@ -70,9 +70,9 @@ def test_recipe_parses_with_trls_parser_and_the_command_line_wins(recipe, tmp_pa
     script, training = arguments.parse(
         "sft",
         ["--config", str(recipe), "--bf16", "false", "--output_dir", str(tmp_path),
-         "--superoffload_gpu_buckets", "0", "--superoffload_speculate", "false"],
+         "--superoffload_gpu_tail", "0", "--superoffload_speculate", "false"],
     )  # fmt: skip
-    assert training.superoffload_gpu_buckets == "0" and training.superoffload_speculate is False
+    assert training.superoffload_gpu_tail == "0" and training.superoffload_speculate is False
     assert script.model_name_or_path == values["model_name_or_path"]
     assert script.dataset_name == values["dataset_name"]
     assert training.max_length == values["max_length"] == 4096

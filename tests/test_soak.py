@@ -86,7 +86,7 @@ SOAK_CASE = FuzzCase(
     steps=1,  # targets are drawn one step at a time (`_step_targets`)
     accumulation=2,
     bucket_size=512,
-    gpu_buckets=1,
+    gpu_tail=1,
 )
 NORMAL_NORM = 28.0  # ~sqrt(801 elements) at target scale 1, plus the pull towards zero
 CLIP_SCALE = 3.0  # every CLIP_EVERY-th step: norm ~84 against max_grad_norm 56

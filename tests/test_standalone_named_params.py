@@ -12,7 +12,7 @@ from test_engine_dropin import adamw, assert_matches_adamw, batch, loss_of, ours
 
 from hf_superoffload import SuperOffloadOptimizer
 
-ENGINE = {"max_grad_norm": None, "gpu_buckets": 0, "bucket_size": 300}
+ENGINE = {"max_grad_norm": None, "gpu_tail": 0, "bucket_size": 300}
 
 
 def _error_of(build) -> BaseException:

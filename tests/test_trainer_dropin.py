@@ -53,10 +53,10 @@ pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 LOSS_RTOL = 1e-5
 RESUME_TOL = {"rtol": 1e-6, "atol": 1e-8}
-# "auto" moves buckets to the device tail by measured timings, which differ between two runs
+# "auto" moves buckets to the GPU tail by measured timings, which differ between two runs
 # on a loaded machine (tail and host buckets round differently): runs compared with each other
 # at RESUME_TOL pin the tail.
-PINNED_TAIL = {"superoffload_gpu_buckets": "2"}
+PINNED_TAIL = {"superoffload_gpu_tail": "2"}
 
 _opened: list = []
 

@@ -206,10 +206,10 @@ def test_follows_deepspeed_with_half_the_sub_groups_stepped_on_the_device(world,
     for result in results:
         ours = result["superoffload"]
         stats, host = ours["stats"], ours["host_bytes"]
-        assert 0 < stats["device_buckets"] < stats["buckets"], stats
-        assert 0 < stats["device_params"] < ours["params"], stats
+        assert 0 < stats["gpu_tail_buckets"] < stats["buckets"], stats
+        assert 0 < stats["gpu_tail_params"] < ours["params"], stats
         # Host state only for the sub groups left there: master, gradients, two moments.
-        assert host["master"] == 4 * (ours["params"] - stats["device_params"]), host
+        assert host["master"] == 4 * (ours["params"] - stats["gpu_tail_params"]), host
         assert ours["state"]["step"] == [case.steps - 1]  # the NaN step skipped everywhere
 
 

@@ -61,7 +61,7 @@ def test_one_gpu_bf16_follows_deepspeed_cpu_offload(ratio, tmp_path):
     assert_states_close(ours["first"], ref["first"], TOLERANCES, "after step 1")
     torch.testing.assert_close(ours["losses"], ref["losses"], rtol=1e-2, atol=0)
     assert ours["stats"]["steps"] == case.steps
-    assert (ours["stats"]["device_buckets"] > 0) == (ratio < 1.0), ours["stats"]
+    assert (ours["stats"]["gpu_tail_buckets"] > 0) == (ratio < 1.0), ours["stats"]
 
 
 @pytest.mark.multi_gpu

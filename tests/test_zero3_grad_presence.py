@@ -55,7 +55,7 @@ def _on_rank(rank, world, port, out_dir) -> None:
             "losses": losses,
             "state": branchy.full_state(engine),
             "branch_sub_group_state": {k: v for k, v in state.items() if "step" in k},
-            "device_sub_groups": zero.stats["device_buckets"],
+            "device_sub_groups": zero.stats["gpu_tail_buckets"],
         }
         engine.destroy()
     # "absent_steps" again, saved after its third step (the branch then at 1 step, the rest of

@@ -1,4 +1,4 @@
-"""The SuperOffload engine: speculation-then-validation CPU Adam with device tail buckets."""
+"""The SuperOffload engine: speculation-then-validation CPU Adam with GPU tail buckets."""
 
 from .optimizer import SuperOffloadOptimizer
 

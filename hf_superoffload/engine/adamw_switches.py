@@ -3,7 +3,7 @@ group keys, as code written for AdamW passes them.
 
 A value that leaves AdamW's arithmetic as the engine does it is accepted and has no effect:
 ``foreach`` and ``fused`` choose among implementations of one update rule (the engine has its
-own: the CPU Adam kernel, and torch's foreach AdamW for the device tail), and the others at
+own: the CPU Adam kernel, and torch's foreach AdamW for the GPU tail), and the others at
 their defaults. A value that would change the updates, or promise what the engine cannot keep,
 is refused with an error that says what to change. Accepted switches are not kept in the param
 groups: they describe nothing about the run.

@@ -38,14 +38,25 @@ def _require_number(name: str, value, example: str) -> None:
         )
 
 
+# Options renamed before 0.1.0 (the GPU tail's); refused, naming the new one, because
+# difflib would point gpu_buckets at bucket_size.
+RENAMED_OPTIONS = {"gpu_buckets": "gpu_tail", "gpu_memory_cap": "gpu_tail_cap"}
+
+
 def refuse_unknown_kwargs(kwargs: Mapping, known_names: Iterable[str], owner: str) -> None:
     """A TypeError for the first keyword argument of ``kwargs`` not in ``known_names``, as
     Python's own for an unexpected keyword, with the closest known name when one is near
-    (``gpu_bucket=3`` -> ``gpu_buckets``) and the known names otherwise."""
+    (``gpu_tial=3`` -> ``gpu_tail``), the new name of a renamed option (``gpu_buckets``), and
+    the known names otherwise."""
     known = sorted(known_names)
     for name in kwargs:
         if name in known:
             continue
+        if RENAMED_OPTIONS.get(name) in known:
+            raise TypeError(
+                f"{owner}() got an unexpected keyword argument {name!r}; it is now "
+                f"{RENAMED_OPTIONS[name]!r}."
+            )
         close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
         hint = f"did you mean {close[0]!r}?" if close else f"it takes {', '.join(known)}."
         raise TypeError(f"{owner}() got an unexpected keyword argument {name!r}; {hint}")

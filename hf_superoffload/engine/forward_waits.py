@@ -2,7 +2,7 @@
 use: the forward-waits part of SuperOffloadOptimizer.
 
 Every module holding params of some bucket gets a forward pre-hook, tail buckets included:
-``gpu_buckets="auto"`` may move a tail bucket back to the host later, and a hook that finds
+``gpu_tail="auto"`` may move a tail bucket back to the host later, and a hook that finds
 only tail buckets returns at once.
 
 Without ``model=`` the optimizer does not know the modules, yet a forward may still come

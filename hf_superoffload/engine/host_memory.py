@@ -244,7 +244,7 @@ def standalone_host_parts(
 
 STANDALONE_REMEDIES = (
     "Use fewer GPUs per host (fewer processes per host), keep more buckets on the GPU "
-    "(gpu_buckets), train a smaller model, or free host memory; with several GPUs, DeepSpeed "
+    "(gpu_tail), train a smaller model, or free host memory; with several GPUs, DeepSpeed "
     'ZeRO-3 ("super_offload": true) partitions this state over the ranks instead of '
     "replicating it."
 )

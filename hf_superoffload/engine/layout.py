@@ -21,7 +21,7 @@ from .replicas import Replicas
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    buckets: list[Bucket]  # in gradient arrival order; the last ``device_buckets`` on the device
+    buckets: list[Bucket]  # in gradient arrival order; the last ``gpu_tail_buckets`` on the device
     slot: dict[int, tuple[Bucket, int]]  # id(param) -> its bucket and its index there
     copy_out: CopyOutRing | None  # where the kernel writes rounded params (see copy_out.py)
 
@@ -31,7 +31,7 @@ def lay_out(
     model: torch.nn.Module | None,
     *,
     bucket_size: int,
-    gpu_buckets: int | str,
+    gpu_tail: int | str,
     cap_bytes: int | None,
     accumulating: bool,
     link: Link,
@@ -43,7 +43,7 @@ def lay_out(
     keeps the same number of tail buckets (the smallest any rank chose)."""
     order = {id(p): i for i, p in enumerate(model.parameters())} if model is not None else None
     plans = plan_buckets(param_groups, bucket_size, order)
-    chosen = choose_device_buckets(gpu_buckets, plans, link.device, cap_bytes)
+    chosen = choose_device_buckets(gpu_tail, plans, link.device, cap_bytes)
     first_device = len(plans) - int(replicas.agree(chosen, "min"))
     host_numel = sum(p.numel for p in plans if p.index < first_device or not link.is_cuda)
     parts = standalone_host_parts(host_numel, dtype, cast, accumulating)

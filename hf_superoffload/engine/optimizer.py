@@ -71,8 +71,8 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         weight_decay: float = 1e-2,
         *,
         max_grad_norm: float | None = 1.0,
-        gpu_buckets: int | str = "auto",
-        gpu_memory_cap: float | None = None,
+        gpu_tail: int | str = "auto",
+        gpu_tail_cap: float | None = None,
         bucket_size: int = DEFAULT_BUCKET_SIZE,
         cpu_threads: int | None = None,
         speculate: bool = True,
@@ -131,12 +131,12 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
 
         self._link = Link(device)
         self._cast = rank0_plan(choose_cast_plan(cast, device, dtype), self._replicas)
-        cap = cap_bytes(gpu_memory_cap)
+        cap = cap_bytes(gpu_tail_cap)
         layout = lay_out(
             self.param_groups,
             model,
             bucket_size=bucket_size,
-            gpu_buckets=gpu_buckets,
+            gpu_tail=gpu_tail,
             cap_bytes=cap,
             accumulating=gradient_accumulation_steps > 1,
             link=self._link,
@@ -157,7 +157,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         self._stv.clip_threshold = self.max_grad_norm
         self._stv.worker.publish = self._replicas.publish_failure  # this optimizer's failure
         self.stats_counters = self._stv.stats
-        tuner = make_tail_tuner(gpu_buckets, device)
+        tuner = make_tail_tuner(gpu_tail, device)
         self._compose(trainable, model, gradient_accumulation_steps, tuner, cap)
         hooks, ids = [self._arrival.handles, self._waits.handles], list(self._slot)
         self._finalizer = weakref.finalize(
@@ -167,7 +167,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
 
     def _compose(self, params, model, accumulation_steps: int, tuner, cap: int | None) -> None:
         """Build the parts over ``self._buckets``: the forward waits, the gradient arrival
-        (which starts and stops the waits' watch) and the device tail."""
+        (which starts and stops the waits' watch) and the GPU tail."""
         self._waits = ForwardWaits(
             slot=self._slot, before_forward=_before_forward(weakref.ref(self)), model=model
         )
@@ -188,15 +188,15 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
 
     @property
     def stats(self) -> dict[str, float]:
-        """The STV counters, plus where the buckets are now (``gpu_buckets="auto"`` moves
-        them): ``device_buckets`` of ``buckets``, ``device_params`` elements, and
+        """The STV counters, plus where the buckets are now (``gpu_tail="auto"`` moves
+        them): ``gpu_tail_buckets`` of ``buckets``, ``gpu_tail_params`` elements, and
         ``tail_tuning`` (1 while ``auto`` is growing the tail or probing a smaller one; 0 once
         settled, when it only watches)."""
         return {
             **self.stats_counters.as_dict(),
             "buckets": len(self._buckets),
-            "device_buckets": sum(b.on_device for b in self._buckets),
-            "device_params": self._tail.device_elements(),
+            "gpu_tail_buckets": sum(b.on_device for b in self._buckets),
+            "gpu_tail_params": self._tail.device_elements(),
             "tail_tuning": int(self._tail.tuning),
         }
 
@@ -206,14 +206,14 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         return self._arrival.counts.accumulation_steps
 
     @property
-    def gpu_memory_cap(self) -> float | None:
-        """Most GPU memory (GiB) the tail buckets' optimizer state may hold, or None. Lowering
+    def gpu_tail_cap(self) -> float | None:
+        """Most GPU memory (GiB) the GPU tail's optimizer state may hold, or None. Lowering
         it between steps gives buckets back at the next step()."""
         cap = self._tail.cap_bytes
         return None if cap is None else cap / 2**30
 
-    @gpu_memory_cap.setter
-    def gpu_memory_cap(self, gib: float | None) -> None:
+    @gpu_tail_cap.setter
+    def gpu_tail_cap(self, gib: float | None) -> None:
         self._tail.cap_bytes = cap_bytes(gib)
 
     def release_device_tail(self, reason: str) -> int:

@@ -9,18 +9,18 @@ Reproducibility. A tail bucket is stepped by torch's AdamW, a host bucket by the
 kernel, which fuses what torch rounds separately: the two agree to about an ulp per step, not
 to the bit. So which buckets are on the device is part of the arithmetic, and:
 
-- An integer ``gpu_buckets`` fixes the placement: two runs of one configuration (and a run
-  resumed from a checkpoint, with the same ``gpu_buckets``) do the same operations on the same
+- An integer ``gpu_tail`` fixes the placement: two runs of one configuration (and a run
+  resumed from a checkpoint, with the same ``gpu_tail``) do the same operations on the same
   values and are bit-identical, on the CPU and, as far as the model's own kernels are
   deterministic (``torch.use_deterministic_algorithms``), on a GPU.
-- ``gpu_buckets="auto"`` on a GPU starts from a memory-bounded tail and then moves buckets
+- ``gpu_tail="auto"`` on a GPU starts from a memory-bounded tail and then moves buckets
   onto the device and back by *measured* timings (``tail_tuner.TailTuner``), within the
-  device memory the training leaves and ``gpu_memory_cap``: how many move, and after which step,
+  device memory the training leaves and ``gpu_tail_cap``: how many move, and after which step,
   varies from run to run, and so does the rounding; a resumed run starts the tuning over. Such
   runs agree to fp32 rounding (the tolerances of tests/engine_reference.py), not bit for bit.
-  For bit-identical GPU runs or resumes, pass an integer, e.g. the ``stats["device_buckets"]``
+  For bit-identical GPU runs or resumes, pass an integer, e.g. the ``stats["gpu_tail_buckets"]``
   an "auto" run settled on.
-- With no GPU there is no device to keep a tail on: "auto" means no device buckets and no
+- With no GPU there is no device to keep a tail on: "auto" means an empty GPU tail and no
   tuning, so CPU runs are bit-identical (an integer still puts buckets on the "device", the
   CPU, through torch's AdamW: the tests use that to run the tail's code path without a GPU).
 """
@@ -43,7 +43,7 @@ _AUTO_MEMORY_SHARE = 0.25
 # buckets when speculation hides the rest (3.4B on an H100: 4 buckets sufficed), little enough
 # that the peak stays low; the tuner grows it when the GPU waits (clipping).
 _AUTO_PARAM_SHARE = 0.05
-# Without a gpu_memory_cap, "auto" grows the tail only while the training's GPU peak stays
+# Without a gpu_tail_cap, "auto" grows the tail only while the training's GPU peak stays
 # under this share of what the same training would take without offload: offload is for
 # saving memory, so by default it buys speed with at most half of that. Measured at 3.4B on
 # an H100, clipping every step: 1.07x no offload at 51 GiB with no budget; with a budget of
@@ -64,19 +64,17 @@ def choose_device_buckets(
     """Number of tail buckets to step on the device (ints above the bucket count mean all;
     "auto" on the CPU: none, see the module docstring), within ``cap_bytes`` of tail state."""
     if isinstance(requested, bool) or not (requested == "auto" or isinstance(requested, int)):
-        raise ValueError(f"gpu_buckets must be a non-negative int or 'auto', got {requested!r}.")
+        raise ValueError(f"gpu_tail must be a non-negative int or 'auto', got {requested!r}.")
     if requested != "auto":
         if requested < 0:
-            raise ValueError(f"gpu_buckets must be >= 0, got {requested}.")
+            raise ValueError(f"gpu_tail must be >= 0, got {requested}.")
         chosen = min(requested, len(plans))
         _check_fits(plans, chosen, device, cap_bytes)
-        logger.info(
-            "hf_superoffload: %d of %d buckets on the device (requested)", chosen, len(plans)
-        )
+        logger.info("hf_superoffload: GPU tail of %d of %d buckets (requested)", chosen, len(plans))
         return chosen
 
     if device.type != "cuda":
-        logger.info("hf_superoffload: gpu_buckets='auto' -> no device buckets (no GPU)")
+        logger.info("hf_superoffload: gpu_tail='auto' -> an empty GPU tail (no GPU)")
         return 0
     total = sum(p.numel for p in plans)
     budget = _free_device_bytes(device) * _AUTO_MEMORY_SHARE
@@ -91,8 +89,8 @@ def choose_device_buckets(
     if chosen == 0 and len(plans) > 1 and plans[-1].numel * DEVICE_BYTES_PER_ELEMENT <= budget:
         chosen, numel = 1, plans[-1].numel  # one tail bucket always helps the next forward
     logger.info(
-        "hf_superoffload: gpu_buckets='auto' -> %d of %d buckets on the device (%.1f%% of params, "
-        "%.2f GiB of device state; budget %.2f GiB)",
+        "hf_superoffload: gpu_tail='auto' -> GPU tail of %d of %d buckets (%.1f%% of params, "
+        "%.2f GiB of GPU state; budget %.2f GiB)",
         chosen,
         len(plans),
         100 * numel / max(total, 1),
@@ -115,16 +113,16 @@ def _check_fits(
     need = sum(p.numel for p in plans[len(plans) - chosen :]) * DEVICE_BYTES_PER_ELEMENT
     if cap_bytes is not None and need > cap_bytes:
         raise ValueError(
-            f"gpu_buckets={chosen} needs {need / 2**30:.2f} GiB of device memory for the tail "
-            f"buckets' optimizer state, above gpu_memory_cap={cap_bytes / 2**30:.2f} GiB; lower "
-            f"gpu_buckets (or bucket_size), raise the cap, or use gpu_buckets='auto'."
+            f"gpu_tail={chosen} needs {need / 2**30:.2f} GiB of GPU memory for the GPU tail's "
+            f"optimizer state, above gpu_tail_cap={cap_bytes / 2**30:.2f} GiB; lower "
+            f"gpu_tail (or bucket_size), raise the cap, or use gpu_tail='auto'."
         )
     free = _free_device_bytes(device)
     if need > free:
         raise ValueError(
-            f"gpu_buckets={chosen} needs {need / 2**30:.1f} GiB of device memory for the tail "
-            f"buckets' optimizer state but only {free / 2**30:.1f} GiB is free; lower gpu_buckets "
-            f"or bucket_size, or use gpu_buckets='auto'."
+            f"gpu_tail={chosen} needs {need / 2**30:.1f} GiB of GPU memory for the GPU tail's "
+            f"optimizer state but only {free / 2**30:.1f} GiB is free; lower gpu_tail "
+            f"or bucket_size, or use gpu_tail='auto'."
         )
 
 
@@ -135,7 +133,7 @@ def device_headroom_bytes(device: torch.device) -> float:
     just as unavailable. (Counting allocated only, a 5.1B model on an H100 filled the card to
     75 of 79 GiB and one run in two then failed to find 2 GiB for the loss.)"""
     if device.type != "cuda":
-        return 0.0  # no GPU: "auto" moves nothing (an explicit gpu_buckets is not bounded here)
+        return 0.0  # no GPU: "auto" moves nothing (an explicit gpu_tail is not bounded here)
     total = torch.cuda.get_device_properties(device).total_memory
     margin = max(2 * 2**30, 0.05 * total)
     return total - torch.cuda.max_memory_reserved(device) - margin
@@ -157,7 +155,7 @@ def lean_tail_elements(device: torch.device, params: int, tail_elements: int) ->
 
 
 def make_tail_tuner(requested: int | str, device: torch.device) -> TailTuner | None:
-    """The measuring tuner for ``gpu_buckets="auto"`` on a GPU; None otherwise (a fixed
+    """The measuring tuner for ``gpu_tail="auto"`` on a GPU; None otherwise (a fixed
     count, or no GPU: nothing to move to)."""
     if requested != "auto" or device.type != "cuda":
         return None

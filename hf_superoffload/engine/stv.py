@@ -104,7 +104,7 @@ class StvStats:
     cpu_step_seconds: float = 0.0
     exposed_cpu_seconds: float = 0.0
     accumulate_seconds: float = 0.0  # summing accumulated gradients on the host
-    tail_moves: int = 0  # gpu_buckets="auto" (or the cap) moved buckets to or from the device
+    tail_moves: int = 0  # gpu_tail="auto" (or the cap) moved buckets to or from the device
     oom_retries: int = 0  # batches retried after a CUDA out-of-memory error (Trainer)
     bytes_d2h: int = 0
     bytes_h2d: int = 0

@@ -1,10 +1,10 @@
-"""The device tail of the standalone optimizer: the tail buckets' validated step on the
+"""The GPU tail of the standalone optimizer: the tail buckets' validated step on the
 device (``device_tail.DeviceTail``, torch's AdamW), and moving buckets between the host and the
 device while training runs.
 
-After each step the tuner (tail_tuner.TailTuner, ``gpu_buckets="auto"`` on a GPU) says how
+After each step the tuner (tail_tuner.TailTuner, ``gpu_tail="auto"`` on a GPU) says how
 many elements the device should step more (the GPU waited for the CPU) or fewer (a smaller
-tail measured as fast, or the wait vanished); ``gpu_memory_cap`` is honoured at every step,
+tail measured as fast, or the wait vanished); ``gpu_tail_cap`` is honoured at every step,
 whatever the tuner says. Growth takes the host buckets nearest the tail, within the device
 memory the training's peak leaves free; giving back returns the device buckets farthest from
 the tail, so the tail stays one run of buckets. With replicas every rank moves the same
@@ -35,16 +35,16 @@ logger = logging.getLogger("hf_superoffload")
 
 
 def cap_bytes(gib: float | None) -> int | None:
-    """``gpu_memory_cap`` (GiB, or None: no cap) in bytes, refused unless a number >= 0."""
+    """``gpu_tail_cap`` (GiB, or None: no cap) in bytes, refused unless a number >= 0."""
     if gib is not None and (isinstance(gib, bool) or not isinstance(gib, (int, float)) or gib < 0):
         raise ValueError(
-            f"gpu_memory_cap must be a number of GiB >= 0 or None (no cap), got {gib!r}."
+            f"gpu_tail_cap must be a number of GiB >= 0 or None (no cap), got {gib!r}."
         )
     return None if gib is None else int(gib * 2**30)
 
 
 class TailMoves:
-    """Owns the device AdamW over the tail buckets, the tuner (``gpu_buckets="auto"`` on a
+    """Owns the device AdamW over the tail buckets, the tuner (``gpu_tail="auto"`` on a
     GPU, else None), the cap in bytes and auto's lean budget. Of the others it touches only:
     which buckets are on the device (``Bucket.move_to_device``/``move_to_host``), the STV
     core's worker (waited for before a move), ``host.elements_stepped``, ``hyper`` and
@@ -62,7 +62,7 @@ class TailMoves:
     ):
         self._buckets, self._link, self._replicas, self._stv = buckets, link, replicas, stv
         self.tuner = tuner
-        self.cap_bytes = cap_bytes  # most bytes of tail state (gpu_memory_cap), or None
+        self.cap_bytes = cap_bytes  # most bytes of tail state (gpu_tail_cap), or None
         self._lean_elements: float | None = None  # auto's default budget, measured once
         self._adamw = DeviceTail()
         for bucket in buckets:
@@ -104,11 +104,11 @@ class TailMoves:
         if want > 0:
             chosen = self._buckets_to_grow(want)
             if not chosen:
-                self.tuner.settle("device memory, gpu_memory_cap or the lean budget is full")
+                self.tuner.settle("device memory, gpu_tail_cap or the lean budget is full")
                 return
             self.move(chosen, to_device=True, why="the GPU waited for the CPU")
         elif want < 0:
-            why = "over gpu_memory_cap" if self._cap_excess_elements() else "measured as fast"
+            why = "over gpu_tail_cap" if self._cap_excess_elements() else "measured as fast"
             self.move(self._buckets_to_give_back(-want), to_device=False, why=why)
 
     def release(self, reason: str) -> int:
@@ -169,9 +169,9 @@ class TailMoves:
             self._lean_elements = self._replicas.agree(lean, "min")
             if self._lean_elements != float("inf"):
                 logger.info(
-                    "hf_superoffload: gpu_buckets='auto' grows the tail to at most %.1fM params "
+                    "hf_superoffload: gpu_tail='auto' grows the GPU tail to at most %.1fM params "
                     "(%.0f%% of them), so that the GPU peak stays under %.0f%% of what training "
-                    "without offload would need; set gpu_memory_cap (GiB of optimizer state, "
+                    "without offload would need; set gpu_tail_cap (GiB of optimizer state, "
                     "e.g. the card's size) to let it grow further for speed",
                     self._lean_elements / 1e6,
                     100 * self._lean_elements / params,
@@ -207,7 +207,7 @@ class TailMoves:
                 bucket.move_to_host()
         self._stv.stats.tail_moves += 1
         logger.info(
-            "hf_superoffload: gpu_buckets='auto' moved %d buckets (%.1fM params) to the %s after "
+            "hf_superoffload: gpu_tail='auto' moved %d buckets (%.1fM params) to the %s after "
             "step %d (%s; the GPU waited %.3f s for the CPU last step); n' = %d of %d, %.2f GiB",
             len(buckets),
             sum(b.plan.numel for b in buckets) / 1e6,

@@ -1,4 +1,4 @@
-"""The measuring tuner of ``gpu_buckets="auto"``: how many parameters the device tail should
+"""The measuring tuner of ``gpu_tail="auto"``: how many parameters the GPU tail should
 step, decided from measured step times and from how long the GPU waited for the CPU Adam.
 
 Pure bookkeeping over numbers the optimizer hands it once per step (tested on scripted
@@ -174,12 +174,12 @@ class TailTuner:
         return self._probe_from - device_elements
 
     def _restart(self, phase: str, reason: str) -> None:
-        logger.info("hf_superoffload: gpu_buckets='auto' %s (%s)", phase, reason)
+        logger.info("hf_superoffload: gpu_tail='auto' %s (%s)", phase, reason)
         self.phase, self._moves, self._quiet, self._busy = phase, 0, 0, 0
         self._times, self._exposed = {}, []
 
     def settle(self, reason: str) -> None:
         if self.phase != SETTLED:
-            logger.info("hf_superoffload: gpu_buckets='auto' settled (%s)", reason)
+            logger.info("hf_superoffload: gpu_tail='auto' settled (%s)", reason)
         self.phase, self.last_reason = SETTLED, reason
         self._quiet = self._busy = 0

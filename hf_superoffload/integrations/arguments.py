@@ -51,8 +51,8 @@ def _help(field: str) -> str:
 
 @dataclasses.dataclass
 class SuperOffloadArgumentsMixin:
-    superoffload_gpu_buckets: str | None = dataclasses.field(
-        default=None, metadata={"help": _help("gpu_buckets")}
+    superoffload_gpu_tail: str | None = dataclasses.field(
+        default=None, metadata={"help": _help("gpu_tail")}
     )
     superoffload_bucket_size: int | None = dataclasses.field(
         default=None, metadata={"help": _help("bucket_size")}
@@ -69,18 +69,18 @@ class SuperOffloadArgumentsMixin:
     superoffload_cast: str | None = dataclasses.field(
         default=None, metadata={"help": _help("cast")}
     )
-    superoffload_gpu_memory_cap: float | None = dataclasses.field(
-        default=None, metadata={"help": _help("gpu_memory_cap")}
+    superoffload_gpu_tail_cap: float | None = dataclasses.field(
+        default=None, metadata={"help": _help("gpu_tail_cap")}
     )
     superoffload_save_dtype: str | None = dataclasses.field(
         default=None, metadata={"help": SAVE_DTYPE_HELP}
     )
 
     def __post_init__(self):
-        if self.superoffload_gpu_memory_cap is not None and _on_deepspeed(self):
+        if self.superoffload_gpu_tail_cap is not None and _on_deepspeed(self):
             # NOTE: the ZeRO-3 optimizer does not read it; without this it would be dropped.
             raise ValueError(
-                "superoffload_gpu_memory_cap applies to the standalone engine; under DeepSpeed "
+                "superoffload_gpu_tail_cap applies to the standalone engine; under DeepSpeed "
                 "ZeRO-3 the GPU's share of the optimizer state is offload_optimizer.ratio in "
                 "the DeepSpeed config. Set that and drop the argument."
             )

@@ -1,6 +1,6 @@
 """CUDA out-of-memory recovery for the Trainer integration.
 
-``gpu_buckets="auto"`` grows the device tail into the memory the training's peak has left so
+``gpu_tail="auto"`` grows the GPU tail into the memory the training's peak has left so
 far; a later batch that needs more (a longer sequence, say) can then run out. Rather than end
 a run of hours there, the Trainer's training_step gives the tail back and retries the batch
 once:
@@ -10,7 +10,7 @@ once:
 2. every tail bucket moves to the host, the allocator's cache is emptied, and later growth
    stays under half of what the tail held (``release_device_tail``);
 3. the batch runs again. A second out-of-memory error, or one with no tail to give back (an
-   integer ``gpu_buckets``, no GPU), is raised as it came.
+   integer ``gpu_tail``, no GPU), is raised as it came.
 
 With gradient accumulation, the micro-batches of the window before the failing one are lost
 with the discarded gradients: the step then averages fewer micro-batches, and the log says so.
@@ -29,9 +29,9 @@ logger = logging.getLogger("hf_superoffload")
 def release_for_retry(
     optimizer: SuperOffloadOptimizer, error: BaseException, earlier_micro_batches: int, step: int
 ) -> bool:
-    """Free the device tail after ``error`` (a torch.OutOfMemoryError in forward or backward);
+    """Free the GPU tail after ``error`` (a torch.OutOfMemoryError in forward or backward);
     True if the batch may be retried, False if there was nothing to give back."""
-    held = optimizer.stats["device_params"] * DEVICE_BYTES_PER_ELEMENT
+    held = optimizer.stats["gpu_tail_params"] * DEVICE_BYTES_PER_ELEMENT
     optimizer.zero_grad()
     moved = optimizer.release_device_tail("CUDA out of memory in forward/backward")
     if not moved:
@@ -43,11 +43,11 @@ def release_for_retry(
         if earlier_micro_batches
         else ""
     )
-    cap = optimizer.gpu_memory_cap
+    cap = optimizer.gpu_tail_cap
     logger.warning(
         "hf_superoffload: CUDA out of memory at optimizer step %d (%s). Moved the %.2f GiB of "
-        "optimizer state on the GPU to the host and retrying the batch once; gpu_memory_cap is "
-        "now %.2f GiB%s. To avoid this, set gpu_memory_cap (HF_SUPEROFFLOAD_GPU_MEMORY_CAP) below "
+        "optimizer state on the GPU to the host and retrying the batch once; gpu_tail_cap is "
+        "now %.2f GiB%s. To avoid this, set gpu_tail_cap (HF_SUPEROFFLOAD_GPU_TAIL_CAP) below "
         "what the longest batches leave free.",
         step,
         _first_line(error),

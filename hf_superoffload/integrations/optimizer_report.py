@@ -4,7 +4,7 @@ the end-of-run summary (``recipes/report.py``) and the model card (``model_card.
 The optimizer is the one that stepped: under DeepSpeed the engine's (ours on the ZeRO-3 path,
 whichever Trainer drove it), else the Trainer's. The ZeRO-3 path reports this rank's partition
 as its buffers hold it; the standalone engine holds 12 bytes per trainable param (fp32 master
-and two fp32 moments), on the host or, for the buckets on the device, there.
+and two fp32 moments), on the host or, for the GPU tail, there.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def stv_stats(trainer) -> dict | None:
 def optimizer_state_placement(trainer, model) -> dict:
     """``optimizer`` (its class), ``where`` (in words), ``host_bytes`` and ``device_bytes`` of
     the fp32 master and moments (None when the optimizer cannot tell), and for ours how many of
-    its ``buckets`` (``unit``: buckets, or sub groups on ZeRO-3) were on the device."""
+    its ``buckets`` (``unit``: buckets, or sub groups on ZeRO-3) were in the GPU tail."""
     optimizer = running_optimizer(trainer)
     if optimizer is None:  # a card written before train() built one
         return {
@@ -57,20 +57,20 @@ def optimizer_state_placement(trainer, model) -> dict:
             "where": f"{name} (DeepSpeed ZeRO-3, per rank: 1/{ranks} of the state)",
             "host_bytes": host["master"] + host["moments"],
             "device_bytes": device["master"] + device["moments"],
-            "device_buckets": int(stats["device_buckets"]),
+            "gpu_tail_buckets": int(stats["gpu_tail_buckets"]),
             "buckets": int(stats["buckets"]),
             "unit": "sub groups",
         }
     if isinstance(optimizer, SuperOffloadOptimizer):
         stats = optimizer.stats
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        on_device = int(stats["device_params"])
+        on_device = int(stats["gpu_tail_params"])
         return {
             "optimizer": name,
             "where": name,
             "host_bytes": STATE_BYTES * (trainable - on_device),
             "device_bytes": STATE_BYTES * on_device,
-            "device_buckets": int(stats["device_buckets"]),
+            "gpu_tail_buckets": int(stats["gpu_tail_buckets"]),
             "buckets": int(stats["buckets"]),
             "unit": "buckets",
         }
@@ -89,15 +89,15 @@ def size(nbytes: int | None) -> str:
 
 
 def describe(placement: dict) -> str:
-    """One line: where the state lived, host and device bytes, buckets on the device."""
+    """One line: where the state lived, host and device bytes, buckets in the GPU tail."""
     text = placement["where"]
     if placement["host_bytes"] is not None:
         text += f", host {size(placement['host_bytes'])}"
     if placement["device_bytes"] is not None:
         text += f", device {size(placement['device_bytes'])}"
-    if "device_buckets" in placement:
+    if "gpu_tail_buckets" in placement:
         text += (
-            f", {placement['device_buckets']} of {placement['buckets']} {placement['unit']} "
-            f"on the device"
+            f", GPU tail {placement['gpu_tail_buckets']} of {placement['buckets']} "
+            f"{placement['unit']}"
         )
     return text

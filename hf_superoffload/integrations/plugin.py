@@ -27,12 +27,13 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 @dataclasses.dataclass
 class SuperOffloadOptions:
-    gpu_buckets: int | str | None = dataclasses.field(
+    gpu_tail: int | str | None = dataclasses.field(
         default=None,
         metadata={
-            "help": "Tail buckets (the first layers) whose optimizer state stays on the GPU: an "
-            "int, or 'auto' to size it from free GPU memory and the measured wait for the CPU. "
-            "Env HF_SUPEROFFLOAD_GPU_BUCKETS; default 'auto'."
+            "help": "The GPU tail: buckets (the first layers) whose optimizer state stays on the "
+            "GPU, an int, or 'auto' to size it from free GPU memory and the measured wait for "
+            "the CPU. "
+            "Env HF_SUPEROFFLOAD_GPU_TAIL; default 'auto'."
         },
     )
     bucket_size: int | None = dataclasses.field(
@@ -72,26 +73,26 @@ class SuperOffloadOptions:
             "default 'auto'."
         },
     )
-    gpu_memory_cap: float | None = dataclasses.field(
+    gpu_tail_cap: float | None = dataclasses.field(
         default=None,
         metadata={
-            "help": "Most GPU memory (GiB) the optimizer's device tail may hold; 'auto' never "
+            "help": "Most GPU memory (GiB) the optimizer's GPU tail may hold; 'auto' never "
             "grows past it and gives buckets back to stay under it. Env "
-            "HF_SUPEROFFLOAD_GPU_MEMORY_CAP; default: no cap."
+            "HF_SUPEROFFLOAD_GPU_TAIL_CAP; default: no cap."
         },
     )
 
     def __post_init__(self):
         env.check()
-        if self.gpu_buckets is None:
-            self.gpu_buckets = _env("GPU_BUCKETS", "auto")
-        if isinstance(self.gpu_buckets, str) and self.gpu_buckets != "auto":
-            self.gpu_buckets = _int("gpu_buckets", self.gpu_buckets, minimum=0)
-        elif isinstance(self.gpu_buckets, int) and not isinstance(self.gpu_buckets, bool):
-            _int("gpu_buckets", self.gpu_buckets, minimum=0)
-        elif self.gpu_buckets != "auto":
+        if self.gpu_tail is None:
+            self.gpu_tail = _env("GPU_TAIL", "auto")
+        if isinstance(self.gpu_tail, str) and self.gpu_tail != "auto":
+            self.gpu_tail = _int("gpu_tail", self.gpu_tail, minimum=0)
+        elif isinstance(self.gpu_tail, int) and not isinstance(self.gpu_tail, bool):
+            _int("gpu_tail", self.gpu_tail, minimum=0)
+        elif self.gpu_tail != "auto":
             raise ValueError(
-                f"gpu_buckets must be a non-negative int or 'auto', got {self.gpu_buckets!r}."
+                f"gpu_tail must be a non-negative int or 'auto', got {self.gpu_tail!r}."
             )
         if self.bucket_size is None:
             self.bucket_size = _env("BUCKET_SIZE", 1 << 25)
@@ -106,10 +107,8 @@ class SuperOffloadOptions:
             raise ValueError(
                 f"cast must be one of {_CASTS}, got {self.cast!r} (env {ENV_PREFIX}CAST)."
             )
-        cap = (
-            self.gpu_memory_cap if self.gpu_memory_cap is not None else _env("GPU_MEMORY_CAP", None)
-        )
-        self.gpu_memory_cap = None if cap is None else _gib("gpu_memory_cap", cap)
+        cap = self.gpu_tail_cap if self.gpu_tail_cap is not None else _env("GPU_TAIL_CAP", None)
+        self.gpu_tail_cap = None if cap is None else _gib("gpu_tail_cap", cap)
 
     @classmethod
     def from_dict(cls, options: dict[str, Any]) -> SuperOffloadOptions:

@@ -14,9 +14,9 @@ from ..integrations.plugin import ENV_PREFIX
 
 # Options of the standalone engine that DeepSpeed's config replaces on this path.
 REPLACED_BY_DEEPSPEED = {
-    "gpu_buckets": "offload_optimizer.ratio",
+    "gpu_tail": "offload_optimizer.ratio",
     "bucket_size": "zero_optimization.sub_group_size",
-    "gpu_memory_cap": "offload_optimizer.ratio",
+    "gpu_tail_cap": "offload_optimizer.ratio",
 }
 
 logger = logging.getLogger("hf_superoffload")
@@ -77,7 +77,7 @@ def export_zero3_options(options: dict) -> None:
     """Hand the trainer's SuperOffload options to the ZeRO-3 optimizer DeepSpeed will build
     (it reads HF_SUPEROFFLOAD_* when it is constructed); refuse those DeepSpeed's config replaces."""
     replaced = {k: REPLACED_BY_DEEPSPEED[k] for k in options if k in REPLACED_BY_DEEPSPEED}
-    defaults = {"gpu_buckets": "auto", "bucket_size": DEFAULT_BUCKET_SIZE, "gpu_memory_cap": None}
+    defaults = {"gpu_tail": "auto", "bucket_size": DEFAULT_BUCKET_SIZE, "gpu_tail_cap": None}
     replaced = {k: v for k, v in replaced.items() if options[k] != defaults[k]}
     if replaced:
         raise ValueError(

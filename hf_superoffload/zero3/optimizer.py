@@ -434,8 +434,8 @@ class SuperOffloadZero3Optimizer(
         return {
             **self._stv.stats.as_dict(),
             "buckets": len(self.fp32_partitioned_groups_flat),
-            "device_buckets": len(self._device_parts),  # the standalone engine's names
-            "device_params": sum(part.numel for part in self._device_parts),
+            "gpu_tail_buckets": len(self._device_parts),  # the standalone engine's names
+            "gpu_tail_params": sum(part.numel for part in self._device_parts),
         }
 
     # Checkpoints: DeepSpeed's format, with our sub-group cut recorded beside it so that
