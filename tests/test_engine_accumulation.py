@@ -44,6 +44,10 @@ from hf_superoffload import SuperOffloadOptimizer
 
 PLAIN = {"gradient_accumulation_steps": 1}  # told nothing: the user's plain loop
 
+# The busy threads' matmuls on top of torch's own intra-op team oversubscribe a 2-core runner
+# many times over (minutes a test without this); the load they make is the point, not its size.
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
 
 class BusyThreads:
     """Threads that load the CPU while a test runs: two in torch kernels that release the GIL
