@@ -45,7 +45,7 @@ from hf_superoffload import SuperOffloadOptimizer
 PLAIN = {"gradient_accumulation_steps": 1}  # told nothing: the user's plain loop
 
 # The busy threads' matmuls on top of torch's own intra-op team oversubscribe a 2-core runner
-# many times over (minutes a test without this); the load they make is the point, not its size.
+# many times over; the load they make is the point, not its size.
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
@@ -89,7 +89,9 @@ def _plain_loop_runs(cfg: RunConfig, clip: str, pass_model: bool, repeats: int) 
     want = run_reference(cfg)  # AdamW on the sum of each step's micro-batch gradients
     with BusyThreads():
         for run in range(repeats):
-            got = run_superoffload(cfg, pass_model=pass_model, gpu_tail=0, **PLAIN)
+            # One CPU Adam thread: a team of two spin-waits against the busy threads on a
+            # 2-core runner (minutes a run); the load they make is the point.
+            got = run_superoffload(cfg, pass_model=pass_model, gpu_tail=0, cpu_threads=1, **PLAIN)
             try:
                 assert_same_trajectory(got, want)
             except AssertionError as error:
