@@ -103,6 +103,15 @@ RENAMED = {
 }
 
 
+def _successor(name: str) -> tuple[str | None, bool]:
+    """(the declared variable ``name`` most likely meant, whether it is ``name``'s new name):
+    a renamed variable's new name, else the closest declared one (difflib), else None."""
+    if name in VARIABLES or name in RENAMED:
+        return RENAMED.get(name, name), True
+    close = difflib.get_close_matches(name, VARIABLES, n=1)
+    return (close[0] if close else None), False
+
+
 def check() -> None:
     """Refuse an ``HF_SUPEROFFLOAD_*`` variable that is not declared, or a ``SUPEROFFLOAD_*``
     one (the former prefix), naming the closest declared variable."""
@@ -110,22 +119,21 @@ def check() -> None:
         if name in VARIABLES:
             continue
         if name.startswith(PREFIX):
-            if name in RENAMED:
-                hint = f"it is now {RENAMED[name]}. "
+            target, renamed = _successor(name)
+            if renamed:
+                hint = f"it is now {target}. "
             else:
-                close = difflib.get_close_matches(name, VARIABLES, n=1)
-                hint = f"did you mean {close[0]}? " if close else ""
+                hint = f"did you mean {target}? " if target else ""
             raise ValueError(
                 f"unknown environment variable {name}: {hint}Rename or unset it. "
                 f"hf_superoffload reads {', '.join(VARIABLES)}."
             )
         if name.startswith(FORMER_PREFIX):
-            renamed = PREFIX + name[len(FORMER_PREFIX) :]
-            if renamed in VARIABLES:
-                hint = f"it is now {renamed}"
+            target, renamed = _successor(PREFIX + name[len(FORMER_PREFIX) :])
+            if renamed:
+                hint = f"it is now {target}"
             else:
-                close = difflib.get_close_matches(renamed, VARIABLES, n=1)
-                hint = f"did you mean {close[0]}?" if close else "no variable of that name"
+                hint = f"did you mean {target}?" if target else "no variable of that name"
             raise ValueError(
                 f"environment variable {name}: hf_superoffload's variables are named "
                 f"{PREFIX}*; {hint}. Rename or unset it."
