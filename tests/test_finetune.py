@@ -134,7 +134,7 @@ def test_too_few_gpus_names_a_plan_command_that_runs(capsys, tmp_path, monkeypat
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["qwen3-14b", "superoffload", "--ratio", "1.5"], "RATIO must be auto or a number"),
+        (["qwen3-14b", "superoffload", "--ratio", "1.5"], "RATIO must be 'auto' or a number"),
         (["qwen3-14b", "zerooffload", "--ratio", "0.9"], "RATIO applies to superoffload mode"),
         (["qwen3-14b", "zerooffload", "--hardware", "h100"], "plan superoffload runs"),
         (["qwen9-1t", "superoffload"], "the recipes are gpt-oss-20b"),

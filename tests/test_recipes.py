@@ -303,7 +303,7 @@ def test_a_dry_run_without_a_gpu_says_which_ratio_it_wrote(tmp_path):
 @pytest.mark.parametrize(
     ("mode", "variables", "code", "message"),
     [
-        ("superoffload", {"RATIO": "1.5"}, 2, "RATIO must be auto or a number in [0, 1]"),
+        ("superoffload", {"RATIO": "1.5"}, 2, "RATIO must be 'auto' or a number in [0, 1]"),
         ("zerooffload", {"RATIO": "0.9"}, 2, "RATIO applies to superoffload mode"),
         pytest.param(
             "superoffload",

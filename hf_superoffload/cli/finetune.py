@@ -29,6 +29,7 @@ import yaml
 
 from .checkout import find_checkout
 from .errors import EXIT_DOES_NOT_FIT, UsageError
+from .ratio_auto import check_ratio
 
 PASSES_THROUGH = True  # arguments it does not know go to examples/sft.py
 MODES = ("superoffload", "zerooffload")
@@ -125,17 +126,7 @@ def _ratio(args: argparse.Namespace) -> str:
             )
         return "1.0"
     ratio = args.ratio or "auto"
-    if ratio == "auto":
-        return ratio
-    try:
-        value = float(ratio)
-    except ValueError:
-        value = float("nan")
-    if not 0.0 <= value <= 1.0:
-        raise UsageError(
-            f"--ratio / RATIO must be auto or a number in [0, 1] (1.0: all optimizer state on "
-            f"the host), got {ratio!r}"
-        )
+    check_ratio(ratio, "--ratio / RATIO")
     return ratio
 
 

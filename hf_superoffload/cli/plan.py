@@ -139,17 +139,7 @@ def _check(args) -> None:
             f"--gradient-accumulation-steps must be at least 1, got "
             f"{args.gradient_accumulation_steps}"
         )
-    if args.ratio == "auto":
-        return
-    try:
-        ratio = float(args.ratio)
-    except ValueError:
-        ratio = float("nan")
-    if not 0.0 <= ratio <= 1.0:
-        raise UsageError(
-            f"--ratio must be 'auto' or a number within [0, 1] (1.0: all state on the host), "
-            f"got {args.ratio}"
-        )
+    ratio_auto.check_ratio(args.ratio, "--ratio")
 
 
 def _shape(config) -> ModelShape:

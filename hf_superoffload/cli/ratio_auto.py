@@ -27,6 +27,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
+from .errors import UsageError
+
 # 1.0, 0.95, ..., 0.5: the values tried, highest (all state on the host) first.
 CANDIDATES = tuple(round(1.0 - 0.05 * i, 2) for i in range(11))
 GPU_SHARE = 0.95
@@ -80,3 +82,19 @@ def explain(chosen: float | None) -> str:
         f"that fits the host and, below 1.0, keeps the GPU need within {GPU_SHARE:.0%} of the "
         "card (the more state on the GPU, the faster a clipped step)"
     )
+
+
+def check_ratio(text: str, label: str) -> None:
+    """Refuse a ``ratio`` that is neither 'auto' nor a number in [0, 1]; ``label`` names where
+    it came from (an option, an environment variable)."""
+    if text == "auto":
+        return
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 <= value <= 1.0:
+        raise UsageError(
+            f"{label} must be 'auto' or a number in [0, 1] (1.0: all optimizer state on the "
+            f"host), got {text!r}"
+        )
