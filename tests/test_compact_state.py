@@ -4,6 +4,8 @@ the decoded moments."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ from hf_superoffload.ops.compact_state import (
     CompactAdamW,
     CompactFormat,
     CompactMoments,
+    compact_adam_pass,
     compact_adam_step,
     decode,
     encode,
@@ -177,3 +180,59 @@ def test_a_slowly_decaying_second_moment_stalls_at_nearest_and_decays_stochastic
         results[stochastic] = moments.decoded()[1][1:].mean().item()
     assert results[False] == 0.5
     assert results[True] == pytest.approx(0.5 * 0.999**steps, rel=0.02)
+
+
+def _pass_state(n: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    master = torch.randn(n, generator=gen)
+    moments = CompactMoments.zeros(n, salt=7)
+    hyper = dict(step=1, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, salt=7)
+    for step in (1, 2):  # two committed steps: non-zero moments with varied block scales
+        grad = torch.randn(n, generator=gen) * torch.logspace(-3, 1, n)
+        compact_adam_pass(
+            master, grad, moments.exp_avg, moments.exp_avg_scale, moments.exp_avg_sq,
+            moments.exp_avg_sq_scale, **{**hyper, "step": step},
+        )  # fmt: skip
+    grad = (torch.randn(n, generator=gen) * 3).to(torch.bfloat16)
+    return master, grad, moments, {**hyper, "step": 3}
+
+
+def _tensors(master, moments):
+    return [master, moments.exp_avg, moments.exp_avg_scale, moments.exp_avg_sq,
+            moments.exp_avg_sq_scale]  # fmt: skip
+
+
+def test_pass_in_block_aligned_pieces_equals_the_whole_pass():
+    n = 5 * BLOCK + 37
+    master, grad, moments, hyper = _pass_state(n)
+    whole = [t.clone() for t in _tensors(master, moments)]
+    compact_adam_pass(whole[0], grad, *whole[1:], **hyper)
+    cuts = [0, 2 * BLOCK, 3 * BLOCK, n]
+    for lo, hi in itertools.pairwise(cuts):
+        blocks = slice(lo // BLOCK, -(-hi // BLOCK))
+        compact_adam_pass(
+            master[lo:hi], grad[lo:hi], moments.exp_avg[lo:hi], moments.exp_avg_scale[blocks],
+            moments.exp_avg_sq[lo:hi], moments.exp_avg_sq_scale[blocks], **hyper,
+            element_offset=lo,
+        )  # fmt: skip
+    for piecewise, at_once in zip(_tensors(master, moments), whole, strict=True):
+        assert torch.equal(piecewise, at_once)
+
+
+def test_speculative_pass_writes_only_its_output_and_matches_the_commit():
+    n = 3 * BLOCK + 5
+    master, grad, moments, hyper = _pass_state(n, seed=1)
+    before = [t.clone() for t in _tensors(master, moments)]
+    speculated = torch.empty(n, dtype=torch.bfloat16)
+    compact_adam_pass(master, grad, *before[1:], **hyper, commit=False, out_lowp=speculated)
+    for now, then in zip(_tensors(master, moments), before, strict=True):
+        assert torch.equal(now, then)
+    committed = torch.empty(n, dtype=torch.bfloat16)
+    compact_adam_pass(master, grad, *_tensors(master, moments)[1:], **hyper, out_lowp=committed)
+    assert torch.equal(committed, speculated)
+    assert torch.equal(committed, master.to(torch.bfloat16))
+    assert not torch.equal(master, before[0])
+    with pytest.raises(ValueError, match="out_lowp"):
+        compact_adam_pass(master, grad, *_tensors(master, moments)[1:], **hyper, commit=False)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        compact_adam_pass(master, grad, *_tensors(master, moments)[1:], **hyper, element_offset=5)

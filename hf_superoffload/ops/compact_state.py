@@ -46,10 +46,12 @@ def _blocks(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
 _MASK32 = 0xFFFFFFFF
 
 
-def rounding_bits(n: int, key: int, device=None) -> torch.Tensor:
-    """``n`` pseudo-random 32-bit values (int64) of element index and ``key``: a counter-based
-    integer hash, so any implementation of it draws the same bits for the same element."""
-    x = (torch.arange(n, dtype=torch.int64, device=device) * 0x9E3779B1 + key) & _MASK32
+def rounding_bits(n: int, key: int, device=None, start: int = 0) -> torch.Tensor:
+    """``n`` pseudo-random 32-bit values (int64) of element indices ``start`` onwards and
+    ``key``: a counter-based integer hash, so any implementation of it (and any cut of a
+    tensor into pieces) draws the same bits for the same element."""
+    index = torch.arange(start, start + n, dtype=torch.int64, device=device)
+    x = (index * 0x9E3779B1 + key) & _MASK32
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & _MASK32
     x = x ^ (x >> 15)
@@ -101,14 +103,18 @@ def encode(
     signed: bool,
     key: int | None = None,
     block: int = BLOCK,
+    start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes: uint8 of ``x.numel()``, scales: fp32 per block) of flat fp32 ``x``; rounded to
-    nearest even, or stochastically with the bits of ``key`` (see ``rounding_bits``)."""
+    nearest even, or stochastically with the bits of ``key`` for elements numbered from
+    ``start`` (see ``rounding_bits``)."""
     rows = _blocks(x.float(), block)
     scales = rows.abs().amax(dim=1)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     unit = (rows.abs() / safe[:, None]).contiguous()
-    noise = None if key is None else rounding_bits(unit.numel(), key, x.device).view_as(unit)
+    noise = None
+    if key is not None:
+        noise = rounding_bits(unit.numel(), key, x.device, start).view_as(unit)
     codes = _encode_unit(unit, fmt, noise)
     if signed:
         codes = codes | torch.where(rows < 0, SIGN, 0)
@@ -200,6 +206,82 @@ def _f32(x: float, like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(x, dtype=torch.float32, device=like.device)
 
 
+def compact_adam_pass(
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_scale: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    exp_avg_sq_scale: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw: bool = True,
+    grad_scale: float = 1.0,
+    salt: int = 0,
+    element_offset: int = 0,
+    stochastic: bool = True,
+    commit: bool = True,
+    out_lowp: torch.Tensor | None = None,
+) -> int:
+    """One Adam(W) update (number ``step``) of a flat range of a partition in the default
+    ``CompactFormat``, with effective gradient ``grad * grad_scale``: the operation the
+    compiled kernel (``hf_superoffload.ops.compact_adam``) does, bit for bit.
+
+    ``master`` (fp32), ``grad`` (fp32, bf16 or fp16) and the codes ``exp_avg``/``exp_avg_sq``
+    (uint8) hold the range's elements; ``*_scale`` (fp32) its blocks of ``BLOCK``, counted
+    from the range's first element (the last block may be short). ``element_offset`` numbers
+    that first element within the partition (a multiple of ``BLOCK``) and ``salt`` tells the
+    partition from others: they and ``step`` choose the stochastic rounding bits, so a
+    partition cut into block-aligned pieces draws the bits it draws whole.
+
+    ``commit=False`` is the speculative step: only ``out_lowp`` (required) receives the
+    updated params, rounded to its dtype; master and moments stay as they are. With
+    ``commit=True`` master and moments take the update (and ``out_lowp`` too, if given).
+    Returns how many elements had a non-finite gradient term: they keep their param and
+    moment values (the moments re-encoded with their block's new scale)."""
+    if element_offset % BLOCK:
+        raise ValueError(f"element_offset must be a multiple of {BLOCK}, got {element_offset}")
+    if not commit and out_lowp is None:
+        raise ValueError("a speculative pass (commit=False) writes only out_lowp: pass one")
+    fmt = CompactFormat(stochastic=stochastic)
+    p = master.view(-1)
+    g = grad.reshape(-1).float() * _f32(grad_scale, p)
+    if not adamw:
+        g = _f32(weight_decay, p) * p + g
+    m0 = decode(exp_avg, exp_avg_scale, fmt.exp_avg, True)
+    v0 = decode(exp_avg_sq, exp_avg_sq_scale, fmt.exp_avg_sq, False)
+    g2 = (_f32(1.0 - beta2, p) * g) * g
+    ok = torch.isfinite(g2)
+    m1 = _f32(beta1, p) * m0 + _f32(1.0 - beta1, p) * g
+    v1 = _f32(beta2, p) * v0 + g2
+    rbc2 = 1.0 / math.sqrt(1.0 - beta2**step)
+    denom = torch.sqrt(v1) * _f32(rbc2, p) + _f32(eps, p)
+    update = m1 / denom
+    decayed = p * _f32(1.0 - lr * weight_decay, p) if adamw else p
+    p1 = torch.where(ok, decayed + _f32(-lr / (1.0 - beta1**step), p) * update, p)
+    if out_lowp is not None:
+        out_lowp.view(-1).copy_(p1)
+    if commit:
+        keys = (fmt.key(salt, step, 0), fmt.key(salt, step, 1))
+        codes, scales = encode(
+            torch.where(ok, m1, m0), fmt.exp_avg, True, keys[0], start=element_offset
+        )
+        exp_avg.copy_(codes)
+        exp_avg_scale.copy_(scales)
+        codes, scales = encode(
+            torch.where(ok, v1, v0), fmt.exp_avg_sq, False, keys[1], start=element_offset
+        )
+        exp_avg_sq.copy_(codes)
+        exp_avg_sq_scale.copy_(scales)
+        p.copy_(p1)
+    return int((~ok).sum())
+
+
 def compact_adam_step(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -214,29 +296,20 @@ def compact_adam_step(
     grad_scale: float = 1.0,
 ) -> int:
     """One Adam(W) step of flat fp32 ``param`` (in place) and ``moments`` with effective
-    gradient ``grad * grad_scale``; returns how many elements had a non-finite gradient term
-    (they keep their param and moment values, as the exact kernel's lanes do).
+    gradient ``grad * grad_scale`` (``compact_adam_pass`` over the whole param); returns how
+    many elements had a non-finite gradient term.
 
     The constants are those of the exact kernel (``hf_superoffload.ops.adam``): derived in
     double, rounded to fp32 once."""
-    beta1, beta2 = betas
-    p = param.view(-1)
-    g = grad.reshape(-1).float() * _f32(grad_scale, p)
-    if not adamw:
-        g = _f32(weight_decay, p) * p + g
-    m0, v0 = moments.decoded()
-    g2 = (_f32(1.0 - beta2, p) * g) * g
-    ok = torch.isfinite(g2)
-    m1 = _f32(beta1, p) * m0 + _f32(1.0 - beta1, p) * g
-    v1 = _f32(beta2, p) * v0 + g2
-    rbc2 = 1.0 / math.sqrt(1.0 - beta2**step)
-    denom = torch.sqrt(v1) * _f32(rbc2, p) + _f32(eps, p)
-    update = m1 / denom
-    decayed = p * _f32(1.0 - lr * weight_decay, p) if adamw else p
-    p1 = decayed + _f32(-lr / (1.0 - beta1**step), p) * update
-    p.copy_(torch.where(ok, p1, p))
-    moments.store(torch.where(ok, m1, m0), torch.where(ok, v1, v0), step)
-    return int((~ok).sum())
+    f = moments.format
+    if (f.exp_avg, f.exp_avg_sq, f.block) != (EXP_AVG_FORMAT, EXP_AVG_SQ_FORMAT, BLOCK):
+        raise ValueError(f"compact_adam_step runs the default format's codes, got {f}")
+    return compact_adam_pass(
+        param.view(-1), grad, moments.exp_avg, moments.exp_avg_scale, moments.exp_avg_sq,
+        moments.exp_avg_sq_scale, step=step, lr=lr, beta1=betas[0], beta2=betas[1], eps=eps,
+        weight_decay=weight_decay, adamw=adamw, grad_scale=grad_scale, salt=moments.salt,
+        stochastic=f.stochastic,
+    )  # fmt: skip
 
 
 class CompactAdamW(torch.optim.Optimizer):
