@@ -11,6 +11,7 @@ import torch
 
 from .buckets import BucketPlan
 from .cast_policy import CastPlan
+from .compact_moments import CompactMoments
 from .link import Link
 from .partition import HostPartition
 
@@ -27,7 +28,15 @@ def host_grad_buffer(
 
 
 class Bucket(HostPartition):
-    def __init__(self, plan: BucketPlan, link: Link, on_device: bool, cast: CastPlan):
+    def __init__(
+        self,
+        plan: BucketPlan,
+        link: Link,
+        on_device: bool,
+        cast: CastPlan,
+        salts: list[int] | None = None,
+    ):
+        """``salts`` (one a param): its moments are compact (compact_moments.py)."""
         self.plan = plan
         numel = plan.numel
         dtype = plan.params[0].dtype
@@ -47,19 +56,22 @@ class Bucket(HostPartition):
         if on_device:  # a tail bucket from the start: no host buffers at all
             master = torch.empty(numel, dtype=torch.float32, device=link.device)
             master.copy_(flat_param)
-            exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
+            exp_avg, exp_avg_sq = _fp32_moments(master, salts)
             host_grad = None
         else:
             # Page-locked master: with cast.params_on_device the H2D reads it directly.
             master = link.host_empty(numel, torch.float32)
             master.copy_(flat_param)
-            exp_avg, exp_avg_sq = torch.zeros(numel), torch.zeros(numel)
+            exp_avg, exp_avg_sq = _fp32_moments(master, salts)
             host_grad = host_grad_buffer(link, numel, dtype, cast)
         # No copy-out buffer of its own (param_low): rounded params go through the
         # optimizer's shared CopyOutRing.
         super().__init__(
             plan.index, plan.group_index, master, exp_avg, exp_avg_sq, host_grad, None, flat_param
         )  # fmt: skip
+        if salts is not None:
+            spans = list(zip(plan.offsets, (p.numel() for p in plan.params), strict=True))
+            self.compact = CompactMoments(spans, salts, numel, master.device)
         self.param_steps = [0] * len(plan.params)  # committed updates of each param
         # The step's fp32 gradient sum, on the host, while gradients accumulate over several
         # arrivals (made on first need, kept: accumulation usually goes on).
@@ -75,10 +87,10 @@ class Bucket(HostPartition):
         element there), stepped by torch's AdamW; the host buffers are released."""
         host_buffers = (self.master, self.host_grad, self.grad_sum)
         self.grad_sum = None
+        if self.compact is not None:
+            self.compact.to(link.device)
         self._hold_state_on_device(
-            self.master.to(link.device),
-            self.exp_avg.to(link.device),
-            self.exp_avg_sq.to(link.device),
+            self.master.to(link.device), *_moved(link.device, self.exp_avg, self.exp_avg_sq)
         )
         link.release(*host_buffers)
 
@@ -88,7 +100,9 @@ class Bucket(HostPartition):
         device state is dropped (the caller empties the allocator's cache if it must)."""
         master = self._link.host_empty(self.plan.numel, torch.float32)
         master.copy_(self.master)  # a blocking copy: the tail's last step has finished
-        exp_avg, exp_avg_sq = self.exp_avg.cpu(), self.exp_avg_sq.cpu()
+        exp_avg, exp_avg_sq = _moved("cpu", self.exp_avg, self.exp_avg_sq)
+        if self.compact is not None:
+            self.compact.to("cpu")
         dtype = self.plan.params[0].dtype
         host_grad = host_grad_buffer(self._link, self.plan.numel, dtype, self._cast)
         self.master, self.exp_avg, self.exp_avg_sq = master, exp_avg, exp_avg_sq
@@ -173,3 +187,14 @@ class Bucket(HostPartition):
         offset = self.plan.offsets[param_index]
         param = self.plan.params[param_index]
         return tensor[offset : offset + param.numel()].view_as(param)
+
+
+def _fp32_moments(master: torch.Tensor, salts: list[int] | None):
+    """AdamW's two fp32 moments, or None, None when they are compact (``salts`` given)."""
+    if salts is not None:
+        return None, None
+    return torch.zeros_like(master), torch.zeros_like(master)
+
+
+def _moved(device, *tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
+    return [None if t is None else t.to(device) for t in tensors]

@@ -106,6 +106,20 @@ def check_options(
             raise ValueError(f"{name} must be True or False, got {value!r}.")
 
 
+MOMENTS = ("fp32", "compact")
+
+
+def check_moments(moments) -> bool:
+    """Whether the moments are compact (``moments="compact"``); anything but the two names is
+    refused."""
+    if moments not in MOMENTS:
+        raise ValueError(
+            f"moments must be 'fp32' (AdamW's moments, exact; the default) or 'compact' (both "
+            f"moments in 8 bits a value: 2 B a param instead of 8), got {moments!r}."
+        )
+    return moments == "compact"
+
+
 def check_no_duplicates(groups: list[dict]) -> None:
     """A param listed twice in one group (torch warns, and will raise; across groups it raises)
     would get two master copies here, each stepped with half of its gradients."""

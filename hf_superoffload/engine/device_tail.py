@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from ..ops.compact_state import compact_adam_pass
 from .bucket import Bucket
 
 
@@ -24,6 +25,8 @@ class DeviceTail:
         self._views: dict[int, list[torch.Tensor]] = {}  # bucket index -> its params' masters
 
     def register(self, bucket: Bucket) -> None:
+        if bucket.compact is not None:  # stepped by the compact update itself (``step``)
+            return
         views = [bucket.views(bucket.master, i) for i in range(bucket.param_count)]
         group = {"params": views}
         if self.adamw is None:
@@ -42,12 +45,16 @@ class DeviceTail:
     def unregister(self, bucket: Bucket) -> None:
         """The bucket goes back to the host: drop its group and state (found by identity:
         comparing groups by value would compare tensors)."""
+        if bucket.compact is not None:
+            return
         groups = self.adamw.param_groups
         del groups[next(i for i, g in enumerate(groups) if g is bucket.device_group)]
         for view in self._views.pop(bucket.index):
             del self.adamw.state[view]
 
     def set_step(self, bucket: Bucket) -> None:
+        if bucket.compact is not None:  # its steps are the bucket's own param_steps
+            return
         for i, view in enumerate(self._views[bucket.index]):
             self.adamw.state[view]["step"] = self._step_tensor(bucket.param_step(i))
 
@@ -55,7 +62,11 @@ class DeviceTail:
         """One validated step of every tail bucket, with the clip coefficient applied."""
         if not buckets:
             return
+        exact = [(b, h) for b, h in zip(buckets, hypers, strict=True) if b.compact is None]
         for bucket, hyper in zip(buckets, hypers, strict=True):
+            if bucket.compact is not None:
+                _compact_step(bucket, hyper, coef)
+        for bucket, hyper in exact:
             bucket.device_group.update(
                 lr=hyper["lr"],
                 betas=(hyper["beta1"], hyper["beta2"]),
@@ -66,7 +77,8 @@ class DeviceTail:
                 bucket.grad.mul_(coef)
             for i, view in enumerate(self._views[bucket.index]):
                 view.grad = bucket.views(bucket.grad, i) if bucket.present[i] else None
-        self.adamw.step()
+        if exact:
+            self.adamw.step()
         for bucket in buckets:
             bucket.commit_update()
             bucket.flat_param.copy_(bucket.master)
@@ -74,3 +86,16 @@ class DeviceTail:
     @staticmethod
     def _step_tensor(step: int) -> torch.Tensor:
         return torch.tensor(float(step), dtype=torch.float32)  # on the CPU, as torch keeps it
+
+
+def _compact_step(bucket: Bucket, hyper: dict, coef: float) -> None:
+    """The compact update (plain PyTorch, on the device) of each param with a gradient."""
+    kwargs = {k: v for k, v in hyper.items() if k != "step"}
+    for i, segment in enumerate(bucket.compact.segments):
+        if not bucket.present[i] or segment.numel == 0:
+            continue
+        compact_adam_pass(
+            bucket.views(bucket.master, i).view(-1), bucket.views(bucket.grad, i).view(-1),
+            *bucket.compact.param_moments(i), step=bucket.param_step(i) + 1, grad_scale=coef,
+            salt=segment.salt, **kwargs,
+        )  # fmt: skip

@@ -219,7 +219,11 @@ def check_host_memory(parts: dict[str, int], remedies: str) -> None:
 
 
 def standalone_host_parts(
-    host_numel: int, model_dtype: torch.dtype, cast, accumulating: bool
+    host_numel: int,
+    model_dtype: torch.dtype,
+    cast,
+    accumulating: bool,
+    compact_blocks: int | None = None,
 ) -> dict[str, int]:
     """Host bytes SuperOffloadOptimizer allocates for ``host_numel`` elements of host buckets
     (``bucket.py``, ``cast`` its CastPlan): fp32 master and moments, the gradient buffer
@@ -227,17 +231,23 @@ def standalone_host_parts(
     of rounded params (16-bit models whose params do not cross in fp32: a few buffers of at
     most ``COPY_OUT_PIECE`` elements, not a copy per bucket), and the fp32 gradient sum kept
     while micro-batches accumulate. Without a GPU, tail buckets live in host memory too: count
-    them."""
+    them. ``compact_blocks``: the moments are compact, in that many blocks (compact_moments.py),
+    and the copy-out ring is always there (a speculative pass leaves the master as it was)."""
+    from .compact_moments import compact_moment_bytes  # here: compact_moments -> ops
     from .copy_out import COPY_OUT_PIECE, COPY_OUT_SLOTS  # here: copy_out -> link -> this
+    from .layout import copy_out_dtype
 
     low = model_dtype.itemsize if model_dtype != torch.float32 else 0
     grad_bytes = 4 if not low or cast.grads_on_device else low
-    ring = COPY_OUT_SLOTS * min(host_numel, COPY_OUT_PIECE) * low
+    compact = compact_blocks is not None
+    ring_dtype = copy_out_dtype(model_dtype, cast, compact)
+    ring_bytes = 0 if ring_dtype is None else ring_dtype.itemsize
+    moments = compact_moment_bytes(host_numel, compact_blocks) if compact else 8 * host_numel
     return {
         "master": 4 * host_numel,
-        "moments": 8 * host_numel,
+        "moments": moments,
         "gradients": grad_bytes * host_numel,
-        "param_copy_out": ring if not cast.params_on_device else 0,
+        "param_copy_out": COPY_OUT_SLOTS * min(host_numel, COPY_OUT_PIECE) * ring_bytes,
         "accumulation": 4 * host_numel if accumulating else 0,
     }
 

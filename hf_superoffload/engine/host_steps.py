@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .. import ops
+from .compact_passes import CompactPasses
 from .copy_out import CopyOutRing
 from .link import Link
 from .partition import HostPartition
@@ -41,6 +42,7 @@ class HostSteps:
         # without either, the fp32 master itself goes back.
         self.copy_out = copy_out
         self.elements_stepped = 0  # kernel throughput, for the tail tuner
+        self.compact = CompactPasses(self)  # the passes of partitions with compact moments
 
     # Every pass takes the ``runs`` it updates and the ``grad`` tensor it reads as arguments,
     # fixed when the task was submitted: the training thread moves on to the next step's
@@ -80,16 +82,43 @@ class HostSteps:
             return
         part.speculation_applied = True
         self.stats.speculations_applied += 1
+        if part.compact is not None:  # the update goes to the model only (compact_passes.py)
+            self.compact.run(
+                part, hyper, scale, runs, grad, commit=False, send=True, seconds="cpu_step_seconds"
+            )
+            return
         self.step(part, hyper, scale, None, runs, grad)
 
     def complete(self, part: HostPartition, hyper: dict, scale: float, runs, grad) -> None:
         """The step validated with the speculated scale: nothing to do, unless the speculation
-        was withheld (``speculate``); then it steps now."""
+        was withheld (``speculate``); then it steps now. (Compact moments take a speculated
+        update in ``commit_state``, a task the next forward does not wait for.)"""
         if not part.speculation_applied:
             self.step(part, hyper, scale, None, runs, grad)
 
+    def commit_state(self, part: HostPartition, hyper: dict, scale: float, runs, grad) -> None:
+        """Compact moments: a validated speculation's update into master and moments (the
+        model has it already)."""
+        if part.speculation_applied:
+            self.compact.run(
+                part, hyper, scale, runs, grad, commit=True, send=False, seconds="commit_seconds"
+            )
+
+    def redo(
+        self, part: HostPartition, spec: dict, current: dict, scale: float, coef: float, runs, grad
+    ) -> None:
+        """The hyperparameters changed between backward and step(): step with the current."""
+        if part.compact is None:
+            self.rollback(part, spec, scale, runs, grad)
+        self.step(part, current, coef, None, runs, grad)
+
     def step(self, part: HostPartition, hyper: dict, scale: float, d2h_event, runs, grad) -> None:
         self.link.host_waits_for(d2h_event)  # the gradients are on the host
+        if part.compact is not None:
+            self.compact.run(
+                part, hyper, scale, runs, grad, commit=True, send=True, seconds="cpu_step_seconds"
+            )
+            return
 
         def kernel(state, low, step):
             ops.adam_step(*state, **{**hyper, "step": step}, grad_scale=scale, out_lowp=low)
@@ -100,6 +129,12 @@ class HostSteps:
     def replay(self, part: HostPartition, hyper: dict, old: float, new: float, runs, grad) -> None:
         if not part.speculation_applied:  # withheld (``speculate``): step with the new scale
             self.step(part, hyper, new, None, runs, grad)
+            return
+        if part.compact is not None:  # the state is untouched: step with the new scale
+            self.compact.run(
+                part, hyper, new, runs, grad, commit=True, send=True, seconds="replay_seconds"
+            )
+            self.stats.replays += 1
             return
 
         def kernel(state, low, step):
@@ -114,6 +149,10 @@ class HostSteps:
     def rollback(self, part: HostPartition, hyper: dict, scale: float, runs, grad) -> None:
         if not part.speculation_applied:
             return  # the speculative step saw poisoned gradients and did nothing
+        if part.compact is not None:  # only the model's params changed: send the master back
+            self.compact.restore(part, runs)
+            part.speculation_applied = False
+            return
 
         def kernel(state, low, step):
             ops.adam_rollback(*state, **{**hyper, "step": step}, grad_scale=scale)
@@ -147,7 +186,7 @@ class HostSteps:
         the model while the kernel does the next. Its time counts into ``stats.<seconds>``."""
         self.link.host_waits_for(part.last_h2d)  # the master and param_low are free again
         for offset, numel, step in self._pieces(part, runs):
-            low = self._copy_out_buffer(part, offset, numel)
+            low = self.take_copy_out(part, offset, numel)
             start = time.perf_counter()
             kernel(self._state(part, grad, offset, numel), low, step)
             elapsed = time.perf_counter() - start
@@ -174,7 +213,7 @@ class HostSteps:
         tensors = (part.master, grad, part.exp_avg, part.exp_avg_sq)
         return [t.narrow(0, offset, numel) for t in tensors]
 
-    def _copy_out_buffer(self, part: HostPartition, offset: int, numel: int):
+    def take_copy_out(self, part: HostPartition, offset: int, numel: int):
         """Where a pass writes a piece's rounded params (None: the master goes back as it is)."""
         if part.param_low is not None:
             return part.param_low.narrow(0, offset, numel)

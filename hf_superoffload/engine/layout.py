@@ -12,6 +12,7 @@ import torch
 from .bucket import Bucket
 from .buckets import BucketPlan, plan_buckets
 from .cast_policy import CastPlan
+from .compact_moments import blocks_of
 from .copy_out import CopyOutRing
 from .host_memory import STANDALONE_REMEDIES, check_host_memory, standalone_host_parts
 from .link import Link
@@ -38,26 +39,44 @@ def lay_out(
     replicas: Replicas,
     cast: CastPlan,
     dtype: torch.dtype,
+    compact: bool = False,
 ) -> Layout:
     """Plan, place, check and allocate (see the module docstring). With replicas every rank
-    keeps the same number of tail buckets (the smallest any rank chose)."""
+    keeps the same number of tail buckets (the smallest any rank chose). With ``compact`` the
+    moments are compact (compact_moments.py), each param salted with its place among all the
+    groups' params."""
     order = {id(p): i for i, p in enumerate(model.parameters())} if model is not None else None
     plans = plan_buckets(param_groups, bucket_size, order)
     chosen = choose_device_buckets(gpu_tail, plans, link.device, cap_bytes)
     first_device = len(plans) - int(replicas.agree(chosen, "min"))
-    host_numel = sum(p.numel for p in plans if p.index < first_device or not link.is_cuda)
-    parts = standalone_host_parts(host_numel, dtype, cast, accumulating)
+    host_plans = [p for p in plans if p.index < first_device or not link.is_cuda]
+    host_numel = sum(p.numel for p in host_plans)
+    blocks = sum(blocks_of(q.numel()) for p in host_plans for q in p.params) if compact else None
+    parts = standalone_host_parts(host_numel, dtype, cast, accumulating, blocks)
     check_host_memory(parts, STANDALONE_REMEDIES)  # before allocating, not OOM-killed later
-    buckets = [Bucket(plan, link, plan.index >= first_device, cast) for plan in plans]
+    salt = {id(p): i for i, p in enumerate(p for g in param_groups for p in g["params"])}
+    salts = {plan.index: [salt[id(p)] for p in plan.params] if compact else None for plan in plans}
+    buckets = [Bucket(p, link, p.index >= first_device, cast, salts[p.index]) for p in plans]
     slot = {id(p): (bucket, i) for bucket in buckets for i, p in enumerate(bucket.plan.params)}
-    return Layout(buckets, slot, _copy_out_ring(link, plans, dtype, cast))
+    return Layout(buckets, slot, _copy_out_ring(link, plans, dtype, cast, compact))
 
 
 def _copy_out_ring(
-    link: Link, plans: list[BucketPlan], dtype: torch.dtype, cast: CastPlan
+    link: Link, plans: list[BucketPlan], dtype: torch.dtype, cast: CastPlan, compact: bool
 ) -> CopyOutRing | None:
     """One small ring for all buckets when params cross in the model dtype (any bucket may be
-    on the host: "auto" moves them)."""
+    on the host: "auto" moves them); with compact moments always, since a speculative pass
+    leaves the master as it was (its update crosses as fp32 when the master would)."""
+    size = max(p.numel for p in plans)
+    if compact:
+        return CopyOutRing(link, size, copy_out_dtype(dtype, cast, compact))
     if dtype == torch.float32 or cast.params_on_device:
         return None
-    return CopyOutRing(link, max(p.numel for p in plans), dtype)
+    return CopyOutRing(link, size, dtype)
+
+
+def copy_out_dtype(dtype: torch.dtype, cast: CastPlan, compact: bool) -> torch.dtype | None:
+    """The copy-out ring's dtype (None: no ring)."""
+    if dtype == torch.float32 or cast.params_on_device:
+        return torch.float32 if compact else None
+    return dtype

@@ -39,6 +39,7 @@ from .bucket import Bucket
 from .cast_policy import choose_cast_plan, rank0_plan
 from .checks import (
     check_group,
+    check_moments,
     check_no_duplicates,
     check_option_values,
     check_options,
@@ -78,6 +79,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         speculate: bool = True,
         speculate_after_clip: bool = False,
         cast: str = "auto",
+        moments: str = "fp32",
         model: torch.nn.Module | None = None,
         gradient_accumulation_steps: int = 1,
         process_group: torch.distributed.ProcessGroup | None = None,
@@ -98,6 +100,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             speculate_after_clip,
             cpu_threads,
         )
+        compact = check_moments(moments)
         # torch.optim.AdamW's switches: no-op values accepted, others refused (adamw_switches.py).
         switches = dict(amsgrad=amsgrad, maximize=maximize, foreach=foreach, fused=fused)
         check_switches({**switches, "capturable": capturable, "differentiable": differentiable})
@@ -143,6 +146,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             replicas=self._replicas,
             cast=self._cast,
             dtype=dtype,
+            compact=compact,
         )
         self._buckets, self._slot = layout.buckets, layout.slot  # slot: id(param) -> (bucket, i)
         this = weakref.ref(self)  # hooks and the STV core must not keep the optimizer alive

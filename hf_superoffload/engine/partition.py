@@ -39,6 +39,8 @@ class HostPartition:
         # The worker's: the master (and param_low) may be overwritten once it completes.
         self.last_h2d: torch.cuda.Event | None = None
         self.speculation_applied = False  # written and read on the worker thread only
+        # Compact moments (compact_moments.py) in place of fp32 exp_avg / exp_avg_sq (None).
+        self.compact = None
         self.reset_speculation()
 
     @property

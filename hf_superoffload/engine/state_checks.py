@@ -15,6 +15,8 @@ from .checks import HYPER_KEYS, check_group
 
 EXTRA_KEY = "superoffload"
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
+# A compact entry (uint8 codes under MOMENT_KEYS) carries its block scales under these.
+COMPACT_SCALE_KEYS = ("exp_avg_scale", "exp_avg_sq_scale")
 
 # Keys torch's Adam/AdamW put into every param group that are no hyperparameters of ours: what
 # each must be for us to continue the run faithfully (None: any value; an implementation
@@ -104,6 +106,9 @@ def checked_entry(slot: Mapping, key, g: int, j: int, param: torch.Tensor, entry
         )
     if "max_exp_avg_sq" in entry:
         raise ValueError(f"{what} holds amsgrad's max_exp_avg_sq; {_AMSGRAD}")
+    compact = isinstance(entry.get("exp_avg"), torch.Tensor) and entry["exp_avg"].dtype == (
+        torch.uint8
+    )
     for k in ("master", *MOMENT_KEYS):
         if k == "master" and "master" not in entry:
             continue
@@ -119,16 +124,41 @@ def checked_entry(slot: Mapping, key, g: int, j: int, param: torch.Tensor, entry
                 f"{tuple(param.shape)}; load into the same model, with the params in the same "
                 f"order within the same param groups as when it was saved."
             )
-        if not (tensor.is_floating_point()):
+        codes = compact and k in MOMENT_KEYS
+        if codes and tensor.dtype != torch.uint8:
+            raise ValueError(
+                f"{what}: exp_avg holds compact codes (uint8) but {k} is {tensor.dtype}; both "
+                f"moments of an entry are compact or neither: load the state dict as saved."
+            )
+        if not codes and not tensor.is_floating_point():
             raise ValueError(
                 f"{what}: {k} has dtype {tensor.dtype}, not a floating-point one: load a state "
                 f"dict saved by SuperOffloadOptimizer or torch.optim.AdamW."
             )
+    if compact:
+        _check_compact_scales(what, entry, param.numel())
     step = entry["step"]
     value = float(step.item() if isinstance(step, torch.Tensor) else step)
     if not (math.isfinite(value) and value >= 0 and value == int(value)):
         raise ValueError(f"{what}: step must be a whole number >= 0, got {step!r}.")
     return {**entry, "step": int(value)}
+
+
+def _check_compact_scales(what: str, entry: Mapping, numel: int) -> None:
+    """A compact entry's block scales: one fp32 per block of the param's codes."""
+    from .compact_moments import blocks_of  # here: compact_moments -> ops
+
+    for key in COMPACT_SCALE_KEYS:
+        scale = entry.get(key)
+        ok = isinstance(scale, torch.Tensor) and scale.dtype == torch.float32
+        if not ok or tuple(scale.shape) != (blocks_of(numel),):
+            got = (
+                f"{scale.dtype} {tuple(scale.shape)}" if isinstance(scale, torch.Tensor) else scale
+            )
+            raise ValueError(
+                f"{what}: a compact entry needs {key}, fp32 of shape ({blocks_of(numel)},) (one "
+                f"a block of the param's codes), got {got!r}: load the state dict as saved."
+            )
 
 
 _AMSGRAD = (

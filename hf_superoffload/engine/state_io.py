@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .compact_moments import decoded_entry
 from .state_checks import (
     EXTRA_KEY,
     MOMENT_KEYS,
@@ -58,6 +59,8 @@ from .state_checks import (
     lookup,
     param_number,
 )
+
+COMPACT_ENTRY_KEYS = ("exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale")
 
 if TYPE_CHECKING:
     from .bucket import Bucket
@@ -74,10 +77,15 @@ def param_state(opt: SuperOffloadOptimizer, param: torch.nn.Parameter) -> dict:
             f"in none of the optimizer's param groups, or it does not require grad."
         )
     bucket, i = opt._slot[id(param)]
+    if bucket.compact is not None:  # the moments decoded, as fp32 values
+        exp_avg, exp_avg_sq = (m.view_as(param).cpu() for m in bucket.compact.decoded(i))
+    else:
+        exp_avg = bucket.views(bucket.exp_avg, i).cpu().clone()
+        exp_avg_sq = bucket.views(bucket.exp_avg_sq, i).cpu().clone()
     return {
         "master": bucket.views(bucket.master, i).detach().cpu().clone(),
-        "exp_avg": bucket.views(bucket.exp_avg, i).cpu().clone(),
-        "exp_avg_sq": bucket.views(bucket.exp_avg_sq, i).cpu().clone(),
+        "exp_avg": exp_avg,
+        "exp_avg_sq": exp_avg_sq,
         "step": bucket.param_step(i),
     }
 
@@ -127,8 +135,7 @@ def _state_dict(opt: SuperOffloadOptimizer) -> dict:
                 bucket, i = slot
                 state[index] = {
                     "master": host(bucket, bucket.master, i),
-                    "exp_avg": host(bucket, bucket.exp_avg, i),
-                    "exp_avg_sq": host(bucket, bucket.exp_avg_sq, i),
+                    **_moments_entry(bucket, i, host),
                     # A float tensor, as torch's AdamW keeps it: its step() increments the
                     # count in place, which an int loaded into it would never see.
                     "step": torch.tensor(float(bucket.param_step(i))),
@@ -137,6 +144,24 @@ def _state_dict(opt: SuperOffloadOptimizer) -> dict:
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
     extra = {"format": FORMAT_VERSION, "predicted_coef": float(opt._stv.predicted_coef)}
     return {"state": state, "param_groups": groups, EXTRA_KEY: extra}
+
+
+def _moments_entry(bucket: Bucket, i: int, host: _HostViews) -> dict:
+    """AdamW's two moments; compact ones as their codes (uint8, shaped like the param) and
+    block scales (``exp_avg_scale``, ``exp_avg_sq_scale``)."""
+    if bucket.compact is None:
+        return {
+            "exp_avg": host(bucket, bucket.exp_avg, i),
+            "exp_avg_sq": host(bucket, bucket.exp_avg_sq, i),
+        }
+    codes, scale, codes_sq, scale_sq = (t.detach().cpu() for t in bucket.compact.param_moments(i))
+    shape = bucket.plan.params[i].shape
+    return {
+        "exp_avg": codes.view(shape),
+        "exp_avg_scale": scale,
+        "exp_avg_sq": codes_sq.view(shape),
+        "exp_avg_sq_scale": scale_sq,
+    }
 
 
 def load_state_dict(opt: SuperOffloadOptimizer, state_dict: Mapping) -> None:
@@ -202,6 +227,16 @@ def _load_param(bucket: Bucket, i: int, param: torch.Tensor, entry: dict | None)
         master.copy_(param.detach())  # torch's layout: the param is the master (cast to fp32)
     else:
         master.copy_(entry["master"])
+    if bucket.compact is not None:
+        bucket.compact.load(i, entry)
+        bucket.set_param_step(i, 0 if entry is None else entry["step"])
+        return
+    if entry is not None and entry["exp_avg"].dtype == torch.uint8:  # compact: decoded
+        decoded = decoded_entry(*(entry[k] for k in COMPACT_ENTRY_KEYS))
+        entry = {
+            **entry,
+            **{k: m.view_as(param) for k, m in zip(MOMENT_KEYS, decoded, strict=True)},
+        }
     for key in MOMENT_KEYS:
         target = bucket.views(getattr(bucket, key), i)
         if entry is None:

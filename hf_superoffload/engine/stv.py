@@ -102,6 +102,7 @@ class StvStats:
     rollbacks_accumulation: int = 0
     replay_seconds: float = 0.0
     cpu_step_seconds: float = 0.0
+    commit_seconds: float = 0.0  # compact moments: validated updates into the host state
     exposed_cpu_seconds: float = 0.0
     accumulate_seconds: float = 0.0  # summing accumulated gradients on the host
     tail_moves: int = 0  # gpu_tail="auto" (or the cap) moved buckets to or from the device
@@ -126,6 +127,13 @@ class StepUndos:
         if part.speculation_applied and cause not in self.counted:
             self.counted.add(cause)
             setattr(self.stats, cause, getattr(self.stats, cause) + 1)
+
+
+def state_key(index: int) -> tuple[str, int]:
+    """The worker key of a partition's tasks that write its host state and send nothing (the
+    commit of compact moments): the next forward does not wait for them, the next gradients
+    into the partition's buffer do."""
+    return ("state", index)
 
 
 def adam_hyper(group: dict, step: int) -> dict:
@@ -249,12 +257,18 @@ class Stv:
             self.predicted_coef = result.clip_coef
             self.clip_threshold = result.max_grad_norm
         undos = StepUndos(stats)
+        state_tasks: list = []
         for part in parts:
-            self._settle(part, result.verdict, result.clip_coef, undos)
+            self._settle(part, result.verdict, result.clip_coef, undos, state_tasks)
             part.reset_speculation()
+        # After every task that sends params: the next forward waits for those, not for these.
+        for part, task in state_tasks:
+            self.worker.submit([state_key(part.index)], task)
         self._round = SpeculationRound()
 
-    def _settle(self, part: HostPartition, verdict: Verdict, coef: float, undos) -> None:
+    def _settle(
+        self, part: HostPartition, verdict: Verdict, coef: float, undos, state_tasks: list
+    ) -> None:
         spec, submit, host = part.speculated_with, self.worker.submit, self.host
         if spec is None:
             if verdict is not Verdict.SKIP:
@@ -272,8 +286,7 @@ class Stv:
 
             def redo():
                 undos.undoing(part, "rollbacks_hparams")
-                host.rollback(part, spec, scale, runs, grad)
-                host.step(part, current, coef, None, runs, grad)
+                host.redo(part, spec, current, scale, coef, runs, grad)
 
             submit([part.index], redo)
         elif scale != coef:
@@ -285,14 +298,20 @@ class Stv:
             submit([part.index], replay)
         else:
             submit([part.index], lambda: host.complete(part, spec, scale, runs, grad))
+            if part.compact is not None:
+                task = lambda: host.commit_state(part, spec, scale, runs, grad)  # noqa: E731
+                state_tasks.append((part, task))
         part.commit_update()
 
     # --------------------------------------------------------------------- waiting
 
-    def wait_for_tasks(self, keys: Iterable[int]) -> None:
+    def wait_for_tasks(self, keys: Iterable[int], params_only: bool = False) -> None:
         """Wait for the worker's tasks on these partitions (by index), counted as exposed CPU
-        time when there were any (e.g. backward needs a host buffer a task still reads)."""
+        time when there were any (e.g. backward needs a host buffer a task still reads); with
+        ``params_only`` for those that send params only (``state_key``'s tasks need not end)."""
         keys = list(keys)
+        if not params_only:
+            keys += [state_key(k) for k in keys]
         if self.worker.busy(keys):
             start = time.perf_counter()
             self.worker.wait(keys)
@@ -304,7 +323,7 @@ class Stv:
         ``consume`` the event is dropped (one reader); else later readers on other streams
         wait for it too."""
         parts = list(parts)
-        self.wait_for_tasks(p.index for p in parts)
+        self.wait_for_tasks((p.index for p in parts), params_only=True)
         self._order_after_returns(parts, consume)
 
     def synchronize(self, parts: Iterable[HostPartition]) -> None:

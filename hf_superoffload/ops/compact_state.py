@@ -314,7 +314,8 @@ def compact_adam_step(
 
 class CompactAdamW(torch.optim.Optimizer):
     """``torch.optim.AdamW`` with both moments in 8 bits (this module's format): the plain
-    PyTorch reference of the compact state, one param at a time."""
+    PyTorch reference of the compact state, one param at a time. Each param's rounding bits
+    are salted with its place among all the groups' params (as the engines salt them)."""
 
     def __init__(
         self,
@@ -327,9 +328,14 @@ class CompactAdamW(torch.optim.Optimizer):
     ):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.format = format
+        self._salt = {
+            id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])
+        }
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, *, grad_scale: float = 1.0):
+        """One step of every param with a gradient, the gradients times ``grad_scale`` (a
+        clip coefficient, applied as the engines apply it)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -341,7 +347,7 @@ class CompactAdamW(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     state["step"] = 0
-                    salt = len(self.state)  # the params' order: this param's rounding bits
+                    salt = self._salt[id(p)]
                     state["moments"] = CompactMoments.zeros(p.numel(), p.device, self.format, salt)
                 state["step"] += 1
                 if p.dtype != torch.float32:
@@ -349,5 +355,6 @@ class CompactAdamW(torch.optim.Optimizer):
                 compact_adam_step(
                     p.data.view(-1), p.grad, state["moments"], step=state["step"], lr=group["lr"],
                     betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
+                    grad_scale=grad_scale,
                 )  # fmt: skip
         return loss

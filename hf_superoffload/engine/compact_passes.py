@@ -1,0 +1,75 @@
+"""The CPU passes over a host partition whose moments are compact (compact_moments.py).
+
+Compact moments cannot be rolled back algebraically, so a speculative pass changes no host
+state: it writes only the updated params, rounded, for the device. The state takes the update
+after validation, in a second pass over the same inputs that writes master and moments (and
+the params again only when validation changed the update: a clip, new hyperparameters). A
+skipped step sends the unchanged master back. Every verdict is therefore exact with respect
+to the plain-PyTorch compact update (``compact_state.compact_adam_pass``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from ..ops.compact_state import compact_adam_pass
+
+if TYPE_CHECKING:
+    from .host_steps import HostSteps
+    from .partition import HostPartition
+
+
+class CompactPasses:
+    def __init__(self, host: HostSteps):
+        self.host = host  # the link, the copy-out buffers, the stats
+
+    def run(
+        self,
+        part: HostPartition,
+        hyper: dict,
+        scale: float,
+        runs,
+        grad,
+        *,
+        commit: bool,
+        send: bool,
+        seconds: str,
+    ) -> None:
+        """Update number ``hyper["step"]`` (each run's own) of ``runs`` with gradient scale
+        ``scale``: into master and moments with ``commit``, to the model with ``send``."""
+        host, moments = self.host, part.compact
+        host.link.host_waits_for(part.last_h2d)  # no transfer still reads the master
+        kwargs = {k: v for k, v in hyper.items() if k != "step"}
+        stats = host.stats
+        for offset, numel, step in runs:
+            for segment, start, n in moments.pieces(offset, numel, self._most()):
+                at = segment.offset + start
+                low = host.take_copy_out(part, at, n) if send else None
+                began = time.perf_counter()
+                compact_adam_pass(
+                    part.master.narrow(0, at, n), grad.narrow(0, at, n),
+                    *moments.piece_moments(segment, start, n), step=step, grad_scale=scale,
+                    salt=segment.salt, element_offset=start, commit=commit, out_lowp=low,
+                    **kwargs,
+                )  # fmt: skip
+                setattr(stats, seconds, getattr(stats, seconds) + time.perf_counter() - began)
+                if send:
+                    host.send_params(part, low, at, n)
+        if not commit:
+            host.elements_stepped += sum(numel for _, numel, _ in runs)
+
+    def restore(self, part: HostPartition, runs) -> None:
+        """Send the (unchanged) master of ``runs`` back: the device's params speculated on
+        become the committed ones again."""
+        host = self.host
+        host.link.host_waits_for(part.last_h2d)
+        for offset, numel, _ in runs:
+            for start in range(offset, offset + numel, self._most()):
+                n = min(self._most(), offset + numel - start)
+                low = host.take_copy_out(part, start, n)
+                low.copy_(part.master.narrow(0, start, n))
+                host.send_params(part, low, start, n)
+
+    def _most(self) -> int:
+        return self.host.copy_out.piece_numel
