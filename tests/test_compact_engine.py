@@ -171,3 +171,38 @@ def test_unknown_moments_are_refused_with_the_choices():
     model = build_model(CFG)
     with pytest.raises(ValueError, match=r"moments must be .fp32. .* or .compact."):
         make_engine(model, CFG, moments="int8")
+
+
+@pytest.mark.parametrize("moments", ["fp32", "compact"])
+def test_host_memory_check_counts_what_the_engine_allocates(moments):
+    """The figures ``lay_out`` checks before allocating (host_memory.standalone_host_parts) are
+    the bytes the buckets and the copy-out ring hold: 8 B/param and 8 B a block of 256 with
+    compact moments and bf16 gradients."""
+    from hf_superoffload.engine.compact_moments import blocks_of
+    from hf_superoffload.engine.host_memory import standalone_host_parts
+
+    model = build_model(CFG).to(torch.bfloat16)
+    with make_engine(model, CFG, moments=moments, gpu_tail=0, cast="cpu") as opt:
+        buckets, ring = opt._buckets, opt._stv.host.copy_out
+        compact = moments == "compact"
+        numel = sum(b.numel for b in buckets)
+        blocks = sum(blocks_of(p.numel()) for p in model.parameters()) if compact else None
+        largest = max(b.numel for b in buckets)
+        planned = standalone_host_parts(numel, torch.bfloat16, opt._cast, False, blocks, largest)
+        held = {
+            "master": sum(b.master.nbytes for b in buckets),
+            "moments": sum(
+                b.compact.nbytes() if compact else b.exp_avg.nbytes + b.exp_avg_sq.nbytes
+                for b in buckets
+            ),
+            "gradients": sum(b.host_grad.nbytes for b in buckets),
+            "param_copy_out": sum(t.nbytes for t in ring.buffers) if ring else 0,
+            "accumulation": 0,
+        }
+        if compact:
+            assert sum(b.compact.exp_avg_scale.numel() for b in buckets) == blocks
+    assert held == planned
+    per_param = 8 if compact else 14
+    assert held["master"] + held["moments"] + held["gradients"] == per_param * numel + (
+        8 * blocks if compact else 0
+    )

@@ -224,6 +224,7 @@ def standalone_host_parts(
     cast,
     accumulating: bool,
     compact_blocks: int | None = None,
+    largest_bucket: int | None = None,
 ) -> dict[str, int]:
     """Host bytes SuperOffloadOptimizer allocates for ``host_numel`` elements of host buckets
     (``bucket.py``, ``cast`` its CastPlan): fp32 master and moments, the gradient buffer
@@ -232,7 +233,9 @@ def standalone_host_parts(
     most ``COPY_OUT_PIECE`` elements, not a copy per bucket), and the fp32 gradient sum kept
     while micro-batches accumulate. Without a GPU, tail buckets live in host memory too: count
     them. ``compact_blocks``: the moments are compact, in that many blocks (compact_moments.py),
-    and the copy-out ring is always there (a speculative pass leaves the master as it was)."""
+    and the copy-out ring is always there (a speculative pass leaves the master as it was).
+    ``largest_bucket``: the elements of the largest bucket, host or device (the ring's buffers
+    hold one, up to ``COPY_OUT_PIECE``); unknown, the host elements bound it."""
     from .compact_moments import compact_moment_bytes  # here: compact_moments -> ops
     from .copy_out import COPY_OUT_PIECE, COPY_OUT_SLOTS  # here: copy_out -> link -> this
     from .layout import copy_out_dtype
@@ -243,11 +246,12 @@ def standalone_host_parts(
     ring_dtype = copy_out_dtype(model_dtype, cast, compact)
     ring_bytes = 0 if ring_dtype is None else ring_dtype.itemsize
     moments = compact_moment_bytes(host_numel, compact_blocks) if compact else 8 * host_numel
+    largest = host_numel if largest_bucket is None else largest_bucket
     return {
         "master": 4 * host_numel,
         "moments": moments,
         "gradients": grad_bytes * host_numel,
-        "param_copy_out": COPY_OUT_SLOTS * min(host_numel, COPY_OUT_PIECE) * ring_bytes,
+        "param_copy_out": COPY_OUT_SLOTS * min(largest, COPY_OUT_PIECE) * ring_bytes,
         "accumulation": 4 * host_numel if accumulating else 0,
     }
 

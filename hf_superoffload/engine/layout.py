@@ -52,7 +52,8 @@ def lay_out(
     host_plans = [p for p in plans if p.index < first_device or not link.is_cuda]
     host_numel = sum(p.numel for p in host_plans)
     blocks = sum(blocks_of(q.numel()) for p in host_plans for q in p.params) if compact else None
-    parts = standalone_host_parts(host_numel, dtype, cast, accumulating, blocks)
+    largest = max(p.numel for p in plans)
+    parts = standalone_host_parts(host_numel, dtype, cast, accumulating, blocks, largest)
     check_host_memory(parts, STANDALONE_REMEDIES)  # before allocating, not OOM-killed later
     salt = {id(p): i for i, p in enumerate(p for g in param_groups for p in g["params"])}
     salts = {plan.index: [salt[id(p)] for p in plan.params] if compact else None for plan in plans}
@@ -67,7 +68,7 @@ def _copy_out_ring(
     """One small ring for all buckets when params cross in the model dtype (any bucket may be
     on the host: "auto" moves them); with compact moments always, since a speculative pass
     leaves the master as it was (its update crosses as fp32 when the master would)."""
-    size = max(p.numel for p in plans)
+    size = max(p.numel for p in plans)  # what standalone_host_parts counts
     if compact:
         return CopyOutRing(link, size, copy_out_dtype(dtype, cast, compact))
     if dtype == torch.float32 or cast.params_on_device:
