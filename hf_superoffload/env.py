@@ -54,6 +54,11 @@ VARIABLES = _declare(
     ),
     Variable("HF_SUPEROFFLOAD_CAST", "where bf16 <-> fp32 casts run: auto, gpu or cpu", "auto"),
     Variable(
+        "HF_SUPEROFFLOAD_MOMENTS",
+        "Adam moments in fp32 (exact) or compact (8 bits a value)",
+        "fp32",
+    ),
+    Variable(
         "HF_SUPEROFFLOAD_GPU_TAIL_CAP",
         "most GPU memory (GiB) the optimizer's GPU tail may hold",
         "no cap",

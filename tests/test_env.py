@@ -70,6 +70,7 @@ def test_every_declared_variable_is_accepted_and_read(monkeypatch):
         "HF_SUPEROFFLOAD_SPECULATE": "1",
         "HF_SUPEROFFLOAD_SPECULATE_AFTER_CLIP": "0",
         "HF_SUPEROFFLOAD_CAST": "cpu",
+        "HF_SUPEROFFLOAD_MOMENTS": "compact",
         "HF_SUPEROFFLOAD_GPU_TAIL_CAP": "8",
         "HF_SUPEROFFLOAD_SAVE_DTYPE": "float32",
         "HF_SUPEROFFLOAD_PEAK_TFLOPS": "1.0",
@@ -83,6 +84,7 @@ def test_every_declared_variable_is_accepted_and_read(monkeypatch):
     options = SuperOffloadOptions()
     assert (options.gpu_tail, options.bucket_size, options.cast) == (1, 64, "cpu")
     assert options.gpu_tail_cap == 8.0 and options.cpu_threads == 1
+    assert options.moments == "compact"
     assert env.read("HF_SUPEROFFLOAD_HOST_MEMORY_GIB") == "240"
     with pytest.raises(KeyError, match="not declared"):
         env.read("HF_SUPEROFFLOAD_NOT_A_THING")

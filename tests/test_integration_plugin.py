@@ -40,6 +40,7 @@ DEFAULTS = {
     "speculate": True,
     "speculate_after_clip": False,
     "cast": "auto",
+    "moments": "fp32",
     "gpu_tail_cap": None,
 }
 # Per field: (explicit value, env string, what the env string resolves to).
@@ -50,6 +51,7 @@ CASES = {
     "speculate": (True, "false", False),
     "speculate_after_clip": (False, "yes", True),
     "cast": ("gpu", "cpu", "cpu"),
+    "moments": ("fp32", "compact", "compact"),
     "gpu_tail_cap": (12.5, "40", 40.0),
 }
 
@@ -163,6 +165,7 @@ def test_gpu_tail_auto_and_numeric_strings(monkeypatch):
         ({"speculate_after_clip": 1}, "speculate_after_clip"),
         ({"cast": "bf16"}, "cast"),
         ({"cast": "GPU"}, "cast"),
+        ({"moments": "8bit"}, "moments"),
         ({"gpu_tail_cap": -1}, "gpu_tail_cap"),
         ({"gpu_tail_cap": "lots"}, "gpu_tail_cap"),
         ({"gpu_tail_cap": float("nan")}, "gpu_tail_cap"),
@@ -208,6 +211,7 @@ def test_explicit_falsy_invalid_values_raise(monkeypatch, field, invalid, env_va
         ("speculate", "maybe"),
         ("speculate_after_clip", "2"),
         ("cast", "fp8"),
+        ("moments", "int8"),
         ("gpu_tail_cap", "-0.5"),
         ("gpu_tail_cap", "40GiB"),
     ],

@@ -142,9 +142,15 @@ def _param_groups(model, case: Zero3Case) -> list[dict]:
 
 
 def make_engine(
-    case: Zero3Case, super_offload: bool, world: int, model_seed: int = 0, model_builder=build_model
+    case: Zero3Case,
+    super_offload: bool,
+    world: int,
+    model_seed: int = 0,
+    model_builder=build_model,
+    optimizer_class=torch.optim.AdamW,
 ):
-    """``model_builder(seed)`` returns the module to train (default: the tiny Llama)."""
+    """``model_builder(seed)`` returns the module to train (default: the tiny Llama);
+    ``optimizer_class`` the base optimizer DeepSpeed gets (unless ``case.deepspeed_adam``)."""
     import deepspeed
 
     model = model_builder(model_seed)
@@ -152,9 +158,7 @@ def make_engine(
     if case.deepspeed_adam:
         kwargs["model_parameters"] = _param_groups(model, case)
     else:
-        kwargs["optimizer"] = torch.optim.AdamW(
-            _param_groups(model, case), lr=case.lr, eps=case.eps
-        )
+        kwargs["optimizer"] = optimizer_class(_param_groups(model, case), lr=case.lr, eps=case.eps)
     if case.schedule:
         kwargs["lr_scheduler"] = lambda opt: torch.optim.lr_scheduler.LambdaLR(
             opt, lambda s: 1.0 / (1.0 + 0.5 * s)

@@ -109,13 +109,13 @@ def check_options(
 MOMENTS = ("fp32", "compact")
 
 
-def check_moments(moments) -> bool:
+def check_moments(moments, where: str = "") -> bool:
     """Whether the moments are compact (``moments="compact"``); anything but the two names is
-    refused."""
+    refused (``where``: where the value came from, for the message)."""
     if moments not in MOMENTS:
         raise ValueError(
             f"moments must be 'fp32' (AdamW's moments, exact; the default) or 'compact' (both "
-            f"moments in 8 bits a value: 2 B a param instead of 8), got {moments!r}."
+            f"moments in 8 bits a value: 2 B a param instead of 8), got {moments!r}{where}."
         )
     return moments == "compact"
 

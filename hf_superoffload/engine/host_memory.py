@@ -243,7 +243,7 @@ def standalone_host_parts(
     low = model_dtype.itemsize if model_dtype != torch.float32 else 0
     grad_bytes = 4 if not low or cast.grads_on_device else low
     compact = compact_blocks is not None
-    ring_dtype = copy_out_dtype(model_dtype, cast, compact)
+    ring_dtype = copy_out_dtype(model_dtype, cast.params_on_device, compact)
     ring_bytes = 0 if ring_dtype is None else ring_dtype.itemsize
     moments = compact_moment_bytes(host_numel, compact_blocks) if compact else 8 * host_numel
     largest = host_numel if largest_bucket is None else largest_bucket

@@ -70,14 +70,14 @@ def _copy_out_ring(
     leaves the master as it was (its update crosses as fp32 when the master would)."""
     size = max(p.numel for p in plans)  # what standalone_host_parts counts
     if compact:
-        return CopyOutRing(link, size, copy_out_dtype(dtype, cast, compact))
+        return CopyOutRing(link, size, copy_out_dtype(dtype, cast.params_on_device, compact))
     if dtype == torch.float32 or cast.params_on_device:
         return None
     return CopyOutRing(link, size, dtype)
 
 
-def copy_out_dtype(dtype: torch.dtype, cast: CastPlan, compact: bool) -> torch.dtype | None:
-    """The copy-out ring's dtype (None: no ring)."""
-    if dtype == torch.float32 or cast.params_on_device:
+def copy_out_dtype(dtype: torch.dtype, params_on_device: bool, compact: bool) -> torch.dtype | None:
+    """The copy-out ring's dtype (None: no ring), for model params of ``dtype``."""
+    if dtype == torch.float32 or params_on_device:
         return torch.float32 if compact else None
     return dtype

@@ -69,6 +69,9 @@ class SuperOffloadArgumentsMixin:
     superoffload_cast: str | None = dataclasses.field(
         default=None, metadata={"help": _help("cast")}
     )
+    superoffload_moments: str | None = dataclasses.field(
+        default=None, metadata={"help": _help("moments")}
+    )
     superoffload_gpu_tail_cap: float | None = dataclasses.field(
         default=None, metadata={"help": _help("gpu_tail_cap")}
     )

@@ -19,6 +19,7 @@ import math
 from typing import Any
 
 from .. import env
+from ..engine.checks import check_moments
 
 ENV_PREFIX = env.PREFIX
 _CASTS = ("auto", "gpu", "cpu")
@@ -73,6 +74,14 @@ class SuperOffloadOptions:
             "default 'auto'."
         },
     )
+    moments: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "Adam's two moments in 'fp32' (AdamW's, exact) or 'compact' (8 bits a value "
+            "over per-block scales: 2 B a param in place of 8, host state 8 B a param with bf16 "
+            "gradients). Env HF_SUPEROFFLOAD_MOMENTS; default 'fp32'."
+        },
+    )
     gpu_tail_cap: float | None = dataclasses.field(
         default=None,
         metadata={
@@ -107,6 +116,9 @@ class SuperOffloadOptions:
             raise ValueError(
                 f"cast must be one of {_CASTS}, got {self.cast!r} (env {ENV_PREFIX}CAST)."
             )
+        if self.moments is None:
+            self.moments = _env("MOMENTS", "fp32")
+        check_moments(self.moments, f" (env {ENV_PREFIX}MOMENTS)")
         cap = self.gpu_tail_cap if self.gpu_tail_cap is not None else _env("GPU_TAIL_CAP", None)
         self.gpu_tail_cap = None if cap is None else _gib("gpu_tail_cap", cap)
 

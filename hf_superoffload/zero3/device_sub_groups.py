@@ -38,9 +38,13 @@ class DeviceSubGroup(ParamSteps, HostPartition):
     DeviceTail's AdamW steps a view per param, so a param without a gradient in a step is
     skipped, as on the host (``ParamSteps``)."""
 
-    def __init__(self, index: int, group_index: int, master: torch.Tensor, flat_param, spans):
-        moments = torch.zeros_like(master), torch.zeros_like(master)
+    def __init__(
+        self, index: int, group_index: int, master: torch.Tensor, flat_param, spans, compact=None
+    ):
+        """``compact``: its CompactMoments (on the device), in place of AdamW's two."""
+        moments = (None, None) if compact else (torch.zeros_like(master), torch.zeros_like(master))
         super().__init__(index, group_index, master, *moments, None, None, flat_param)
+        self.compact = compact
         self.init_param_steps(spans)
         self.grad = torch.zeros_like(master)  # this step's gradient partitions, in fp32
         self.device_group: dict | None = None  # its param group in the DeviceTail's AdamW
@@ -67,10 +71,9 @@ class DeviceSubGroups:
                 on_device,
                 self.fp16_partitioned_groups_flat[i],
                 self._param_spans(i),
+                self._compact_moments(i, device) if self._compact else None,
             )
-            self.optimizer.state[on_device].update(
-                exp_avg=part.exp_avg, exp_avg_sq=part.exp_avg_sq, step=self._step_value(0)
-            )
+            self._register_moments(part, on_device)
             self._tail.register(part)
             parts.append(part)
         return parts
@@ -96,5 +99,8 @@ class DeviceSubGroups:
         return {
             "master": nbytes(p.master for p in parts),
             "gradients": nbytes(p.grad for p in parts),
-            "moments": nbytes([p.exp_avg for p in parts] + [p.exp_avg_sq for p in parts]),
+            "moments": sum(
+                p.compact.nbytes() if p.compact else nbytes([p.exp_avg, p.exp_avg_sq])
+                for p in parts
+            ),
         }

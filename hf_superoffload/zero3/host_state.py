@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from ..engine.compact_moments import CompactMoments
 from ..engine.partition import HostPartition
 from .param_steps import ParamSteps
 
@@ -42,6 +43,24 @@ class HostState:
             _, offset, numel = self.grad_position[self.get_param_id(param)]
             spans.append((offset, numel))
         return spans
+
+    def _compact_moments(self, i: int, device=None) -> CompactMoments:
+        """Compact moments of sub group ``i``: a block grid per param partition, each salted
+        with the param's place among the optimizer's params and this rank (``_salt_of``)."""
+        salts = [self._salt_of[id(p)] for p in self.fp16_groups[i]]
+        master = self.fp32_partitioned_groups_flat[i]
+        return CompactMoments(self._param_spans(i), salts, master.numel(), device)
+
+    def _register_moments(self, part: HostPartition, master: torch.Tensor) -> None:
+        """The partition's moments as the base optimizer's state of ``master`` (DeepSpeed's
+        checkpoints carry them): AdamW's two, or the compact codes and block scales."""
+        state = self.optimizer.state[master]
+        if part.compact is None:
+            state.update(exp_avg=part.exp_avg, exp_avg_sq=part.exp_avg_sq)
+        else:
+            names = ("exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale")
+            state.update(zip(names, part.compact.tensors(), strict=True))
+        state["step"] = self._step_value(0)
 
     def _real_numel(self, param) -> int:
         """Elements of ``param`` in this rank's partition of it, its padding left out."""
@@ -77,9 +96,10 @@ class HostState:
                 # The H2D copy reads the master: page-locked, or every copy would block.
                 pinned = self._link.host_empty(master.numel(), master.dtype)
                 master.data = pinned.copy_(master)
-            exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
-            state = self.optimizer.state[master]
-            state.update(exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, step=self._step_value(0))
+            compact = self._compact_moments(i) if self._compact else None
+            exp_avg = exp_avg_sq = None
+            if compact is None:
+                exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
             # Zeroed once: its padding is never written (DeepSpeed's gradient partitions hold
             # the real elements only), and the kernel steps the padding with the rest.
             host_grad = self._link.host_empty(master.numel(), self.gradient_accumulation_dtype)
@@ -87,7 +107,9 @@ class HostState:
             flat_param = self.fp16_partitioned_groups_flat[i]
             group = self.sub_group_to_group_id[i]
             part = HostSubGroup(i, group, master, exp_avg, exp_avg_sq, host_grad, None, flat_param)
+            part.compact = compact
             part.init_param_steps(self._param_spans(i))
+            self._register_moments(part, master)
             parts.append(part)
         return parts
 
@@ -134,7 +156,10 @@ class HostState:
         return {
             "master": nbytes(p.master for p in parts),
             "gradients": nbytes(p.host_grad for p in parts),
-            "moments": nbytes([p.exp_avg for p in parts] + [p.exp_avg_sq for p in parts]),
+            "moments": sum(
+                p.compact.nbytes() if p.compact else nbytes([p.exp_avg, p.exp_avg_sq])
+                for p in parts
+            ),
             "param_copy_out": nbytes(self._copy_out.buffers if self._copy_out else []),
             "accumulation": nbytes([self.grad_partitions_flat_buffer]),
         }

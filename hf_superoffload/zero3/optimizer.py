@@ -42,6 +42,7 @@ from deepspeed.utils import log_dist
 from .. import ops
 from ..engine.cast_policy import choose_cast_plan
 from ..engine.copy_out import CopyOutRing
+from ..engine.layout import copy_out_dtype
 from ..engine.link import Link
 from ..engine.partition import HostPartition
 from ..engine.replicas import Replicas, closes_replicas_on_failure
@@ -122,6 +123,13 @@ class SuperOffloadZero3Optimizer(
         self._holds_elements: dict[int, bool] = {}  # ds_id -> _has_gradient_partition
         # Read by the set-up hooks below, which DeepSpeed's constructor calls.
         self._accumulates = kwargs.get("gradient_accumulation_steps", 1) > 1 or not managed
+        self._compact = options.compact
+        # Each param's rounding-bit salt (compact moments): its place among the optimizer's
+        # params, per rank (a rank holds its own partition of it).
+        world = dist.get_world_size(group=kwargs.get("dp_process_group"))
+        rank = dist.get_rank(group=kwargs.get("dp_process_group"))
+        ordered = (p for group in init_optimizer.param_groups for p in group["params"])
+        self._salt_of = {id(p): n * world + rank for n, p in enumerate(ordered)}
         super().__init__(module, init_optimizer, param_names, timers, ds_config, **kwargs)
         ops.set_num_threads(options.cpu_threads)
         ops.prepare()  # build or load the CPU Adam now, visibly, not inside step 1
@@ -143,8 +151,9 @@ class SuperOffloadZero3Optimizer(
             if i not in self._device_part_at
         ]  # fmt: skip
         copy_out = None
-        if dtype != torch.float32 and not params_on_device and host_numels:
-            copy_out = CopyOutRing(self._link, max(host_numels), dtype)
+        ring_dtype = copy_out_dtype(dtype, params_on_device, self._compact)
+        if ring_dtype is not None and host_numels:
+            copy_out = CopyOutRing(self._link, max(host_numels), ring_dtype)
         self._copy_out = copy_out
         self._stv = Stv(
             self._link,

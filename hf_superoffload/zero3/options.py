@@ -45,6 +45,7 @@ class Zero3Options:
     speculate: bool
     speculate_after_clip: bool
     cast: str
+    compact: bool = False  # the moments are compact (engine/compact_moments.py)
 
 
 def cores_perc_if_set(offload_optimizer_config) -> float | None:
@@ -76,7 +77,10 @@ def resolve_options(cpuadam_cores_perc: float | None, device: torch.device) -> Z
         # affinity) see fewer than the host has; unbound ranks of one host share them.
         bound = len(os.sched_getaffinity(0)) < (os.cpu_count() or 1)
         threads = max(1, int(cpuadam_cores_perc * cores_of_this_rank(bound)))
-    return Zero3Options(threads, plugin.speculate, plugin.speculate_after_clip, plugin.cast)
+    return Zero3Options(
+        threads, plugin.speculate, plugin.speculate_after_clip, plugin.cast,
+        plugin.moments == "compact",
+    )  # fmt: skip
 
 
 def sub_group_size(requested: int) -> int:

@@ -1,0 +1,142 @@
+"""Compact moments on DeepSpeed ZeRO-3 (``HF_SUPEROFFLOAD_MOMENTS=compact``) against DeepSpeed
+ZeRO-3 with plain CPU offload stepping the same partitions with the plain-PyTorch compact
+update (``FlatCompactAdamW`` below): every rank's fp32 master partitions, both moments' codes
+and block scales, to the bit, through clipping, a NaN step, accumulation, two param groups, an
+LR schedule and two ranks, on the host and with sub groups on the "device" (``ratio``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from ranks import spawn_ranks
+from zero3_reference import Zero3Case, free_port, init_rank, make_engine, train
+
+from hf_superoffload.ops.compact_state import BLOCK, compact_adam_pass
+
+STATE_KEYS = ("exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale")
+
+
+class FlatCompactAdamW(torch.optim.Optimizer):
+    """The compact update over DeepSpeed's flat fp32 partitions, as its plain CPU offload
+    hands them over (one sub group's partition per step() call, its gradient already clipped),
+    cut into the params' partitions (``set_layout``) as the engine cuts them: a block grid per
+    param partition, salted with the param's place among the optimizer's params and the rank."""
+
+    def __init__(self, params, lr, eps):
+        super().__init__(params, dict(lr=lr, betas=(0.9, 0.999), eps=eps, weight_decay=0.0))
+        ordered = [p for g in self.param_groups for p in g["params"]]
+        self._ordinal = {id(p): n for n, p in enumerate(ordered)}
+        self._layout: dict[int, list[tuple[int, int, int]]] = {}
+
+    def set_layout(self, zero, world: int, rank: int) -> None:
+        for i, flat in enumerate(zero.fp32_partitioned_groups_flat):
+            spans = []
+            for param in zero.fp16_groups[i]:
+                _, offset, numel = zero.grad_position[zero.get_param_id(param)]
+                spans.append((offset, numel, self._ordinal[id(param)] * world + rank))
+            self._layout[id(flat)] = spans
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for flat in group["params"]:
+                if flat.grad is None:
+                    continue
+                state = self.state[flat]
+                if not state:
+                    blocks = sum(-(-n // BLOCK) for _, n, _ in self._layout[id(flat)])
+                    state["step"] = 0
+                    for key in STATE_KEYS:
+                        scale = key.endswith("scale")
+                        state[key] = (
+                            torch.zeros(blocks)
+                            if scale
+                            else torch.zeros(flat.numel(), dtype=torch.uint8)
+                        )
+                state["step"] += 1
+                block = 0
+                for offset, numel, salt in self._layout[id(flat)]:
+                    blocks = slice(block, block + -(-numel // BLOCK))
+                    compact_adam_pass(
+                        flat.data.narrow(0, offset, numel), flat.grad.narrow(0, offset, numel),
+                        state["exp_avg"].narrow(0, offset, numel), state["exp_avg_scale"][blocks],
+                        state["exp_avg_sq"].narrow(0, offset, numel),
+                        state["exp_avg_sq_scale"][blocks], step=state["step"], lr=group["lr"],
+                        beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
+                        weight_decay=group["weight_decay"], salt=salt,
+                    )  # fmt: skip
+                    block = blocks.stop
+
+
+def _state(zero) -> list[dict]:
+    """Per param (in ds_id order, the model's): its partition's master, codes and block scales,
+    and its sub group's step (the engine and the reference cut sub groups differently)."""
+    if hasattr(zero, "synchronize"):
+        zero.synchronize()
+    out = []
+    for i, master in enumerate(zero.fp32_partitioned_groups_flat):
+        state, first_block = zero.optimizer.state[master], 0
+        for param in zero.fp16_groups[i]:
+            _, offset, numel = zero.grad_position[zero.get_param_id(param)]
+            blocks = slice(first_block, first_block + -(-numel // BLOCK))
+            first_block = blocks.stop
+            entry = {"param": param.ds_id, "step": int(state["step"])}
+            entry["master"] = master.detach().narrow(0, offset, numel).cpu().clone()
+            for key in STATE_KEYS:
+                whole = state[key]
+                part = whole[blocks] if key.endswith("scale") else whole.narrow(0, offset, numel)
+                entry[key] = part.cpu().clone()
+            out.append(entry)
+    return sorted(out, key=lambda entry: entry["param"])
+
+
+def _on_rank(rank, world, port, case, out_dir) -> None:
+    init_rank(rank, world, port)
+    torch.set_num_threads(1)
+    import hf_superoffload  # noqa: F401  (activates the ZeRO-3 path)
+
+    results = {}
+    for name, super_offload in (("reference", False), ("superoffload", True)):
+        os.environ["HF_SUPEROFFLOAD_MOMENTS"] = "compact"
+        base = torch.optim.AdamW if super_offload else FlatCompactAdamW
+        engine, optimizer = make_engine(case, super_offload, world, optimizer_class=base)
+        if not super_offload:
+            optimizer.optimizer.set_layout(optimizer, world, rank)
+        record = train(engine, case, rank, range(case.steps))
+        record["state"] = _state(optimizer)
+        record["kind"] = type(optimizer).__name__
+        if super_offload:
+            record["stats"] = optimizer.stats
+            record["host_bytes"] = optimizer.host_bytes()
+        results[name] = record
+        engine.destroy()
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.mark.parametrize(
+    ("world", "ratio"), [(1, 1.0), (2, 1.0), (2, 0.5)], ids=["one-rank", "two-ranks", "gpu-tail"]
+)
+def test_compact_moments_on_zero3_equal_the_flat_compact_reference(world, ratio, tmp_path):
+    case = Zero3Case(max_grad_norm={1: 1.3, 2: 1.0}[world], accumulation=2, nan_step=3, ratio=ratio)
+    spawn_ranks(_on_rank, (world, free_port(), case, str(tmp_path)), world)
+    for rank in range(world):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        ref, ours = result["reference"], result["superoffload"]
+        assert (ref["kind"], ours["kind"]) == (
+            "DeepSpeedZeroOptimizer_Stage3", "SuperOffloadZero3Optimizer"
+        )  # fmt: skip
+        torch.testing.assert_close(
+            torch.tensor(ours["losses"]), torch.tensor(ref["losses"]), rtol=0, atol=0,
+            equal_nan=True,
+        )  # fmt: skip
+        assert len(ours["state"]) == len(ref["state"])
+        for a, b in zip(ours["state"], ref["state"], strict=True):
+            for key in ("master", *STATE_KEYS):
+                assert torch.equal(a[key], b[key]), f"rank {rank} param {a['param']} {key}"
+            assert a["step"] == b["step"] == case.steps - 1
+        stats = ours["stats"]
+        assert stats["rollbacks_nonfinite"] == 1 and stats["speculations_applied"] > 0
+        assert (stats["gpu_tail_buckets"] > 0) == (ratio < 1.0)
