@@ -42,6 +42,7 @@ from deepspeed.utils import log_dist
 from .. import ops
 from ..engine.cast_policy import choose_cast_plan
 from ..engine.copy_out import CopyOutRing
+from ..engine.core_split import use_team
 from ..engine.link import Link
 from ..engine.partition import HostPartition
 from ..engine.replicas import Replicas, closes_replicas_on_failure
@@ -123,7 +124,7 @@ class SuperOffloadZero3Optimizer(
         # Read by the set-up hooks below, which DeepSpeed's constructor calls.
         self._accumulates = kwargs.get("gradient_accumulation_steps", 1) > 1 or not managed
         super().__init__(module, init_optimizer, param_names, timers, ds_config, **kwargs)
-        ops.set_num_threads(options.cpu_threads)
+        use_team(options.team)  # its thread count, and its CPUs for the worker
         ops.prepare()  # build or load the CPU Adam now, visibly, not inside step 1
         self._zero_padding()
 
