@@ -327,22 +327,26 @@ def pin_cpu_adam_thread(native_id: int) -> None:
 # ----------------------------------------------------------------------------- the report
 
 
-def host_split(ranks: int, gpus: Sequence[int | None] | None) -> dict:
-    """``hf-superoffload env``'s view: each of ``ranks`` local ranks' CPUs, as the engine
-    would choose them with this process's affinity (``gpus``: each rank's GPU's NUMA node)."""
+def host_split(ranks: int, device_type: str, gpu_nodes: Sequence[int | None] | None) -> dict:
+    """``hf-superoffload env``'s view: each of ``ranks`` local ranks' CPUs and default team, as
+    the engine would choose them with this process's affinity (``gpu_nodes``: each local
+    rank's GPU's NUMA node, None where unknown)."""
     setting, topology = cores_setting(), read_topology()
-    device_type = "cuda" if gpus is not None else "cpu"
-    torch_threads = torch.get_num_threads()
+    report: dict = {"setting": setting, "not_split": None, "ranks": []}
     if setting == "off":
-        return {"setting": setting, "ranks": []}
-    rows = []
+        report["not_split"] = f"{CORES_ENV}=off: the threads float over each process's CPUs"
+    elif _openmp_binds():
+        report["not_split"] = f"{_openmp_binds()} is set: OpenMP binds the threads itself"
+    if report["not_split"]:
+        return report
+    torch_threads = torch.get_num_threads()
     for local_rank in range(ranks):
         if setting == "auto":
-            rank = split_cores(topology, ranks, local_rank, gpus)
+            rank = split_cores(topology, ranks, local_rank, gpu_nodes)
         else:
             rank = explicit_cores(setting, topology, ranks, local_rank)
         team = team_on(rank, device_type, torch_threads=torch_threads)
-        rows.append(
+        report["ranks"].append(
             {
                 "local_rank": local_rank,
                 "cpus": format_cpulist(rank.cores),
@@ -353,4 +357,4 @@ def host_split(ranks: int, gpus: Sequence[int | None] | None) -> dict:
                 "how": rank.how,
             }
         )
-    return {"setting": setting, "ranks": rows}
+    return report
