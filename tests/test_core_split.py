@@ -286,3 +286,12 @@ def test_the_engines_worker_runs_on_the_teams_cpus(monkeypatch):
         assert os.sched_getaffinity(0) == usable
     finally:
         optimizer.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux thread affinity")
+def test_a_team_on_cpus_the_host_lacks_is_refused_by_the_worker(monkeypatch):
+    from hf_superoffload.engine.worker import Worker
+
+    monkeypatch.setattr(core_split, "_team_cpus", frozenset({4095}))
+    with pytest.raises(RuntimeError, match=r"CPUs 4095 .*set HF_SUPEROFFLOAD_CPU_CORES to CPUs"):
+        Worker()

@@ -320,8 +320,15 @@ def pin_cpu_adam_thread(native_id: int) -> None:
     """Bind the thread ``native_id`` (the worker that runs the CPU Adam, before its first
     task) to the team's CPUs; OpenMP creates the kernel's other threads from it, and they
     inherit them. Nothing when the team floats."""
-    if _team_cpus is not None:
+    if _team_cpus is None:
+        return
+    try:
         os.sched_setaffinity(native_id, _team_cpus)
+    except OSError as error:  # e.g. the CPUs went offline, or a cpuset now excludes them
+        raise RuntimeError(
+            f"could not bind the CPU Adam's thread to CPUs {format_cpulist(_team_cpus)} "
+            f"({error}); set {CORES_ENV} to CPUs this process may use, or to 'off'."
+        ) from error
 
 
 # ----------------------------------------------------------------------------- the report
