@@ -42,7 +42,7 @@ VARIABLES = _declare(
     Variable(
         "HF_SUPEROFFLOAD_CPU_THREADS",
         "threads of the CPU Adam",
-        "the cores this process may use, less one",
+        "this rank's share of the host's cores, less one",
     ),
     Variable(
         "HF_SUPEROFFLOAD_CPU_CORES",

@@ -295,3 +295,11 @@ def test_a_team_on_cpus_the_host_lacks_is_refused_by_the_worker(monkeypatch):
     monkeypatch.setattr(core_split, "_team_cpus", frozenset({4095}))
     with pytest.raises(RuntimeError, match=r"CPUs 4095 .*set HF_SUPEROFFLOAD_CPU_CORES to CPUs"):
         Worker()
+
+
+def test_openmp_affinity_variables_that_bind_nothing_leave_the_split(host, monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    for value, split in (("disabled", True), ("none", True), ("compact", False)):
+        monkeypatch.setenv("KMP_AFFINITY", value)
+        assert (core_split.choose_team(CUDA).cpus is not None) == split, value

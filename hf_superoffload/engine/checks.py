@@ -87,7 +87,7 @@ def check_options(
     ):
         raise ValueError(
             f"cpu_threads (threads of the CPU Adam) must be a positive int, got {cpu_threads!r}; "
-            f"pass e.g. cpu_threads=8, or None for this process's cores less one."
+            f"pass e.g. cpu_threads=8, or None for this rank's share of the host's cores less one."
         )
     if max_grad_norm is not None:
         _require_number("max_grad_norm", max_grad_norm, "1.0 (0 or None: no clipping)")

@@ -43,8 +43,9 @@ LAUNCHER_LOCAL_RANKS = (
     "MPI_LOCALRANKID",
     "SLURM_LOCALID",
 )
-# Set, these make GNU OpenMP bind each team thread to a place itself, over our binding.
-OPENMP_BINDING_ENV = ("OMP_PLACES", "GOMP_CPU_AFFINITY", "OMP_PROC_BIND")
+# Set, these make OpenMP (GNU's; KMP_AFFINITY: LLVM's, a clang build) bind each team thread
+# to a place itself, over our binding.
+OPENMP_BINDING_ENV = ("OMP_PLACES", "GOMP_CPU_AFFINITY", "OMP_PROC_BIND", "KMP_AFFINITY")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,7 +249,7 @@ def gpu_nodes_of_local_ranks(device_index: int | None, local_rank: int, count: i
 def _openmp_binds() -> str | None:
     for name in OPENMP_BINDING_ENV:
         value = os.environ.get(name, "").strip()
-        if value and value.lower() != "false":
+        if value and value.lower() not in ("false", "none", "disabled"):
             return name
     return None
 
