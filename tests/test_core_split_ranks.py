@@ -92,3 +92,42 @@ def test_two_ranks_run_their_cpu_adam_threads_on_disjoint_cpus(tmp_path):
         planned.append(expected.cpus)
     if len(os.sched_getaffinity(0)) >= 2:
         assert not planned[0] & planned[1], planned  # disjoint where the host has the CPUs
+
+
+def _zero3_rank(rank: int, world: int, port: int, out_dir: str) -> None:
+    import torch
+    from zero3_reference import Zero3Case, init_rank, make_engine
+
+    init_rank(rank, world, port)
+    torch.set_num_threads(1)
+    import hf_superoffload  # noqa: F401  (the ZeRO-3 path)
+    from hf_superoffload import ops
+    from hf_superoffload.engine.cpu_topology import format_cpulist
+
+    _, optimizer = make_engine(Zero3Case(), True, world)
+    worker = optimizer._stv.worker._thread.native_id
+    result = {
+        "worker": _affinities()[worker],
+        "threads": ops.get_num_threads(),
+        "training_thread": format_cpulist(os.sched_getaffinity(0)),
+    }
+    with open(os.path.join(out_dir, f"zero3_rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+def test_the_zero3_paths_ranks_bind_their_workers_to_their_shares(tmp_path):
+    """Under DeepSpeed ZeRO-3 (two gloo ranks, which find the ranks of their host by host name
+    over torch.distributed), each rank's worker runs on the split's CPUs for that rank and the
+    team has the split's size; the training thread keeps the process's CPUs."""
+    from ranks import free_port, spawn_ranks
+
+    from hf_superoffload.engine.core_split import split_cores, team_on
+    from hf_superoffload.engine.cpu_topology import format_cpulist, read_topology
+
+    spawn_ranks(_zero3_rank, (2, free_port(), str(tmp_path)), 2, timeout=240)
+    for rank in range(2):
+        result = json.loads((tmp_path / f"zero3_rank{rank}.json").read_text())
+        expected = team_on(split_cores(read_topology(), 2, rank), "cpu", torch_threads=1)
+        assert result["worker"] == format_cpulist(expected.cpus), result
+        assert result["threads"] == expected.threads
+        assert result["training_thread"] == format_cpulist(os.sched_getaffinity(0))

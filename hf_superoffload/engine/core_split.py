@@ -298,10 +298,6 @@ def choose_team(
     return team_on(rank, device.type, cpu_threads, cores_perc, torch_threads)
 
 
-def default_cpu_threads(device: torch.device) -> int:
-    return choose_team(device).threads
-
-
 _team_cpus: frozenset[int] | None = None  # the last team's CPUs (use_team), for new workers
 
 
