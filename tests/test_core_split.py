@@ -303,3 +303,19 @@ def test_openmp_affinity_variables_that_bind_nothing_leave_the_split(host, monke
     for value, split in (("disabled", True), ("none", True), ("compact", False)):
         monkeypatch.setenv("KMP_AFFINITY", value)
         assert (core_split.choose_team(CUDA).cpus is not None) == split, value
+
+
+def test_without_thread_affinity_the_team_is_sized_and_left_floating(monkeypatch):
+    """macOS and Windows have no sched_getaffinity or sched_setaffinity."""
+    from hf_superoffload.engine import cpu_topology
+
+    monkeypatch.delenv(core_split.CORES_ENV, raising=False)
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", *core_split.LAUNCHER_LOCAL_RANKS):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delattr(os, "sched_getaffinity")
+    monkeypatch.delattr(os, "sched_setaffinity")
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert cpu_topology.read_topology().usable == frozenset(range(8))
+    assert core_split.choose_team(CUDA) == core_split.Team(
+        7, 8, None, "not split: this OS cannot bind threads"
+    )

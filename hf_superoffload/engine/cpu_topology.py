@@ -112,7 +112,10 @@ def hyperthread_cores(cpus: Iterable[int]) -> dict[int, int]:
 
 
 def read_topology() -> Topology:
-    usable = frozenset(os.sched_getaffinity(0))
+    if hasattr(os, "sched_getaffinity"):
+        usable = frozenset(os.sched_getaffinity(0))
+    else:  # macOS, Windows: no affinity to read (nor threads to bind)
+        usable = frozenset(range(os.cpu_count() or 1))
     host = host_cpus(usable)
     return Topology(usable, host, numa_node_cpus(), hyperthread_cores(host))
 
