@@ -42,7 +42,13 @@ VARIABLES = _declare(
     Variable(
         "HF_SUPEROFFLOAD_CPU_THREADS",
         "threads of the CPU Adam",
-        "the cores this process may use, less one",
+        "this rank's share of the host's cores, less one",
+    ),
+    Variable(
+        "HF_SUPEROFFLOAD_CPU_CORES",
+        "CPUs of the CPU Adam: 'auto' (each rank of a host its own share, NUMA-local), 'off' "
+        "(threads float), or CPU lists, one per local rank, separated by ';' (0-13;14-27)",
+        "auto",
     ),
     Variable(
         "HF_SUPEROFFLOAD_SPECULATE", "speculation-then-validation on or off (true/false)", "true"

@@ -258,7 +258,7 @@ def _count_ranks(rank: int, rendezvous: str, out_dir: str) -> None:
         "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2,
         timeout=datetime.timedelta(seconds=60),
     )  # fmt: skip
-    outcome = {"ranks": host_memory.ranks_on_this_host(), "cores": checks.cores_of_this_rank(False)}
+    outcome = {"ranks": host_memory.ranks_on_this_host(), "cores": checks.cores_of_this_rank()}
     try:  # 6 GiB a rank fits the host's 10 for one rank, not for two
         host_memory.check_host_memory({"master": 6 * GiB}, "change something")
     except host_memory.HostMemoryError as error:

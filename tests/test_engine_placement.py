@@ -66,19 +66,3 @@ def test_headroom_counts_the_allocators_reserved_peak_and_a_margin(monkeypatch):
     headroom = placement.device_headroom_bytes(torch.device("cuda", 0))
     assert headroom == 80 * gib - 66 * gib - 4 * gib  # margin: 5% of the card, at least 2 GiB
     assert placement.device_headroom_bytes(torch.device("cpu")) == 0.0  # nothing to move to
-
-
-def test_default_cpu_threads_share_a_host_between_unbound_ranks(monkeypatch):
-    from hf_superoffload.engine import checks
-
-    cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(checks.os, "sched_getaffinity", lambda pid: set(range(64)))
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    monkeypatch.delenv("ACCELERATE_CPU_AFFINITY", raising=False)
-    assert checks.default_cpu_threads(cuda) == 63  # one core feeds the GPU
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert checks.default_cpu_threads(cuda) == 15  # 64 / 4 ranks, minus the feeding core
-    # accelerate's enable_cpu_affinity bound each rank to its own node's cores already.
-    monkeypatch.setenv("ACCELERATE_CPU_AFFINITY", "1")
-    monkeypatch.setattr(checks.os, "sched_getaffinity", lambda pid: set(range(16)))
-    assert checks.default_cpu_threads(cuda) == 15

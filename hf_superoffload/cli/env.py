@@ -1,7 +1,8 @@
 """``hf-superoffload env``: what this machine offers SuperOffload, for bug reports and tuning.
 
 Versions, the CPU and its SIMD features, the CPU Adam's build status and instruction set, GPUs
-with measured host<->GPU bandwidth, NUMA nodes, resctrl/MPAM and DeepSpeed. ``--json`` prints
+with measured host<->GPU bandwidth, NUMA nodes, each local rank's CPUs for its CPU Adam
+(engine/core_split.py), resctrl/MPAM and DeepSpeed. ``--json`` prints
 the same facts for scripts.
 """
 
@@ -11,6 +12,7 @@ import argparse
 import json
 import sys
 
+from ..engine.core_split import CORES_ENV
 from ..env import VARIABLES
 from . import env_facts
 
@@ -108,6 +110,8 @@ def render(facts: dict) -> str:
         cpus = f"cpus {node['cpus']}" if node["cpus"] else "no CPUs (device or far memory)"
         lines.append(f"  node{node['node']}: {cpus}, {size}")
 
+    lines.extend(_core_split_lines(facts["core_split"]))
+
     resctrl = facts["resctrl"]
     lines.append("memory partitioning (resctrl: Intel RDT / Arm MPAM)")
     lines.append(_row("status", resctrl["status"]))
@@ -127,6 +131,29 @@ def render(facts: dict) -> str:
     for name, value in facts["environment"].items():
         lines.append(f"  {name}={value}: {VARIABLES[name].meaning}")
     return "\n".join(lines)
+
+
+def _core_split_lines(split: dict) -> list[str]:
+    lines = [
+        f"CPU Adam cores per local rank ({split['ranks_from']}; {CORES_ENV}={split['setting']})"
+    ]
+    if split.get("error"):
+        lines.append(f"  refused: {split['error']}")
+    elif split["not_split"]:
+        lines.append(f"  not split: {split['not_split']}")
+    reasons = {rank["how"] for rank in split["ranks"]}
+    for rank in split["ranks"]:
+        node = f", NUMA node {rank['numa_node']}" if rank["numa_node"] is not None else ""
+        kept = rank["kept_for_training_thread"]
+        kept = f", CPU {kept} kept for the training thread" if kept else ""
+        why = f" ({rank['how']})" if len(reasons) > 1 else ""
+        lines.append(
+            f"  rank {rank['local_rank']}: CPUs {rank['cpus']}{node}; CPU Adam {rank['threads']} "
+            f"thread(s) on {rank['cpu_adam_cpus']}{kept}{why}"
+        )
+    if len(reasons) == 1:
+        lines.append(f"  chosen as: {reasons.pop()}")
+    return lines
 
 
 def _build_line(kernel: dict) -> str:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from .. import __version__, env
+from ..engine.cpu_topology import gpu_numa_node
 from . import bandwidth, host_facts
 
 PACKAGES = ("torch", "transformers", "accelerate", "trl", "deepspeed", "datasets", "ninja")
@@ -24,6 +25,7 @@ ISA_ENV = "HF_SUPEROFFLOAD_CPU_ADAM_ISA"  # hf_superoffload/ops/adam.py reads it
 
 def collect(build: bool = False, measure_bandwidth: bool = True) -> dict:
     cpu = host_facts.cpu()
+    found_gpus = gpus(measure_bandwidth)
     return {
         "hf_superoffload": __version__,
         "python": platform.python_version(),
@@ -32,8 +34,9 @@ def collect(build: bool = False, measure_bandwidth: bool = True) -> dict:
         "torch": torch_facts(),
         "cpu": cpu,
         "cpu_adam": cpu_adam(cpu, build),
-        "gpus": gpus(measure_bandwidth),
+        "gpus": found_gpus,
         "numa": host_facts.numa_nodes(),
+        "core_split": core_split(found_gpus),
         "resctrl": host_facts.resctrl(cpu),
         "deepspeed": deepspeed(),
         "environment": variables_set(),
@@ -126,7 +129,7 @@ def gpus(measure_bandwidth: bool) -> list[dict]:
             "memory_bytes": props.total_memory,
             "capability": f"{props.major}.{props.minor}",
             "multiprocessors": props.multi_processor_count,
-            "numa_node": _gpu_numa_node(props),
+            "numa_node": gpu_numa_node(index),
         }
         if measure_bandwidth:
             try:
@@ -139,11 +142,31 @@ def gpus(measure_bandwidth: bool) -> list[dict]:
     return found
 
 
-def _gpu_numa_node(props) -> int | None:
-    ids = [getattr(props, name, None) for name in ("pci_domain_id", "pci_bus_id", "pci_device_id")]
-    if any(not isinstance(value, int) for value in ids):
-        return None
-    return host_facts.gpu_numa_node(*ids)
+def core_split(found_gpus: list[dict]) -> dict:
+    """Each local rank's CPUs for its CPU Adam (engine/core_split.py): for the ranks a launcher
+    started on this host, else one rank per GPU of this host (one rank without a GPU)."""
+    from ..engine import core_split as split
+
+    _, count, counted = split.local_rank_and_count()
+    if count > 1:
+        ranks, source = count, f"{count} ranks on this host ({counted})"
+    elif found_gpus:
+        ranks, source = len(found_gpus), f"one rank per GPU of this host ({len(found_gpus)})"
+    else:
+        ranks, source = 1, "one rank (no launcher, no GPU)"
+    gpu_nodes = None
+    if found_gpus and len(found_gpus) >= ranks:
+        gpu_nodes = [gpu["numa_node"] for gpu in found_gpus[:ranks]]
+    try:
+        report = split.host_split(ranks, "cuda" if found_gpus else "cpu", gpu_nodes)
+    except ValueError as error:  # a setting the engine would refuse: say so, as it would
+        report = {
+            "setting": split.cores_setting(),
+            "not_split": None,
+            "ranks": [],
+            "error": str(error),
+        }
+    return {"ranks_from": source, **report}
 
 
 def deepspeed() -> dict:

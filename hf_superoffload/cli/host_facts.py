@@ -95,13 +95,6 @@ def numa_nodes() -> list[dict]:
     return nodes
 
 
-def gpu_numa_node(pci_domain: int, pci_bus: int, pci_device: int) -> int | None:
-    """The NUMA node the kernel assigns to a PCI device (None when it does not say)."""
-    address = f"{pci_domain:04x}:{pci_bus:02x}:{pci_device:02x}.0"
-    value = _read(f"/sys/bus/pci/devices/{address}/numa_node").strip()
-    return int(value) if value.lstrip("-").isdigit() and int(value) >= 0 else None
-
-
 def resctrl(cpu_facts: dict) -> dict:
     """Whether cache / memory-bandwidth partitioning can be used to keep the CPU Adam from
     starving the training process (the paper uses MPAM on Grace)."""

@@ -5,12 +5,11 @@ from __future__ import annotations
 import difflib
 import logging
 import numbers
-import os
 from collections.abc import Iterable, Mapping
 
 import torch
 
-from .host_memory import ranks_on_this_host
+from .core_split import choose_team
 
 HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
 
@@ -88,7 +87,7 @@ def check_options(
     ):
         raise ValueError(
             f"cpu_threads (threads of the CPU Adam) must be a positive int, got {cpu_threads!r}; "
-            f"pass e.g. cpu_threads=8, or None for this process's cores less one."
+            f"pass e.g. cpu_threads=8, or None for this rank's share of the host's cores less one."
         )
     if max_grad_norm is not None:
         _require_number("max_grad_norm", max_grad_norm, "1.0 (0 or None: no clipping)")
@@ -217,25 +216,14 @@ def check_params_attached(buckets: list) -> None:
         )
 
 
-def cores_of_this_rank(bound: bool) -> int:
-    """The cores this process may use, shared out between the ranks of one host unless each
-    rank is ``bound`` to cores of its own."""
-    cores = len(os.sched_getaffinity(0))
-    local_ranks = ranks_on_this_host()  # whatever the launcher
-    if local_ranks > 1 and not bound:
-        cores = max(1, cores // local_ranks)
-    return cores
+def cores_of_this_rank() -> int:
+    """The CPUs this rank counts as its own: its share of the host (core_split.py), or, where
+    the host is not split (``HF_SUPEROFFLOAD_CPU_CORES=off``, no local rank known), this
+    process's CPUs divided by the ranks of the host."""
+    return choose_team(torch.device("cpu")).share
 
 
 def default_cpu_threads(device: torch.device) -> int:
-    # Ranks accelerate bound each to its GPU's NUMA node keep their cores; others share them
-    # (set cpu_threads to override, e.g. after binding ranks yourself with numactl).
-    cores = cores_of_this_rank(bound=os.environ.get("ACCELERATE_CPU_AFFINITY") == "1")
-    if device.type != "cuda":
-        # Without a GPU, forward and backward run on torch's intra-op threads while the CPU
-        # Adam runs on the worker during backward: give it only the cores those threads leave
-        # (at least one), not a second team as large, which oversubscribes the cores (on 2
-        # cores, the default team of 2 plus 2 CPU Adam threads).
-        return max(1, cores - torch.get_num_threads())
-    # Leave one core to the training thread that feeds the GPU.
-    return max(1, cores - 1)
+    """The CPU Adam's threads when none are asked for: the rank's share of the host less the
+    training thread's core (on the CPU device, less torch's intra-op threads instead)."""
+    return choose_team(device).threads

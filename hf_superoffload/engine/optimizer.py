@@ -45,9 +45,9 @@ from .checks import (
     check_options,
     check_params_attached,
     common_device_and_dtype,
-    default_cpu_threads,
     refuse_unknown_kwargs,
 )
+from .core_split import choose_team, use_team
 from .forward_waits import ForwardWaits
 from .grad_arrival import GradArrival
 from .layout import lay_out
@@ -122,9 +122,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             raise ValueError("SuperOffloadOptimizer got no parameters that require grad.")
         ownership.claim(trainable, self)
         device, dtype = common_device_and_dtype(trainable)
-        if cpu_threads is None:
-            cpu_threads = default_cpu_threads(device)
-        ops.set_num_threads(cpu_threads)
+        use_team(choose_team(device, cpu_threads))  # this rank's share of the host's cores
         ops.prepare()  # build or load the CPU Adam now, visibly, not inside step 1
         # Data parallelism (process_group, or the initialised default group): each rank
         # averages every bucket's gradients with the others, so the model must not also be

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from .core_split import pin_cpu_adam_thread
 from .replicas import publish_failure
 
 _STOP = object()
@@ -36,6 +37,7 @@ class Worker:
         self.publish: Callable[[BaseException], None] = publish_failure
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+        pin_cpu_adam_thread(self._thread.native_id)  # before any task: OpenMP's team inherits
 
     def submit(self, buckets: Iterable[int], task: Callable[[], None]) -> None:
         keys = tuple(buckets)

@@ -47,8 +47,8 @@ class SuperOffloadOptions:
     cpu_threads: int | None = dataclasses.field(
         default=None,
         metadata={
-            "help": "Threads of the CPU Adam. Env HF_SUPEROFFLOAD_CPU_THREADS; default: the cores "
-            "this process may use, less one for the thread feeding the GPU."
+            "help": "Threads of the CPU Adam. Env HF_SUPEROFFLOAD_CPU_THREADS; default: this rank's "
+            "share of the host's cores, less one for the thread feeding the GPU."
         },
     )
     speculate: bool | None = dataclasses.field(

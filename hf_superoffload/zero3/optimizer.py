@@ -42,6 +42,7 @@ from deepspeed.utils import log_dist
 from .. import ops
 from ..engine.cast_policy import choose_cast_plan
 from ..engine.copy_out import CopyOutRing
+from ..engine.core_split import use_team
 from ..engine.layout import copy_out_dtype
 from ..engine.link import Link
 from ..engine.partition import HostPartition
@@ -131,7 +132,7 @@ class SuperOffloadZero3Optimizer(
         ordered = (p for group in init_optimizer.param_groups for p in group["params"])
         self._salt_of = {id(p): n * world + rank for n, p in enumerate(ordered)}
         super().__init__(module, init_optimizer, param_names, timers, ds_config, **kwargs)
-        ops.set_num_threads(options.cpu_threads)
+        use_team(options.team)  # its thread count, and its CPUs for the worker
         ops.prepare()  # build or load the CPU Adam now, visibly, not inside step 1
         self._zero_padding()
 

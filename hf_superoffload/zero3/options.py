@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 
 import torch
 
 from .. import env
-from ..engine.checks import cores_of_this_rank, default_cpu_threads
+from ..engine.core_split import Team, choose_team
 from ..engine.optimizer import DEFAULT_BUCKET_SIZE
 from ..engine.replicas import Replicas
 from ..integrations.plugin import ENV_PREFIX, SuperOffloadOptions
@@ -41,11 +40,15 @@ DEEPSPEED_DEFAULT_REDUCE_BUCKET_SIZE = 500_000_000
 
 @dataclasses.dataclass(frozen=True)
 class Zero3Options:
-    cpu_threads: int
+    team: Team  # the CPU Adam's threads and CPUs (core_split.py)
     speculate: bool
     speculate_after_clip: bool
     cast: str
     compact: bool = False  # the moments are compact (engine/compact_moments.py)
+
+    @property
+    def cpu_threads(self) -> int:
+        return self.team.threads
 
 
 def cores_perc_if_set(offload_optimizer_config) -> float | None:
@@ -65,20 +68,15 @@ def resolve_options(cpuadam_cores_perc: float | None, device: torch.device) -> Z
                 f"config instead (and unset {name})."
             )
     plugin = SuperOffloadOptions()  # resolves HF_SUPEROFFLOAD_* (and refuses bad values)
-    threads = plugin.cpu_threads
-    if threads is None and cpuadam_cores_perc is None:
-        # As on the standalone path: the rank's cores less one for the training thread, whose
-        # DeepSpeed hooks run during the CPU pass. Measured at 3.4B on an H100 host (16
-        # cores): the pass took 0.88 s with 15 threads, 0.97 with 12 (DeepSpeed's 0.8) and
-        # 1.18 with 16, where a kernel thread shared a core with the training thread.
-        threads = default_cpu_threads(device)
-    elif threads is None:
-        # Ranks bound to their own cores (deepspeed --bind_cores_to_rank, accelerate's
-        # affinity) see fewer than the host has; unbound ranks of one host share them.
-        bound = len(os.sched_getaffinity(0)) < (os.cpu_count() or 1)
-        threads = max(1, int(cpuadam_cores_perc * cores_of_this_rank(bound)))
+    # As on the standalone path: the rank's share of the host less one core for the training
+    # thread, whose DeepSpeed hooks run during the CPU pass, unless HF_SUPEROFFLOAD_CPU_THREADS
+    # or the config's cpuadam_cores_perc (a share of the rank's cores) sizes the team. Measured
+    # at 3.4B on an H100 host (16 cores): the pass took 0.88 s with 15 threads, 0.97 with 12
+    # (DeepSpeed's 0.8) and 1.18 with 16, where a kernel thread shared a core with the
+    # training thread.
+    team = choose_team(device, plugin.cpu_threads, cpuadam_cores_perc)
     return Zero3Options(
-        threads, plugin.speculate, plugin.speculate_after_clip, plugin.cast,
+        team, plugin.speculate, plugin.speculate_after_clip, plugin.cast,
         plugin.moments == "compact",
     )  # fmt: skip
 
