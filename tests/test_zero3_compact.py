@@ -140,3 +140,68 @@ def test_compact_moments_on_zero3_equal_the_flat_compact_reference(world, ratio,
         stats = ours["stats"]
         assert stats["rollbacks_nonfinite"] == 1 and stats["speculations_applied"] > 0
         assert (stats["gpu_tail_buckets"] > 0) == (ratio < 1.0)
+
+
+def _resume_on_rank(rank, world, port, case, out_dir) -> None:
+    os.environ["HF_SUPEROFFLOAD_MOMENTS"] = "compact"
+    init_rank(rank, world, port)
+    torch.set_num_threads(1)
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    import hf_superoffload  # noqa: F401
+    from hf_superoffload.zero3.checkpoint_layout import CheckpointLayoutError
+
+    half = case.steps // 2
+    checkpoint = os.path.join(out_dir, "checkpoint")
+    engine, optimizer = make_engine(case, True, world)
+    train(engine, case, rank, range(half))
+    engine.save_checkpoint(checkpoint, tag="half")
+    masters = {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
+    straight = train(engine, case, rank, range(half, case.steps))
+    straight["state"] = _state(optimizer)
+    engine.destroy()
+
+    engine, optimizer = make_engine(case, True, world, model_seed=1)  # other initial weights
+    engine.load_checkpoint(checkpoint, tag="half")
+    resumed = train(engine, case, rank, range(half, case.steps))
+    resumed["state"] = _state(optimizer)
+    engine.destroy()
+
+    os.environ["HF_SUPEROFFLOAD_MOMENTS"] = "fp32"  # compact codes do not load into fp32 moments
+    engine, optimizer = make_engine(case, True, world, model_seed=1)
+    before = optimizer.fp32_partitioned_groups_flat[0].clone()
+    try:
+        engine.load_checkpoint(checkpoint, tag="half")
+        refused = ""
+    except CheckpointLayoutError as error:
+        refused = str(error)
+    unchanged = torch.equal(before, optimizer.fp32_partitioned_groups_flat[0])
+    engine.destroy()
+    deepspeed.comm.barrier()
+    consolidated = get_fp32_state_dict_from_zero_checkpoint(checkpoint, tag="half")
+    torch.save(
+        {"straight": straight, "resumed": resumed, "masters": masters, "fp32": consolidated,
+         "refused": refused, "unchanged": unchanged},
+        os.path.join(out_dir, f"rank{rank}.pt"),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("ratio", [1.0, 0.5])
+def test_compact_save_then_resume_is_bit_exact_and_zero_to_fp32_reads_the_masters(ratio, tmp_path):
+    case = Zero3Case(max_grad_norm=1.0, nan_step=1, ratio=ratio)
+    world = 2
+    spawn_ranks(_resume_on_rank, (world, free_port(), case, str(tmp_path)), world)
+    for rank in range(world):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        straight, resumed = result["straight"], result["resumed"]
+        assert resumed["losses"] == straight["losses"], rank
+        for a, b in zip(resumed["state"], straight["state"], strict=True):
+            for key in ("master", *STATE_KEYS):
+                assert torch.equal(a[key], b[key]), f"rank {rank} {key}"
+        assert result["fp32"].keys() == result["masters"].keys()
+        for name, master in result["masters"].items():
+            assert torch.equal(result["fp32"][name], master), f"zero_to_fp32 differs at {name}"
+        assert "HF_SUPEROFFLOAD_MOMENTS=compact" in result["refused"]
+        assert result["unchanged"]

@@ -25,8 +25,10 @@ from .checkpoint_layout import (
 from .checkpoint_memory import MAPPED_KEY, release_mapped_pages
 from .param_steps import PARAM_STEPS_KEY
 
-# Keys of a base optimizer's per-sub-group state this path restores (AdamW's).
-STATE_KEYS = {"step", PARAM_STEPS_KEY, *MOMENTS}  # param_steps: param_steps.py
+# Compact moments (engine/compact_moments.py) save their block scales beside their codes.
+COMPACT_SCALES = ("exp_avg_scale", "exp_avg_sq_scale")
+# Keys of a base optimizer's per-sub-group state this path restores (AdamW's, or compact).
+STATE_KEYS = {"step", PARAM_STEPS_KEY, *MOMENTS, *COMPACT_SCALES}  # param_steps: param_steps.py
 
 
 def restore_group_hyperparameters(live_groups: list[dict], saved_groups: list[dict]) -> None:
@@ -97,6 +99,55 @@ def live_part(zero, t: int):
     return zero._host_part_at[t] if t in zero._host_part_at else zero._device_part_at[t]
 
 
+def check_moment_formats(zero, states: list[dict], recut: Recut) -> bool:
+    """Whether the saved moments are compact codes; refuse what cannot be restored exactly:
+    compact codes into fp32 moments, or into sub groups cut another way (their block scales
+    follow the params' partitions of the ranks that saved them)."""
+    saved_compact = bool(states[0]) and states[0]["exp_avg"].dtype == torch.uint8
+    if saved_compact and not zero._compact:
+        raise CheckpointLayoutError(
+            "the checkpoint holds compact moments (saved with HF_SUPEROFFLOAD_MOMENTS=compact); "
+            "resume with HF_SUPEROFFLOAD_MOMENTS=compact (superoffload_moments='compact')."
+        )
+    if saved_compact and not recut.identity:
+        raise CheckpointLayoutError(
+            "the checkpoint's compact moments were cut into other sub groups: resume with the "
+            "sub_group_size, offload ratio, param groups and number of ranks that saved it."
+        )
+    return saved_compact
+
+
+def _load_moments(part, t: int, recut: Recut, moments: list, saved_compact: bool, state) -> None:
+    """Sub group ``t``'s moments: fp32 ones copied (or encoded, into compact moments), compact
+    codes and scales copied as they are, none (saved before the first step) zeroed."""
+    compact = part.compact
+    if compact is None:
+        for saved_moment, live in zip(
+            moments or [None, None], (part.exp_avg, part.exp_avg_sq), strict=True
+        ):
+            if saved_moment is None:
+                live.zero_()
+            else:
+                recut.copy_into(t, live, saved_moment)
+        return
+    if saved_compact:
+        keys = ("exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale")
+        for key, live in zip(keys, compact.tensors(), strict=True):
+            live.copy_(state[key])
+        return
+    values = []
+    for saved_moment in moments:
+        value = torch.empty(part.numel, dtype=torch.float32)
+        recut.copy_into(t, value, saved_moment)
+        values.append(value)
+    for index, segment in enumerate(compact.segments):
+        entry = None
+        if values:  # fp32 moments: encoded, to nearest
+            span = slice(segment.offset, segment.offset + segment.numel)
+            entry = {"exp_avg": values[0][span], "exp_avg_sq": values[1][span]}
+        compact.load(index, entry)
+
+
 @torch.no_grad()
 def load_rank_state(zero, saved: dict, load_optimizer_states: bool) -> None:
     """Restore this rank's fp32 masters (always, as DeepSpeed does) and, if asked, both moments,
@@ -104,6 +155,7 @@ def load_rank_state(zero, saved: dict, load_optimizer_states: bool) -> None:
     recut = Recut(saved_layout(zero, saved), live_layout(zero))
     if load_optimizer_states:  # every check before anything changes
         states = saved_sub_group_states(saved)
+        saved_compact = check_moment_formats(zero, states, recut)
         steps = [agreed_step(states, recut.source_sub_groups(t)) for t in range(len(recut.sources))]
         step_states = saved_step_states(states, recut, steps) if states[0] else None
         restore_group_hyperparameters(
@@ -122,13 +174,8 @@ def load_rank_state(zero, saved: dict, load_optimizer_states: bool) -> None:
         recut.copy_into(t, master, masters)
         if load_optimizer_states:
             part = live_part(zero, t)
-            for saved_moment, live in zip(
-                moments or [None, None], (part.exp_avg, part.exp_avg_sq), strict=True
-            ):
-                if saved_moment is None:  # saved before the first step
-                    live.zero_()
-                else:
-                    recut.copy_into(t, live, saved_moment)
+            state = states[t] if saved_compact else None
+            _load_moments(part, t, recut, moments, saved_compact, state)
             part.load_steps(step_states[t] if step_states else {"step": steps[t]})
             part.save_steps(zero.optimizer.state[master], zero._step_value)
             if t in zero._device_part_at:

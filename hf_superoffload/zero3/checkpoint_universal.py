@@ -64,6 +64,13 @@ def load_universal_state(
     ):  # module weights only: DeepSpeed's own reader changes nothing else
         zero.load_module_checkpoint_state_from_checkpoint_dir_stage3(folder, load_from_fp32)
         return
+    if zero._compact:
+        raise CheckpointLayoutError(
+            "compact moments (HF_SUPEROFFLOAD_MOMENTS=compact) resume from a checkpoint saved "
+            "by the same ranks and sub groups, not from a universal one: set "
+            '"load_universal": false and resume on the machine shape that saved it, or resume '
+            "the universal checkpoint with fp32 moments (HF_SUPEROFFLOAD_MOMENTS=fp32)."
+        )
     folder = os.path.join(folder, "zero")
     path = os.path.join(folder, "optimizer_state.pt")
     if not os.path.isfile(path):
