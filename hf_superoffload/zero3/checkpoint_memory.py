@@ -19,6 +19,8 @@ import torch
 
 # Bytes per param of a rank's partition in its optimizer file: fp32 master, exp_avg, exp_avg_sq.
 SAVED_BYTES_PER_PARAM = 12
+# With compact moments: fp32 master, two codes, and two fp32 scales a block of 256 (at most).
+COMPACT_SAVED_BYTES_PER_PARAM = 4 + 2 + 8 / 256
 # Set on a rank's state dict that was read memory-mapped: its tensors' pages may be released.
 MAPPED_KEY = "hf_superoffload_mapped"
 
@@ -27,7 +29,10 @@ _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def resume_extra_host_bytes(
-    partition_numel: int, largest_sub_group_numel: int, mapped: bool = True
+    partition_numel: int,
+    largest_sub_group_numel: int,
+    mapped: bool = True,
+    saved_bytes_per_param: float = SAVED_BYTES_PER_PARAM,
 ) -> int:
     """Host bytes a rank needs while resuming, beyond its live training state (what the
     optimizer already holds when ``load_checkpoint`` starts), for the memory plan.
@@ -44,10 +49,11 @@ def resume_extra_host_bytes(
     copied: one sub group when the checkpoint was cut as the live optimizer is, at most two
     (one straddling the next) when it crosses from DeepSpeed's cut; the bound below is the
     latter. The page cache that reading the file leaves is the kernel's to drop, not counted.
+    ``saved_bytes_per_param``: 12 (fp32 master and moments), or ``COMPACT_SAVED_BYTES_PER_PARAM``.
     """
     if not mapped:
-        return SAVED_BYTES_PER_PARAM * partition_numel
-    return SAVED_BYTES_PER_PARAM * min(partition_numel, 2 * largest_sub_group_numel)
+        return math.ceil(saved_bytes_per_param * partition_numel)
+    return math.ceil(saved_bytes_per_param * min(partition_numel, 2 * largest_sub_group_numel))
 
 
 def release_mapped_pages(tensor: torch.Tensor) -> None:

@@ -36,6 +36,7 @@ from .sub_group_cut import (
     SubGroupSplit,
     persistent_params,
     split_sub_groups,
+    sub_group_blocks,
     sub_group_numels,
 )
 
@@ -49,7 +50,7 @@ REMEDIES = (
 )
 
 
-def zero3_sub_groups(init_optimizer, kwargs: dict) -> SubGroupSplit:
+def zero3_sub_groups(init_optimizer, kwargs: dict, compact: bool = False) -> SubGroupSplit:
     """The sub groups the optimizer DeepSpeed is about to build (its constructor's
     ``kwargs``) will have, and ``ratio``'s cut of them. Params not yet partitioned count
     whole (``ds_numel`` is set once they are). Persistence is DeepSpeed's mark where
@@ -74,40 +75,47 @@ def zero3_sub_groups(init_optimizer, kwargs: dict) -> SubGroupSplit:
     }
     group = kwargs.get("dp_process_group")
     ranks = dist.get_world_size(group=group) if dist.is_initialized() else 1
-    numels = sub_group_numels(
+    cut = (
         [[Param(_numel(p), persists[id(p)]) for p in params] for params in groups],
         ranks,
         sub_group_size(kwargs.get("sub_group_size", 0)),
     )
-    return split_sub_groups(numels, kwargs.get("offload_ratio", 1.0))
+    blocks = sub_group_blocks(*cut) if compact else ()
+    return split_sub_groups(sub_group_numels(*cut), kwargs.get("offload_ratio", 1.0), blocks)
 
 
 def _numel(param) -> int:
     return getattr(param, "ds_numel", param.numel())
 
 
-def zero3_host_parts(init_optimizer, kwargs: dict) -> dict[str, int]:
+def zero3_host_parts(init_optimizer, kwargs: dict, compact: bool = False) -> dict[str, int]:
     """Host bytes per rank of the optimizer DeepSpeed is about to build, by what holds them:
-    training's parts, and what start-up or a resume holds beyond them (the larger)."""
-    split = zero3_sub_groups(init_optimizer, kwargs)
+    training's parts, and what start-up or a resume holds beyond them (the larger);
+    ``compact``: its moments are compact."""
+    split = zero3_sub_groups(init_optimizer, kwargs, compact)
     params = [p for g in init_optimizer.param_groups for p in g["params"] if p.requires_grad]
     grad = kwargs.get("gradient_accumulation_dtype", torch.float32).itemsize
     low = params[0].dtype.itemsize if params and params[0].dtype != torch.float32 else 0
-    copy_out = copy_out_bytes(split.largest_host_sub_group, low)
+    copy_out = copy_out_bytes(split.largest_host_sub_group, low, compact)
     accumulating = kwargs.get("gradient_accumulation_steps", 1) > 1
-    parts = optimizer_host_parts(split.partition, split.host_numel, grad, copy_out, accumulating)
+    parts = optimizer_host_parts(
+        split.partition, split.host_numel, grad, copy_out, accumulating,
+        split.host_blocks if compact else None,
+    )  # fmt: skip
     start_up = start_up_host_bytes(split.partition, grad) - sum(parts.values())
-    resume = resume_extra_host_bytes(split)
+    resume = resume_extra_host_bytes(split, compact)
     parts["start_up_beyond_training"] = start_up if start_up > max(resume, 0) else 0
     parts["resume_beyond_training"] = resume if resume >= start_up else 0
     return parts
 
 
-def check_zero3_host_memory(init_optimizer, kwargs: dict, replicas: Replicas) -> None:
+def check_zero3_host_memory(
+    init_optimizer, kwargs: dict, replicas: Replicas, compact: bool = False
+) -> None:
     """Refuse this rank's host state if the host cannot hold it for all of its ranks, then
     wait for the other ranks' checks: each measures the available memory before any of them
     allocates (else a late rank would count an early one's buffers twice), and a rank that
     refused ends the others' wait at once, with its error (the optimizer's ``replicas``, whose
     failure watch also ends an NCCL wait)."""
-    check_host_memory(zero3_host_parts(init_optimizer, kwargs), REMEDIES)
+    check_host_memory(zero3_host_parts(init_optimizer, kwargs, compact), REMEDIES)
     replicas.agree(0.0, "max")

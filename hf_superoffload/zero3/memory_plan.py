@@ -38,6 +38,7 @@ import math
 
 import torch
 
+from ..engine.compact_moments import compact_moment_bytes
 from ..engine.copy_out import COPY_OUT_PIECE, COPY_OUT_SLOTS
 from . import checkpoint_memory
 from .sub_group_cut import (
@@ -45,6 +46,7 @@ from .sub_group_cut import (
     SubGroupSplit,
     persistent_params,
     split_sub_groups,
+    sub_group_blocks,
     sub_group_numels,
 )
 
@@ -102,6 +104,8 @@ class Zero3Run:
     # The loss: None, the model's own (a batch's full logits); "liger" or "trl", a fused loss
     # that holds a chunk of them (FUSED_CROSS_ENTROPY says which runs use each).
     fused_cross_entropy: str | None = None
+    # Both Adam moments compact (8 bits a value, engine/compact_moments.py), not fp32.
+    compact_moments: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,23 +314,36 @@ def plan_sub_groups(shape: ModelShape, run: Zero3Run) -> SubGroupSplit:
         ]
     else:
         groups = [params]
-    return split_sub_groups(sub_group_numels(groups, run.ranks, run.sub_group_size), run.ratio)
+    numels = sub_group_numels(groups, run.ranks, run.sub_group_size)
+    blocks = sub_group_blocks(groups, run.ranks, run.sub_group_size) if run.compact_moments else ()
+    return split_sub_groups(numels, run.ratio, blocks)
 
 
-def copy_out_bytes(largest_host_sub_group: int, low_bytes: int) -> int:
+def copy_out_bytes(largest_host_sub_group: int, low_bytes: int, compact: bool = False) -> int:
     """The copy-out ring (engine/copy_out.py): a few pieces of the largest host sub group,
-    in the model's 16-bit dtype (``low_bytes`` 0: an fp32 model has none)."""
-    return COPY_OUT_SLOTS * min(largest_host_sub_group, COPY_OUT_PIECE) * low_bytes
+    in the model's 16-bit dtype (``low_bytes`` 0: an fp32 model has none); with compact
+    moments always, counted in fp32 (the dtype its updates cross in when params do)."""
+    element = 4 if compact else low_bytes
+    return COPY_OUT_SLOTS * min(largest_host_sub_group, COPY_OUT_PIECE) * element
 
 
 def optimizer_host_parts(
-    partition: int, on_host: int, grad_bytes: int, copy_out: int, accumulating: bool
+    partition: int,
+    on_host: int,
+    grad_bytes: int,
+    copy_out: int,
+    accumulating: bool,
+    compact_blocks: int | None = None,
 ) -> dict[str, int]:
     """The optimizer's host bytes per rank while training, by what holds them (the names of
-    ``SuperOffloadZero3Optimizer.host_bytes``): the plan's and the start-up check's."""
+    ``SuperOffloadZero3Optimizer.host_bytes``): the plan's and the start-up check's.
+    ``compact_blocks``: the moments are compact, in that many blocks."""
+    moments = (
+        8 * on_host if compact_blocks is None else compact_moment_bytes(on_host, compact_blocks)
+    )
     return {
         "master": 4 * on_host,
-        "moments": 8 * on_host,
+        "moments": moments,
         "gradients": grad_bytes * on_host,
         "param_copy_out": copy_out if on_host else 0,
         "accumulation": grad_bytes * partition if accumulating else 0,
@@ -339,13 +356,20 @@ def start_up_host_bytes(partition: int, grad_bytes: int) -> int:
     return (4 + grad_bytes) * partition
 
 
-def resume_extra_host_bytes(split: SubGroupSplit) -> int:
+def resume_extra_host_bytes(split: SubGroupSplit, compact: bool = False) -> int:
     """Host bytes per rank that loading a checkpoint into the built optimizer holds beyond
     training's (``split``: the rank's sub groups): the optimizer file is mapped from disk and
     copied into the live state a sub group at a time, so about two saved sub groups' masters and
     moments at once (``checkpoint_memory.resume_extra_host_bytes`` says why). The one place the
     plan and the host check take this figure from."""
-    return checkpoint_memory.resume_extra_host_bytes(split.partition, split.largest_sub_group)
+    per_param = (
+        checkpoint_memory.COMPACT_SAVED_BYTES_PER_PARAM
+        if compact
+        else checkpoint_memory.SAVED_BYTES_PER_PARAM
+    )
+    return checkpoint_memory.resume_extra_host_bytes(
+        split.partition, split.largest_sub_group, saved_bytes_per_param=per_param
+    )
 
 
 def save_extra_host_bytes(shape: ModelShape, run: Zero3Run) -> int:
@@ -414,10 +438,16 @@ def zero3_memory_plan(config, run: Zero3Run, shape: ModelShape | None = None) ->
     partition = split.partition  # padding included: at most one element a param
     tokens = run.seq * run.batch
 
-    copy_out = copy_out_bytes(split.largest_host_sub_group, low)
+    compact = run.compact_moments
+    copy_out = copy_out_bytes(split.largest_host_sub_group, low, compact)
     host = {
         **optimizer_host_parts(
-            partition, split.host_numel, low, copy_out, run.gradient_accumulation > 1
+            partition,
+            split.host_numel,
+            low,
+            copy_out,
+            run.gradient_accumulation > 1,
+            split.host_blocks if compact else None,
         ),
         "offloaded_params": low * partition if run.offload_param else 0,
         "process": HOST_PROCESS_BYTES,
@@ -432,13 +462,17 @@ def zero3_memory_plan(config, run: Zero3Run, shape: ModelShape | None = None) ->
     gpu = {
         "param_partition": 0 if run.offload_param else low * partition,
         "gathered_params": gathered,
-        "optimizer_on_gpu": 16 * split.device_numel,
+        "optimizer_on_gpu": (
+            8 * split.device_numel + compact_moment_bytes(split.device_numel, split.device_blocks)
+            if compact
+            else 16 * split.device_numel
+        ),
         "reduce_bucket": low * run.reduce_bucket_size,
         "layer_inputs": low * shape.layers * tokens * shape.hidden,
         "layer_recompute": 3 * low * tokens * shape.active_intermediate,
         "logits_and_loss": loss_bytes(config, shape, run, tokens),
     }
     start_up = start_up_host_bytes(partition, low) + host["offloaded_params"] + host["process"]
-    resume = sum(host.values()) + resume_extra_host_bytes(split)
+    resume = sum(host.values()) + resume_extra_host_bytes(split, compact)
     save = sum(host.values()) + save_extra_host_bytes(shape, run) if run.saves_model else 0
     return MemoryPlan(shape, run, gpu, host, start_up, resume, split, save)

@@ -109,9 +109,9 @@ class SuperOffloadZero3Optimizer(
         # Its failure watch runs from the first collective on (the host check's): NCCL's wait
         # through a peer's death ends by its abort.
         self._replicas = Replicas(kwargs.get("dp_process_group"), device)
-        check_supported(init_optimizer, ds_config, kwargs, self._replicas)
         perc = cores_perc_if_set(kwargs.get("offload_optimizer_config"))
         options = resolve_options(perc, device)
+        check_supported(init_optimizer, ds_config, kwargs, self._replicas, options.compact)
         kwargs["sub_group_size"] = sub_group_size(kwargs.get("sub_group_size", 0))
         kwargs["reduce_bucket_size"] = reduce_bucket_size(
             kwargs.get("reduce_bucket_size", DEEPSPEED_DEFAULT_REDUCE_BUCKET_SIZE),

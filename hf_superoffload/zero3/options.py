@@ -91,7 +91,9 @@ def reduce_bucket_size(requested: int, sub_group: int) -> int:
     return requested
 
 
-def check_supported(init_optimizer, ds_config, kwargs: dict, replicas: Replicas) -> None:
+def check_supported(
+    init_optimizer, ds_config, kwargs: dict, replicas: Replicas, compact: bool = False
+) -> None:
     """Refuse what this path does not run, saying what to change."""
     offload = kwargs.get("offload_optimizer_config")
     device = getattr(getattr(offload, "device", None), "value", getattr(offload, "device", None))
@@ -124,7 +126,7 @@ def check_supported(init_optimizer, ds_config, kwargs: dict, replicas: Replicas)
             '"zero_optimization", or "super_offload" from "offload_optimizer".'
         )
     check_adamw(init_optimizer)
-    check_zero3_host_memory(init_optimizer, kwargs, replicas)  # last: cheap refusals first
+    check_zero3_host_memory(init_optimizer, kwargs, replicas, compact)  # last: cheap ones first
 
 
 def warn_unused_offload_keys(offload_optimizer_config) -> None:

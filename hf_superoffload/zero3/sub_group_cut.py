@@ -104,6 +104,25 @@ def sub_group_numels(
     return numels
 
 
+def sub_group_blocks(
+    groups: Sequence[Sequence[Param]], ranks: int, sub_group_size: int
+) -> list[int]:
+    """Each sub group's compact-moment blocks per rank (``sub_group_numels``' cut): a block
+    grid per param partition (engine/compact_moments.py)."""
+    from ..engine.compact_moments import blocks_of  # here: compact_moments -> ops
+
+    blocks = []
+    for group in groups:
+        for sub_group in cut_sub_groups(
+            group,
+            sub_group_size,
+            numel=lambda p: partition_numel(p.numel, ranks),
+            persistent=lambda p: p.persistent,
+        ):
+            blocks.append(sum(blocks_of(partition_numel(p.numel, ranks)) for p in sub_group))
+    return blocks
+
+
 def device_sub_group_count(ratio: float, sub_groups: int) -> int:
     """How many of the first sub groups stay on the device: DeepSpeed's rule for ``ratio``
     (the share offloaded to the host; its config checks the range), so a config means what
@@ -117,6 +136,15 @@ class SubGroupSplit:
 
     numels: tuple[int, ...]
     device_count: int
+    blocks: tuple[int, ...] = ()  # compact-moment blocks of each (``sub_group_blocks``)
+
+    @property
+    def host_blocks(self) -> int:
+        return sum(self.blocks[self.device_count :])
+
+    @property
+    def device_blocks(self) -> int:
+        return sum(self.blocks[: self.device_count])
 
     @property
     def partition(self) -> int:
@@ -139,7 +167,10 @@ class SubGroupSplit:
         return max(self.numels[self.device_count :], default=0)
 
 
-def split_sub_groups(numels: Sequence[int], ratio: float) -> SubGroupSplit:
-    """The device / host split of sub groups of ``numels`` elements at ``ratio``: what the
-    optimizer builds, the host check refuses and the plan counts."""
-    return SubGroupSplit(tuple(numels), device_sub_group_count(ratio, len(numels)))
+def split_sub_groups(
+    numels: Sequence[int], ratio: float, blocks: Sequence[int] = ()
+) -> SubGroupSplit:
+    """The device / host split of sub groups of ``numels`` elements (and ``blocks`` compact
+    blocks) at ``ratio``: what the optimizer builds, the host check refuses and the plan
+    counts."""
+    return SubGroupSplit(tuple(numels), device_sub_group_count(ratio, len(numels)), tuple(blocks))
