@@ -213,3 +213,30 @@ def test_accelerate_launch_command_and_config_found(tmp_path, monkeypatch):
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
     run = model_card.launch()
     assert run["accelerate_config"] is None and "not visible" in run["accelerate_note"]
+
+
+def test_a_run_with_compact_moments_says_so_with_their_bytes(tmp_path):
+    """The card names the compact moments and counts the bytes the optimizer holds (the
+    fp32 master and codes and scales: about 6 B a param on the host, not 12)."""
+    output_dir = tmp_path / "run"
+    args = SuperOffloadTrainingArguments(
+        **cpu_training_args(
+            output_dir, superoffload_bucket_size=1 << 12, superoffload_moments="compact",
+            superoffload_gpu_tail="0", **TRAINING,
+        )
+    )  # fmt: skip
+    model = _tiny_model()
+    trainer = SuperOffloadTrainer(model=model, args=args, train_dataset=_token_rows())
+    trainer.train()
+    optimizer = trainer.superoffload_optimizer
+    held = optimizer.host_bytes()
+    optimizer.close()
+    params = sum(p.numel() for p in model.parameters())
+    assert held["master"] == 4 * params and 2 * params < held["moments"] < 2.1 * params
+    trainer.create_model_card()
+    section = _reproduce(ModelCard.load(output_dir / "README.md"))
+    state = (held["master"] + held["moments"]) / 2**20
+    assert f"SuperOffloadOptimizer, compact moments (8 bits a value), host {state:.2f} MiB" in (
+        section
+    )
+    assert "| moments | `compact` |" in section

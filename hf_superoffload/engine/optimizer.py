@@ -101,6 +101,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             cpu_threads,
         )
         compact = check_moments(moments)
+        self.moments = moments  # "fp32" or "compact": how both Adam moments are held
         # torch.optim.AdamW's switches: no-op values accepted, others refused (adamw_switches.py).
         switches = dict(amsgrad=amsgrad, maximize=maximize, foreach=foreach, fused=fused)
         check_switches({**switches, "capturable": capturable, "differentiable": differentiable})
@@ -201,6 +202,15 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             "gpu_tail_params": self._tail.device_elements(),
             "tail_tuning": int(self._tail.tuning),
         }
+
+    def host_bytes(self) -> dict[str, int]:
+        """Host memory the optimizer holds now, by what holds it (the names of the memory
+        check's parts, engine/host_memory.py)."""
+        return state_io.held_bytes(self, on_device=False)
+
+    def device_bytes(self) -> dict[str, int]:
+        """Device memory the GPU tail's state holds now, by what holds it."""
+        return state_io.held_bytes(self, on_device=True)
 
     @property
     def gradient_accumulation_steps(self) -> int:

@@ -69,6 +69,30 @@ if TYPE_CHECKING:
 FORMAT_VERSION = 1
 
 
+def held_bytes(opt: SuperOffloadOptimizer, on_device: bool) -> dict[str, int]:
+    """Bytes the host buckets (or the tail's, ``on_device``) hold, by what holds them; the
+    copy-out ring counts on the host."""
+
+    def nbytes(tensors) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    buckets = [b for b in opt._buckets if b.on_device == on_device]
+    moments = sum(
+        b.compact.nbytes() if b.compact is not None else nbytes([b.exp_avg, b.exp_avg_sq])
+        for b in buckets
+    )
+    ring = opt._stv.host.copy_out
+    held = {"master": nbytes(b.master for b in buckets), "moments": moments}
+    if on_device:
+        return {**held, "gradients": nbytes(b.grad for b in buckets)}
+    return {
+        **held,
+        "gradients": nbytes(b.host_grad for b in buckets),
+        "param_copy_out": nbytes(ring.buffers) if ring is not None else 0,
+        "accumulation": nbytes(b.grad_sum for b in buckets),
+    }
+
+
 def param_state(opt: SuperOffloadOptimizer, param: torch.nn.Parameter) -> dict:
     """Copies of ``param``'s master, moments and step (the caller has synchronized)."""
     if id(param) not in opt._slot:

@@ -296,6 +296,9 @@ def superoffload_options(trainer) -> dict:
     if trainer._on_deepspeed:
         options = dict(trainer._explicit_options())
         options["path"] = "DeepSpeed ZeRO-3 (super_offload: true)"
+        optimizer = trainer._stv_optimizer  # what ran (options may come from the environment)
+        if optimizer is not None:
+            options["moments"] = optimizer.moments
         ds_config = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
         if ds_config:
             options["DeepSpeed config"] = ds_config

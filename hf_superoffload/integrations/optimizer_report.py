@@ -2,16 +2,15 @@
 the end-of-run summary (``recipes/report.py``) and the model card (``model_card.py``).
 
 The optimizer is the one that stepped: under DeepSpeed the engine's (ours on the ZeRO-3 path,
-whichever Trainer drove it), else the Trainer's. The ZeRO-3 path reports this rank's partition
-as its buffers hold it; the standalone engine holds 12 bytes per trainable param (fp32 master
-and two fp32 moments), on the host or, for the GPU tail, there.
+whichever Trainer drove it), else the Trainer's. Ours report the fp32 master and both moments
+as their buffers hold them (the ZeRO-3 path: this rank's partition), on the host and in the
+GPU tail, and whether the moments are fp32 or compact (8 bits a value).
 """
 
 from __future__ import annotations
 
 from ..engine import SuperOffloadOptimizer
 
-STATE_BYTES = 12  # per param: fp32 master and the two fp32 Adam moments
 MIB = 2**20
 GIB = 2**30
 
@@ -49,30 +48,23 @@ def optimizer_state_placement(trainer, model) -> dict:
             "device_bytes": None,
         }
     name = type(optimizer).__name__
-    if hasattr(optimizer, "host_bytes") and hasattr(optimizer, "device_bytes"):  # ZeRO-3
+    if hasattr(optimizer, "host_bytes") and hasattr(optimizer, "device_bytes"):  # ours
         host, device, stats = optimizer.host_bytes(), optimizer.device_bytes(), optimizer.stats
+        standalone = isinstance(optimizer, SuperOffloadOptimizer)
         ranks = getattr(trainer.args, "world_size", 1)
+        where = (
+            name if standalone else f"{name} (DeepSpeed ZeRO-3, per rank: 1/{ranks} of the state)"
+        )
+        if getattr(optimizer, "moments", "fp32") == "compact":
+            where += ", compact moments (8 bits a value)"
         return {
             "optimizer": name,
-            "where": f"{name} (DeepSpeed ZeRO-3, per rank: 1/{ranks} of the state)",
+            "where": where,
             "host_bytes": host["master"] + host["moments"],
             "device_bytes": device["master"] + device["moments"],
             "gpu_tail_buckets": int(stats["gpu_tail_buckets"]),
             "buckets": int(stats["buckets"]),
-            "unit": "sub groups",
-        }
-    if isinstance(optimizer, SuperOffloadOptimizer):
-        stats = optimizer.stats
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        on_device = int(stats["gpu_tail_params"])
-        return {
-            "optimizer": name,
-            "where": name,
-            "host_bytes": STATE_BYTES * (trainable - on_device),
-            "device_bytes": STATE_BYTES * on_device,
-            "gpu_tail_buckets": int(stats["gpu_tail_buckets"]),
-            "buckets": int(stats["buckets"]),
-            "unit": "buckets",
+            "unit": "buckets" if standalone else "sub groups",
         }
     where = (
         f"DeepSpeed's {name} (its offload_optimizer settings)"

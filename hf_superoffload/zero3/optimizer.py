@@ -125,6 +125,7 @@ class SuperOffloadZero3Optimizer(
         # Read by the set-up hooks below, which DeepSpeed's constructor calls.
         self._accumulates = kwargs.get("gradient_accumulation_steps", 1) > 1 or not managed
         self._compact = options.compact
+        self.moments = "compact" if options.compact else "fp32"
         # Each param's rounding-bit salt (compact moments): its place among the optimizer's
         # params, per rank (a rank holds its own partition of it).
         world = dist.get_world_size(group=kwargs.get("dp_process_group"))
