@@ -1,6 +1,6 @@
 # Run (on the device machine: source dev/gpu_env.sh first):
 #   python benchmarks/suite.py --hidden 3072 --layers 28 --seq 4096 --out-dir results
-#   (--systems picks a subset: see --help; all six do not fit one 600 s device call)
+#   (--systems picks a subset: see --help; all of them do not fit one 600 s device call)
 """Runs several systems on one model point, each in its own process (so one's memory cannot
 help or hurt another), and compares them measured in the same run.
 
@@ -42,6 +42,7 @@ ALL = [
     "superoffload_zero3",
     "deepspeed_superoffload",
     "torchao_offload",
+    "superoffload_zero3_compact",
 ]
 MODEL_FLAGS = ("hidden", "layers", "inter", "vocab", "seq", "batch", "steps", "clip", "ratio")
 COLUMNS = [
@@ -64,6 +65,7 @@ PREBUILD = {
     "deepspeed_zero_offload": (_DEEPSPEED_CPU_ADAM,),
     # DeepSpeed builds DeepSpeedCPUAdam as the base optimizer; ours steps the host sub groups.
     "superoffload_zero3": (_OURS, _DEEPSPEED_CPU_ADAM),
+    "superoffload_zero3_compact": (_OURS, _DEEPSPEED_CPU_ADAM),
     "deepspeed_superoffload": (_DEEPSPEED_CPU_ADAM,),
 }
 

@@ -8,6 +8,8 @@ AdamW (lr 1e-5, no weight decay), clip ``--clip``, bf16 compute, activation chec
 - deepspeed_zero_offload: DeepSpeed ZeRO-3 with offload_optimizer cpu (DeepSpeedCPUAdam).
 - superoffload_zero3: the same with offload_optimizer.super_offload: true, built as this
   package's SuperOffloadZero3Optimizer (``import hf_superoffload`` rebinds DeepSpeed's class).
+- superoffload_zero3_compact: superoffload_zero3 with compact moments
+  (HF_SUPEROFFLOAD_MOMENTS=compact: both Adam moments in 8 bits a value).
 - deepspeed_superoffload: the same config again, run with HF_SUPEROFFLOAD_DEEPSPEED=0, so
   DeepSpeed builds its own SuperOffloadOptimizer_Stage3.
 
@@ -215,6 +217,10 @@ class SuperOffloadZero3(DeepSpeedZeroOffload):
         return self.engine.optimizer.host_bytes()
 
 
+class SuperOffloadZero3Compact(SuperOffloadZero3):
+    environment: ClassVar[dict[str, str]] = {OPT_OUT_ENV: "1", "HF_SUPEROFFLOAD_MOMENTS": "compact"}
+
+
 class DeepSpeedSuperOffload(DeepSpeedZeroOffload):
     super_offload = True
     environment: ClassVar[dict[str, str]] = {OPT_OUT_ENV: "0"}
@@ -251,6 +257,7 @@ SYSTEMS = {
     "superoffload": SuperOffload,
     "deepspeed_zero_offload": DeepSpeedZeroOffload,
     "superoffload_zero3": SuperOffloadZero3,
+    "superoffload_zero3_compact": SuperOffloadZero3Compact,
     "deepspeed_superoffload": DeepSpeedSuperOffload,
     "torchao_offload": TorchaoOffload,
 }
