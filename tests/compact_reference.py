@@ -39,10 +39,12 @@ def engine_clip_coef(norm: float, max_grad_norm: float | None) -> float:
     return min(coef, 1.0)
 
 
-def run_compact_reference(cfg: RunConfig, engine_norms: list[float]) -> TrainResult:
-    """``CompactAdamW`` over ``cfg``'s model, data and schedule; step ``t`` is skipped when
-    ``engine_norms[t]`` is not finite, else clipped with its coefficient."""
-    model = build_model(cfg)
+def run_compact_reference(
+    cfg: RunConfig, engine_norms: list[float], device: str = "cpu"
+) -> TrainResult:
+    """``CompactAdamW`` over ``cfg``'s model, data and schedule (on ``device``); step ``t`` is
+    skipped when ``engine_norms[t]`` is not finite, else clipped with its coefficient."""
+    model = build_model(cfg, device)
     optimizer = CompactAdamW(
         param_groups(model, cfg), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
         weight_decay=cfg.weight_decay,
@@ -59,20 +61,20 @@ def run_compact_reference(cfg: RunConfig, engine_norms: list[float]) -> TrainRes
         return own, False
 
     records = train_loop(
-        cfg, model, optimizer, make_batches(cfg), do_step,
+        cfg, model, optimizer, make_batches(cfg, device=device), do_step,
         scheduler=make_scheduler(cfg, optimizer),
     )  # fmt: skip
     result = TrainResult(*records, {}, {}, {}, {}, {})
     for name, p in _named(model):
-        result.params[name] = result.master[name] = p.detach().clone()
+        result.params[name] = result.master[name] = p.detach().cpu().clone()
         state = optimizer.state.get(p)
         if state:
             exp_avg, exp_avg_sq = state["moments"].decoded()
-            result.exp_avg[name] = exp_avg.view_as(p)
-            result.exp_avg_sq[name] = exp_avg_sq.view_as(p)
+            result.exp_avg[name] = exp_avg.view(p.shape).cpu()
+            result.exp_avg_sq[name] = exp_avg_sq.view(p.shape).cpu()
             result.state_steps[name] = state["step"]
         else:
-            result.exp_avg[name] = result.exp_avg_sq[name] = torch.zeros_like(p)
+            result.exp_avg[name] = result.exp_avg_sq[name] = torch.zeros(p.shape)
             result.state_steps[name] = 0
     return result
 
