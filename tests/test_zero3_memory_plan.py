@@ -11,16 +11,14 @@ from pathlib import Path
 import pytest
 import transformers
 
+from hf_superoffload.zero3.loss_memory import LIGER_MODEL_TYPES, liger_loss_bytes, trl_loss_bytes
 from hf_superoffload.zero3.memory_plan import (
     HOST_HEADROOM,
-    LIGER_MODEL_TYPES,
-    ModelShape,
     Zero3Run,
-    liger_loss_bytes,
     resume_extra_host_bytes,
-    trl_loss_bytes,
     zero3_memory_plan,
 )
+from hf_superoffload.zero3.model_shape import ModelShape
 from hf_superoffload.zero3.sub_group_cut import DEEPSPEED_PERSISTENCE_THRESHOLD
 
 ROOT = Path(__file__).resolve().parents[1]

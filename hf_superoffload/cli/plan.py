@@ -17,10 +17,10 @@ from ..zero3.memory_plan import (
     GPU_HEADROOM,
     HOST_HEADROOM,
     MemoryPlan,
-    ModelShape,
     Zero3Run,
     zero3_memory_plan,
 )
+from ..zero3.model_shape import ModelShape
 from . import capacity as capacity_options
 from . import model_source, ratio_auto
 from .errors import EXIT_DOES_NOT_FIT, EXIT_FITS, UsageError

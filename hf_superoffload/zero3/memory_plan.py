@@ -36,11 +36,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import torch
-
 from ..engine.compact_moments import compact_moment_bytes
 from ..engine.copy_out import COPY_OUT_PIECE, COPY_OUT_SLOTS
 from . import checkpoint_memory
+from .loss_memory import loss_bytes
+from .model_shape import ModelShape
 from .sub_group_cut import (
     Param,
     SubGroupSplit,
@@ -57,25 +57,6 @@ CUDA_CONTEXT_BYTES = int(0.6 * 2**30)  # device memory torch's allocator does no
 # of memory with 5.8 GiB reserved beyond 68.2 allocated.
 GPU_HEADROOM = 0.10
 HOST_HEADROOM = 0.05  # the kernel, the page cache and the rest of the system
-LOGIT_BYTES = 12  # per logit in the loss: bf16 logits, fp32 upcast, fp32 and bf16 gradients
-
-# Fused losses, which never hold a batch's logits (``Zero3Run.fused_cross_entropy``):
-# - "liger": Liger-Kernel's fused linear cross-entropy (the Trainer's use_liger_kernel), for
-#   the model types Liger 0.8.5 patches (MODEL_TYPE_TO_APPLY_LIGER_FN in its
-#   transformers/monkey_patch.py; the architectures of hf_superoffload/model_configs among them).
-# - "trl": TRL's fused LM head, which TRL's SFTTrainer and DPOTrainer (1.16) put on every model
-#   (trl/trainer/utils.py add_fused_lm_head), refusing Liger's in its place.
-FUSED_CROSS_ENTROPY = ("liger", "trl")
-LIGER_MODEL_TYPES = frozenset(
-    {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "phi3", "gpt_oss", "gemma",
-     "gemma2", "gemma3_text", "glm4", "olmo2", "granite", "smollm3", "deepseek_v3"}
-)  # fmt: skip
-# liger_kernel/ops/fused_linear_cross_entropy.py (0.8.5): _CHUNK_MEM_CONST, the logits a chunk
-# may hold in units of the hidden states (tokens x hidden).
-LIGER_CHUNK_MEM_CONST = 1
-# trl/kernels/chunked_logprob.py (1.16): TOKEN_CHUNK_SIZE rows by _CHUNKED_LOGPROB_CHUNK_SIZE
-# (trl/trainer/utils.py) vocabulary columns a tile.
-TRL_TOKEN_CHUNK, TRL_VOCAB_CHUNK = 4096, 32768
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,70 +87,6 @@ class Zero3Run:
     fused_cross_entropy: str | None = None
     # Both Adam moments compact (8 bits a value, engine/compact_moments.py), not fp32.
     compact_moments: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelShape:
-    params: int
-    largest_param: int
-    layers: int
-    hidden: int
-    vocab: int
-    layer_params: int  # the largest decoder layer's
-    active_intermediate: int  # MLP width a token goes through (top-k experts' in MoE)
-    # Every param in the model's order (named_parameters): its elements, and whether the
-    # Trainer decays it (its first param group; norms and biases go to the second).
-    param_numels: tuple[int, ...] = dataclasses.field(default=(), repr=False)
-    param_decays: tuple[bool, ...] = dataclasses.field(default=(), repr=False)
-
-    @classmethod
-    def of(cls, config) -> ModelShape:
-        import transformers
-
-        with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(config)
-        named = list(model.named_parameters())
-        sizes = [p.numel() for _, p in named]
-        # The Trainer's own rule (it reads nothing of the Trainer but the model).
-        decays = set(transformers.Trainer.get_decay_parameter_names(None, model))
-        layers = _decoder_layers(model)
-        return cls(
-            params=sum(sizes),
-            largest_param=max(sizes),
-            layers=config.num_hidden_layers,
-            hidden=config.hidden_size,
-            vocab=config.vocab_size,
-            layer_params=max(sum(p.numel() for p in layer.parameters()) for layer in layers),
-            active_intermediate=active_intermediate(config),
-            param_numels=tuple(sizes),
-            param_decays=tuple(name in decays for name, _ in named),
-        )
-
-
-def active_intermediate(config) -> int:
-    """The MLP width one token goes through: its top-k experts' in an MoE.
-
-    An expert's width is ``moe_intermediate_size`` where the config has one (Qwen3-MoE, whose
-    ``intermediate_size`` is its dense layers'), else ``intermediate_size`` (GPT-OSS, whose
-    experts are all of it). Counting a single expert there planned GPT-OSS-20B's recomputed
-    layer 4x too narrow (0.8 GiB low at seq 4096 x batch 4)."""
-    experts = getattr(config, "num_local_experts", 0) or getattr(config, "num_experts", 0) or 0
-    top_k = getattr(config, "num_experts_per_tok", 0) or 0
-    if not (experts and top_k):
-        return config.intermediate_size
-    expert_width = getattr(config, "moe_intermediate_size", 0) or config.intermediate_size
-    return top_k * expert_width
-
-
-def _decoder_layers(model) -> list[torch.nn.Module]:
-    for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) and module[0] is not None:
-            return list(module)
-    raise ValueError(
-        f"{type(model).__name__} has no list of decoder layers to plan for; the memory plan "
-        f"covers decoder-only models (a ModuleList of layers), such as the configs in "
-        f"hf_superoffload/model_configs."
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,53 +295,6 @@ def save_extra_host_bytes(shape: ModelShape, run: Zero3Run) -> int:
     which the shipped configs set, for the Trainer's checkpoints and final save). Measured: the
     Llama-3.1-8B launcher's runs peaked 15 GiB above training, each at a save."""
     return run.dtype_bytes * shape.params
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def liger_loss_bytes(tokens: int, hidden: int, vocab: int, low: int) -> int:
-    """GPU bytes of Liger 0.8.5's fused linear cross-entropy (fused_linear_cross_entropy_forward)
-    over ``tokens`` hidden states: it cuts them into chunks whose logits hold about
-    LIGER_CHUNK_MEM_CONST x tokens x hidden elements (chunk = the next power of 2 of
-    tokens / ceil(vocab / (C x hidden)), at most tokens), computes the gradients in the forward
-    and holds them until backward: the hidden states' and the head weight's, in the model's
-    dtype, and an fp32 loss a token."""
-    factor = math.ceil(vocab / (LIGER_CHUNK_MEM_CONST * hidden))
-    chunk = min(tokens, _next_power_of_2(math.ceil(tokens / factor)))
-    return low * (chunk * vocab + tokens * hidden + vocab * hidden) + 4 * tokens
-
-
-def trl_loss_bytes(tokens: int, hidden: int, vocab: int, low: int) -> int:
-    """GPU bytes of TRL 1.16's fused LM head (ChunkedLogProbFunction) at its backward's peak:
-    fp32 gradients of the hidden states and of the head weight, their casts to the model's
-    dtype beside them as it returns, and one TRL_TOKEN_CHUNK x TRL_VOCAB_CHUNK tile. It scores
-    only tokens with a label; ``tokens`` counts all (the bound)."""
-    tile = low * min(tokens, TRL_TOKEN_CHUNK) * min(vocab, TRL_VOCAB_CHUNK)
-    return (4 + low) * (tokens + vocab) * hidden + tile
-
-
-def loss_bytes(config, shape: ModelShape, run: Zero3Run, tokens: int) -> int:
-    """GPU bytes the loss holds: the batch's logits and their fp32 copies, or a fused loss's."""
-    fused = run.fused_cross_entropy
-    if fused is None:
-        return LOGIT_BYTES * tokens * shape.vocab
-    if fused not in FUSED_CROSS_ENTROPY:
-        raise ValueError(
-            f"fused_cross_entropy must be None (the model's own loss) or one of "
-            f"{', '.join(FUSED_CROSS_ENTROPY)}, got {fused!r}"
-        )
-    if fused == "trl":
-        return trl_loss_bytes(tokens, shape.hidden, shape.vocab, run.dtype_bytes)
-    model_type = getattr(config, "model_type", None)
-    if model_type not in LIGER_MODEL_TYPES:
-        raise ValueError(
-            f"fused_cross_entropy 'liger': Liger-Kernel 0.8.5 does not patch {model_type!r} "
-            f"models ({', '.join(sorted(LIGER_MODEL_TYPES))} among those it does); plan with "
-            f"the model's own loss (None), or with TRL's fused head ('trl') for TRL's trainers"
-        )
-    return liger_loss_bytes(tokens, shape.hidden, shape.vocab, run.dtype_bytes)
 
 
 def zero3_memory_plan(config, run: Zero3Run, shape: ModelShape | None = None) -> MemoryPlan:
