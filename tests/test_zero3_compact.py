@@ -226,3 +226,16 @@ def test_compact_save_then_resume_is_bit_exact_and_zero_to_fp32_reads_the_master
             assert torch.equal(result["fp32"][name], master), f"zero_to_fp32 differs at {name}"
         assert "HF_SUPEROFFLOAD_MOMENTS=compact" in result["refused"]
         assert result["unchanged"]
+
+
+def test_the_trainers_moments_argument_reaches_the_zero3_optimizer(monkeypatch):
+    """Under DeepSpeed the trainers hand ``superoffload_moments`` over through the environment
+    the ZeRO-3 optimizer reads when DeepSpeed builds it."""
+    from hf_superoffload.zero3.config import export_zero3_options
+    from hf_superoffload.zero3.options import resolve_options
+
+    monkeypatch.delenv("HF_SUPEROFFLOAD_MOMENTS", raising=False)
+    assert not resolve_options(None, torch.device("cpu")).compact
+    monkeypatch.setenv("HF_SUPEROFFLOAD_MOMENTS", "fp32")  # restored after the test
+    export_zero3_options({"moments": "compact"})
+    assert resolve_options(None, torch.device("cpu")).compact
