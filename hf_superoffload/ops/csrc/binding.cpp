@@ -77,12 +77,13 @@ int64_t adam_apply(int64_t op, const std::string& isa, at::Tensor param, at::Ten
   return skipped;
 }
 
+// `what`: the dtype's name and what the tensor holds, for the error.
 void check_flat(const at::Tensor& t, const char* name, at::ScalarType dtype, const char* what,
                 int64_t numel, const char* numel_of) {
   TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be a CPU tensor, got one on ", t.device(),
                     "; the compact state lives in host memory (e.g. tensor.cpu()).");
-  TORCH_CHECK_TYPE(t.scalar_type() == dtype, name, " must be ", dtype, " (", what, "), got ",
-                   t.scalar_type(), ".");
+  TORCH_CHECK_TYPE(t.scalar_type() == dtype, name, " must be ", what, ", got ", t.scalar_type(),
+                   ".");
   TORCH_CHECK_VALUE(t.is_contiguous(), name,
                     " must be contiguous; pass tensor.contiguous() or a flat buffer view.");
   TORCH_CHECK_VALUE(t.numel() == numel, name, " has ", t.numel(), " elements but ", numel_of,
@@ -102,15 +103,15 @@ int64_t compact_apply(const std::string& isa, at::Tensor master, at::Tensor grad
                       int64_t threads) {
   const int64_t n = master.numel();
   const int64_t blocks = (n + kCompactBlock - 1) / kCompactBlock;
-  check_flat(master, "master", at::kFloat, "the fp32 master weights; use tensor.float()", n,
+  check_flat(master, "master", at::kFloat, "float32 (the master weights; use tensor.float())", n,
              "master has");
   TORCH_CHECK_TYPE(grad.scalar_type() == at::kFloat || lowp_kind(grad) != kLowpNone,
                    "grad must be float32, bfloat16 or float16, got ", grad.scalar_type(), ".");
   check_flat(grad, "grad", grad.scalar_type(), "", n, "master has");
-  const char* codes = "8-bit codes, as CompactMoments holds them";
+  const char* codes = "uint8 (8-bit codes, as CompactMoments holds them)";
   check_flat(exp_avg, "exp_avg", at::kByte, codes, n, "master has");
   check_flat(exp_avg_sq, "exp_avg_sq", at::kByte, codes, n, "master has");
-  const char* scales = "one fp32 scale per block of 256 elements";
+  const char* scales = "float32 (one scale per block of 256 elements)";
   check_flat(exp_avg_scale, "exp_avg_scale", at::kFloat, scales, blocks,
              "master's blocks of 256 number");
   check_flat(exp_avg_sq_scale, "exp_avg_sq_scale", at::kFloat, scales, blocks,
