@@ -26,6 +26,36 @@ def _int(name: str, value: object) -> int:
     return value
 
 
+def constants(
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    grad_scale: float,
+    salt: int,
+) -> tuple:
+    """The kernel's constants in the order of ``CompactArgs`` (csrc/compact_types.h), up to
+    the rounding keys: the reference's, derived as it derives them (in double, each rounded
+    to fp32 once by the kernel), and its two keys (uint32)."""
+    keys = CompactFormat(stochastic=True)
+    return (
+        grad_scale,
+        weight_decay,
+        beta1,
+        1.0 - beta1,
+        beta2,
+        1.0 - beta2,
+        1.0 / math.sqrt(1.0 - beta2**step),
+        eps,
+        1.0 - lr * weight_decay,
+        -lr / (1.0 - beta1**step),
+        keys.key(salt, step, 0),
+        keys.key(salt, step, 1),
+    )
+
+
 def compact_adam(
     master: torch.Tensor,
     grad: torch.Tensor,
@@ -86,24 +116,11 @@ def compact_adam(
         )
     if weight_decay < 0:
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay}.")
-    # The reference's constants, derived as it derives them (double, then one fp32 rounding).
-    keys = CompactFormat(stochastic=True)
     return load_extension().compact_apply(
         _forced_isa() or "",
         *tensors,
         out_lowp,
-        grad_scale,
-        weight_decay,
-        beta1,
-        1.0 - beta1,
-        beta2,
-        1.0 - beta2,
-        1.0 / math.sqrt(1.0 - beta2**step),
-        eps,
-        1.0 - lr * weight_decay,
-        -lr / (1.0 - beta1**step),
-        keys.key(salt, step, 0),
-        keys.key(salt, step, 1),
+        *constants(step, lr, beta1, beta2, eps, weight_decay, grad_scale, salt),
         element_offset & 0xFFFFFFFF,
         bool(adamw),
         bool(stochastic),
