@@ -57,11 +57,18 @@ inline typename I::V decode(typename I::VI code, typename I::V scale) {
       I::xori(I::bits(value), I::template shl<24>(I::andi(code, I::seti(0x80)))));
 }
 
-// The reference's counter-based hash (compact_state.rounding_bits) of element indices.
+// The reference's counter-based hash (compact_state.rounding_bits) of element indices whose
+// first product index * 0x9E3779B1 is `product`, and `key`: both moments share the product.
 template <class I>
-inline typename I::VI rounding_bits(typename I::VI index, uint32_t key) {
+inline typename I::VI index_product(uint32_t first, int64_t j) {
+  const typename I::VI index = I::addi(I::seti(int32_t(first + uint32_t(j))), I::iota());
+  return I::muli(index, I::seti(int32_t(0x9E3779B1u)));
+}
+
+template <class I>
+inline typename I::VI rounding_bits(typename I::VI product, uint32_t key) {
   using VI = typename I::VI;
-  VI x = I::addi(I::muli(index, I::seti(int32_t(0x9E3779B1u))), I::seti(int32_t(key)));
+  VI x = I::addi(product, I::seti(int32_t(key)));
   x = I::xori(x, I::template shr<16>(x));
   x = I::muli(x, I::seti(int32_t(0x7FEB352Du)));
   x = I::xori(x, I::template shr<15>(x));
@@ -102,42 +109,51 @@ inline typename I::VI encode_unit(typename I::V r, typename I::VI noise) {
   return I::selecti(I::lt(r, I::set1(pow2(1 - F::kBias))), subnormal, normal);
 }
 
-// Codes of the block's moments buf[j] (j in [begin, end)) with largest magnitude `scale`;
-// `index` numbers buf[0] for the rounding bits.
+// The code of buf[j]'s lanes in format F, in a block whose largest magnitude is `scale`
+// (0 or NaN: divided by 1), rounded with `noise` if kStochastic.
 template <class I, class F, bool kStochastic>
-inline void encode_lanes(const float* buf, int64_t j, float safe_scale, uint8_t* codes,
-                         uint32_t index, uint32_t key) {
+inline void encode_moment(const float* buf, int64_t j, float safe_scale, uint8_t* codes,
+                          typename I::VI noise) {
   using V = typename I::V;
   using VI = typename I::VI;
   const V x = I::load(buf + j);
   const V r = I::div(I::from_bits(I::andi(I::bits(x), I::seti(0x7FFFFFFF))), I::set1(safe_scale));
-  VI noise = I::seti(0);
-  if (kStochastic)
-    noise = rounding_bits<I>(I::addi(I::seti(int32_t(index + uint32_t(j))), I::iota()), key);
   VI code = encode_unit<I, F, kStochastic>(r, noise);
   if (F::kHasSign)
     code = I::selecti(I::lt(x, I::set1(0.0f)), I::ori(code, I::seti(0x80)), code);
   I::store_u8(codes + j, code);
 }
 
-template <class I, class F, bool kStochastic>
-inline void encode_block_as(const float* buf, int64_t len, float scale, uint8_t* codes,
-                            uint32_t index, uint32_t key) {
-  const float safe = scale > 0.0f ? scale : 1.0f;  // a zero (or NaN) scale divides by 1
+// Both moments' codes of the block's lanes at j; `index` numbers the block's first element
+// for the rounding bits.
+template <class I, bool kStochastic>
+inline void encode_lanes(const CompactArgs& a, const float* m_buf, const float* v_buf, int64_t j,
+                         float safe_m, float safe_v, uint8_t* codes_m, uint8_t* codes_v,
+                         uint32_t index) {
+  using VI = typename I::VI;
+  VI noise_m = I::seti(0), noise_v = I::seti(0);
+  if (kStochastic) {
+    const VI product = index_product<I>(index, j);
+    noise_m = rounding_bits<I>(product, a.key_exp_avg);
+    noise_v = rounding_bits<I>(product, a.key_exp_avg_sq);
+  }
+  encode_moment<I, ExpAvgCode, kStochastic>(m_buf, j, safe_m, codes_m, noise_m);
+  encode_moment<I, ExpAvgSqCode, kStochastic>(v_buf, j, safe_v, codes_v, noise_v);
+}
+
+template <class I, bool kStochastic>
+inline void encode_block(const CompactArgs& a, const float* m_buf, const float* v_buf,
+                            int64_t len, float scale_m, float scale_v, uint8_t* codes_m,
+                            uint8_t* codes_v, uint32_t index) {
+  const float safe_m = scale_m > 0.0f ? scale_m : 1.0f;  // a zero (or NaN) scale divides by 1
+  const float safe_v = scale_v > 0.0f ? scale_v : 1.0f;
   const int64_t lanes = I::lanes();
   int64_t j = 0;
   for (; j + lanes <= len; j += lanes)
-    encode_lanes<I, F, kStochastic>(buf, j, safe, codes, index, key);
-  for (; j < len; ++j) encode_lanes<ScalarIsa, F, kStochastic>(buf, j, safe, codes, index, key);
-}
-
-template <class I, class F>
-inline void encode_block(const CompactArgs& a, const float* buf, int64_t len, float scale,
-                         uint8_t* codes, uint32_t index, uint32_t key) {
-  if (a.stochastic)
-    encode_block_as<I, F, true>(buf, len, scale, codes, index, key);
-  else
-    encode_block_as<I, F, false>(buf, len, scale, codes, index, key);
+    encode_lanes<I, kStochastic>(a, m_buf, v_buf, j, safe_m, safe_v, codes_m, codes_v, index);
+  for (; j < len; ++j)
+    encode_lanes<ScalarIsa, kStochastic>(a, m_buf, v_buf, j, safe_m, safe_v, codes_m, codes_v,
+                                         index);
 }
 
 template <class I, int kGrad>
@@ -216,9 +232,12 @@ inline int64_t compact_block(const CompactArgs& a, const CompactTensors& t, int6
     t.exp_avg_scale[block] = scale_m;
     t.exp_avg_sq_scale[block] = scale_v;
     const uint32_t index = a.index_base + uint32_t(begin);
-    encode_block<I, ExpAvgCode>(a, m_buf, len, scale_m, t.exp_avg + begin, index, a.key_exp_avg);
-    encode_block<I, ExpAvgSqCode>(a, v_buf, len, scale_v, t.exp_avg_sq + begin, index,
-                                  a.key_exp_avg_sq);
+    uint8_t* codes_m = t.exp_avg + begin;
+    uint8_t* codes_v = t.exp_avg_sq + begin;
+    if (a.stochastic)
+      encode_block<I, true>(a, m_buf, v_buf, len, scale_m, scale_v, codes_m, codes_v, index);
+    else
+      encode_block<I, false>(a, m_buf, v_buf, len, scale_m, scale_v, codes_m, codes_v, index);
   }
   return skipped;
 }
