@@ -197,6 +197,34 @@ def test_block_aligned_pieces_equal_the_whole_pass():
         assert_same_bits([counts, *pieces], expected, isa_threads)
 
 
+def test_an_overflowing_second_moment_gives_the_references_nans():
+    """Gradients near 5e20 overflow exp_avg_sq to Inf (its block's scale, then NaN codes and
+    params): master, codes and scales keep the reference's bits, NaNs included. out_lowp holds
+    NaN where the reference's does; a NaN's bf16 bits are the cast's own (0x7FC0 here, torch's
+    CPU cast gives 0xFFFF)."""
+    n = 3 * BLOCK
+
+    def run(passes):
+        state, outputs = initial_state(n), []
+        for step in range(1, 5):
+            g = torch.randn(n, generator=torch.Generator().manual_seed(step))
+            g[:300], g[600:610] = 5.5e20, -5e20
+            out = torch.empty(n, dtype=torch.bfloat16)
+            count = passes(state[0], g, *state[1:], step=step, **HYPER, out_lowp=out)
+            outputs.append((count, out, [t.clone() for t in state]))
+        return outputs
+
+    expected = run(reference)
+    assert expected[-1][2][4].isinf().any() and expected[-1][2][0].isnan().any()
+    for isa_threads in each_isa_and_thread_count():
+        for (count, out, state), (count_ref, out_ref, state_ref) in zip(
+            run(ops.compact_adam), expected, strict=True
+        ):
+            assert_same_bits([count, *state], [count_ref, *state_ref], isa_threads)
+            assert torch.equal(out.isnan(), out_ref.isnan())
+            assert torch.equal(bits(out)[~out.isnan()], bits(out_ref)[~out.isnan()])
+
+
 def test_the_reference_square_root_used_here_is_ieee():
     """ieee_sqrt (the reference's sqrt in these tests) against numpy's, which is IEEE; and
     torch's own CPU sqrt is not, which is why the tests need it."""
