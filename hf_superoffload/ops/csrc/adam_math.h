@@ -101,6 +101,7 @@ struct ScalarIsa {
   static inline VI maxi(VI a, VI b) { return a > b ? a : b; }
   static inline int32_t reduce_maxi(VI a) { return a; }
   static inline M eqi(VI a, VI b) { return a == b; }
+  static inline bool any(M m) { return m; }
   static inline VI selecti(M m, VI a, VI b) { return m ? a : b; }
   static inline V to_float(VI a) { return float(a); }
   // Toward zero; out of range (and NaN) gives INT32_MIN as x86 does, instead of undefined

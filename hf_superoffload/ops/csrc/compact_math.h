@@ -43,13 +43,18 @@ inline typename I::V decode(typename I::VI code, typename I::V scale) {
   using V = typename I::V;
   using VI = typename I::VI;
   const VI magnitude = F::kHasSign ? I::andi(code, I::seti(0x7F)) : code;
-  const VI exponent = I::template sar<23 - F::kShift>(magnitude);
-  const VI fraction = I::andi(magnitude, I::seti((1 << (23 - F::kShift)) - 1));
-  const VI normal = I::ori(I::template shl<23>(I::addi(exponent, I::seti(127 - F::kBias))),
-                           I::template shl<F::kShift>(fraction));
-  // Below the smallest normal code: multiples of the subnormal step (exact products).
-  const V subnormal = I::mul(I::to_float(fraction), I::set1(pow2(1 - F::kBias - (23 - F::kShift))));
-  const V unit = I::select(I::eqi(exponent, I::seti(0)), subnormal, I::from_bits(normal));
+  // The reference's ((exponent - bias + 127) << 23) | (fraction << kShift), exponent and
+  // fraction the code's fields: the same bits in two steps.
+  const VI normal = I::addi(I::template shl<F::kShift>(magnitude), I::seti((127 - F::kBias) << 23));
+  const typename I::M zero_exponent =
+      I::eqi(I::template sar<23 - F::kShift>(magnitude), I::seti(0));
+  V unit = I::from_bits(normal);
+  if (I::any(zero_exponent)) {
+    // Below the smallest normal code (the code is its fraction): multiples of the subnormal
+    // step, exact products.
+    const V step = I::set1(pow2(1 - F::kBias - (23 - F::kShift)));
+    unit = I::select(zero_exponent, I::mul(I::to_float(magnitude), step), unit);
+  }
   const V value = I::mul(unit, scale);
   if (!F::kHasSign) return value;
   // The sign bit of the code flips the value's (negation).
@@ -91,9 +96,12 @@ inline typename I::VI encode_unit(typename I::V r, typename I::VI noise) {
     rounded = I::addi(I::addi(bits, I::seti((1 << (F::kShift - 1)) - 1)),
                       I::andi(I::template sar<F::kShift>(bits), I::seti(1)));
   }
-  const VI exponent = I::addi(I::template sar<23>(rounded), I::seti(F::kBias - 127));
-  const VI normal = I::ori(I::template shl<kMant>(exponent),
-                           I::andi(I::template sar<F::kShift>(rounded), I::seti((1 << kMant) - 1)));
+  // The reference's (exponent << kMant) | mantissa with exponent = (rounded >> 23) - 127 +
+  // bias and mantissa = (rounded >> kShift) & (2**kMant - 1): the same bits in two steps.
+  const VI normal =
+      I::addi(I::template sar<F::kShift>(rounded), I::seti((F::kBias - 127) * (1 << kMant)));
+  const typename I::M below = I::lt(r, I::set1(pow2(1 - F::kBias)));
+  if (!I::any(below)) return normal;  // no lane below the smallest normal code
   // Below the smallest normal: r scaled so that the subnormal step is 1, rounded to an
   // integer. The lanes that use it hold 0 <= scaled < 2**kMant.
   const V scaled = I::mul(r, I::set1(pow2(F::kBias - 1 + kMant)));
@@ -106,7 +114,7 @@ inline typename I::VI encode_unit(typename I::V r, typename I::VI noise) {
     // Adding 2**23 rounds to an integer (nearest even) in the low mantissa bits.
     subnormal = I::addi(I::bits(I::add(scaled, I::set1(8388608.0f))), I::seti(-0x4B000000));
   }
-  return I::selecti(I::lt(r, I::set1(pow2(1 - F::kBias))), subnormal, normal);
+  return I::selecti(below, subnormal, normal);
 }
 
 // The code of buf[j]'s lanes in format F, in a block whose largest magnitude is `scale`

@@ -83,6 +83,7 @@ struct Avx2Isa {
     return _mm_cvtsi128_si32(m);
   }
   static inline M eqi(VI a, VI b) { return _mm256_castsi256_ps(_mm256_cmpeq_epi32(a, b)); }
+  static inline bool any(M m) { return _mm256_movemask_ps(m) != 0; }
   static inline VI selecti(M m, VI a, VI b) {
     return _mm256_blendv_epi8(b, a, _mm256_castps_si256(m));
   }

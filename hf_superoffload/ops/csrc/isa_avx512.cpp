@@ -78,6 +78,7 @@ struct Avx512Isa {
   static inline VI maxi(VI a, VI b) { return _mm512_max_epi32(a, b); }
   static inline int32_t reduce_maxi(VI a) { return _mm512_reduce_max_epi32(a); }
   static inline M eqi(VI a, VI b) { return _mm512_cmpeq_epi32_mask(a, b); }
+  static inline bool any(M m) { return m != 0; }
   static inline VI selecti(M m, VI a, VI b) { return _mm512_mask_blend_epi32(m, b, a); }
   static inline V to_float(VI a) { return _mm512_cvtepi32_ps(a); }
   static inline VI trunc_int(V x) { return _mm512_cvttps_epi32(x); }

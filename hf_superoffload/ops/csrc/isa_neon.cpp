@@ -73,6 +73,7 @@ struct NeonIsa {
   static inline VI maxi(VI a, VI b) { return vmaxq_s32(a, b); }
   static inline int32_t reduce_maxi(VI a) { return vmaxvq_s32(a); }
   static inline M eqi(VI a, VI b) { return vceqq_s32(a, b); }
+  static inline bool any(M m) { return vmaxvq_u32(m) != 0; }
   static inline VI selecti(M m, VI a, VI b) { return vbslq_s32(m, a, b); }
   static inline V to_float(VI a) { return vcvtq_f32_s32(a); }
   static inline VI trunc_int(V x) { return vcvtq_s32_f32(x); }  // toward zero

@@ -78,6 +78,7 @@ struct SveIsa {
   static inline VI maxi(VI a, VI b) { return svmax_s32_x(all(), a, b); }
   static inline int32_t reduce_maxi(VI a) { return svmaxv_s32(all(), a); }
   static inline M eqi(VI a, VI b) { return svcmpeq_s32(all(), a, b); }
+  static inline bool any(M m) { return svptest_any(all(), m); }
   static inline VI selecti(M m, VI a, VI b) { return svsel_s32(m, a, b); }
   static inline V to_float(VI a) { return svcvt_f32_s32_x(all(), a); }
   static inline VI trunc_int(V x) { return svcvt_s32_f32_x(all(), x); }  // toward zero
