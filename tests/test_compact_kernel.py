@@ -209,9 +209,9 @@ def test_random_configurations_equal_the_reference_on_every_isa():
 
 
 def test_short_ranges_equal_the_reference_on_every_isa():
-    """Fewer elements than one vector, one short block, a block and a bit."""
+    """No elements, fewer than one vector, one short block, a block and a bit."""
     scenario = SCENARIOS["adamw-bf16-grad-stochastic"]
-    for n in (1, 5, 17, BLOCK - 1, BLOCK + 3):
+    for n in (0, 1, 5, 17, BLOCK - 1, BLOCK + 3):
         expected = run_steps(reference, scenario, n, steps=2)
         for isa_threads in each_isa_and_thread_count():
             got = run_steps(ops.compact_adam, scenario, n, steps=2)

@@ -135,7 +135,7 @@ int64_t compact_apply(const std::string& isa, at::Tensor master, at::Tensor grad
     tensors.out = out.data_ptr();
     tensors.out_kind = fp32 ? kOutFp32 : lowp_kind(out);
   }
-  TORCH_CHECK_VALUE(commit || tensors.out != nullptr,
+  TORCH_CHECK_VALUE(commit || out_lowp.has_value(),
                     "a speculative pass (commit=False) writes only out_lowp: pass one.");
   const CompactArgs args{float(grad_scale),
                          float(weight_decay),
