@@ -85,7 +85,8 @@ struct NeonIsa {
   }
   static inline void store_u8(uint8_t* p, VI x) {
     const uint16x4_t half = vmovn_u32(u(x));  // low 16, then low 8 bits of each lane
-    const uint32_t word = vget_lane_u32(vreinterpret_u32_u8(vmovn_u16(vcombine_u16(half, half))), 0);
+    const uint8x8_t bytes = vmovn_u16(vcombine_u16(half, half));
+    const uint32_t word = vget_lane_u32(vreinterpret_u32_u8(bytes), 0);
     __builtin_memcpy(p, &word, 4);
   }
 };

@@ -83,7 +83,9 @@ struct SveIsa {
   static inline V to_float(VI a) { return svcvt_f32_s32_x(all(), a); }
   static inline VI trunc_int(V x) { return svcvt_s32_f32_x(all(), x); }  // toward zero
   static inline VI load_u8(const uint8_t* p) { return s(svld1ub_u32(all(), p)); }
-  static inline void store_u8(uint8_t* p, VI x) { svst1b_s32(all(), reinterpret_cast<int8_t*>(p), x); }
+  static inline void store_u8(uint8_t* p, VI x) {
+    svst1b_s32(all(), reinterpret_cast<int8_t*>(p), x);  // the low byte of each lane
+  }
 };
 
 }  // namespace
