@@ -11,6 +11,9 @@ every other instruction set and the GPU round it once, as IEEE 754 asks.
 from __future__ import annotations
 
 import itertools
+import re
+import shutil
+import subprocess
 import threading
 import time
 from types import ModuleType
@@ -20,7 +23,7 @@ import pytest
 import torch
 
 from hf_superoffload import ops
-from hf_superoffload.ops import compact_state
+from hf_superoffload.ops import _build, compact_state
 from hf_superoffload.ops.compact_state import BLOCK, CompactMoments
 
 HYPER = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
@@ -263,6 +266,43 @@ def test_an_overflowing_second_moment_gives_the_references_nans():
             for a, b in zip(state, state_ref, strict=True):  # NaNs included
                 assert torch.equal(bits(a), bits(b)), isa_threads
             assert same_bits_up_to_nan_payload(out, out_ref)
+
+
+# The compact kernel's functions (templates of compact_math.h, the span entry points) and the
+# fused multiply-add instructions of x86 (vfmadd..., vfnmsub...) and aarch64 (fmadd, fmla, SVE
+# fmad/fmsb...).
+COMPACT_FUNCTION = re.compile(r"compact|encode|decode|rounding_bits|index_product|update_lanes")
+FUSED_MULTIPLY_ADD = re.compile(r"\s(v?fn?m(?:add|sub|la|ls|ad|sb)\w*)\s")
+
+
+def fused_multiply_adds(disassembly: str) -> list[str]:
+    """(function, instruction) of every fused multiply-add inside a compact kernel function of
+    `objdump -d -C` output."""
+    found, function = [], ""
+    for line in disassembly.splitlines():
+        header = re.match(r"^[0-9a-f]+ <(.*)>:$", line)
+        if header:
+            function = header.group(1)
+        elif COMPACT_FUNCTION.search(function) and (match := FUSED_MULTIPLY_ADD.search(line)):
+            found.append(f"{function[:80]}: {match.group(1)}")
+    return found
+
+
+def test_the_compact_kernel_has_no_fused_multiply_add():
+    """The reference rounds every product and every sum: the build contracts nothing
+    (-ffp-contract=off) and compact_math.h writes no fma, so the library holds none in the
+    compact functions (the exact kernel's fused multiply-adds are its own)."""
+    assert "-ffp-contract=off" in _build.CFLAGS
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("objdump not found (binutils)")
+    library = ops.load_extension().__file__
+    disassembly = subprocess.run(
+        [objdump, "-d", "-C", "--no-show-raw-insn", library], capture_output=True, text=True
+    ).stdout
+    assert sum(bool(COMPACT_FUNCTION.search(line)) for line in disassembly.splitlines()) > 0
+    assert fused_multiply_adds(disassembly) == []
+    assert len(re.findall(r"vfmadd", disassembly)) > 0  # the exact kernel's: the pattern works
 
 
 def test_the_reference_square_root_used_here_is_ieee():

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_compact_kernel import COMPACT_FUNCTION, fused_multiply_adds
 
 from hf_superoffload import ops
 from hf_superoffload.ops._build import CFLAGS, CSRC
@@ -115,6 +116,17 @@ def aarch64_compact_check(tmp_path_factory) -> Path:
     cmd = [compiler, "-std=c++17", *flags, "-static", f"-I{CSRC}", str(CHECK_SOURCE)]
     subprocess.run([*cmd, *map(str, KERNEL_SOURCES), "-o", str(binary)], check=True)
     return binary
+
+
+def test_the_aarch64_compact_kernels_have_no_fused_multiply_add(aarch64_compact_check):
+    disassembly = subprocess.run(
+        [_tool("aarch64-linux-gnu-objdump"), "-d", "-C", "--no-show-raw-insn",
+         str(aarch64_compact_check)], capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    functions = {line for line in disassembly.splitlines() if COMPACT_FUNCTION.search(line)}
+    assert any("SveIsa" in f for f in functions) and any("NeonIsa" in f for f in functions)
+    assert fused_multiply_adds(disassembly) == []
+    assert "fmla" in disassembly or "fmadd" in disassembly  # the exact kernel's and libc's
 
 
 @pytest.mark.parametrize(
