@@ -36,9 +36,10 @@ def constants(
     grad_scale: float,
     salt: int,
 ) -> tuple:
-    """The kernel's constants in the order of ``CompactArgs`` (csrc/compact_types.h), up to
-    the rounding keys: the reference's, derived as it derives them (in double, each rounded
-    to fp32 once by the kernel), and its two keys (uint32)."""
+    """The kernel's per-call constants, in the order of the first twelve fields of
+    ``CompactArgs`` (csrc/compact_types.h): the reference's constants, derived in double as it
+    derives them (the kernel rounds each to fp32 once), then the two moments' rounding keys
+    (``CompactFormat.key``, uint32)."""
     keys = CompactFormat(stochastic=True)
     return (
         grad_scale,
