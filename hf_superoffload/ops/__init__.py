@@ -15,6 +15,7 @@ from .adam import (
     set_isa,
     set_num_threads,
 )
+from .compact import compact_adam
 
 __all__ = [
     "BuildToolMissingError",
@@ -23,6 +24,7 @@ __all__ = [
     "adam_rollback",
     "adam_step",
     "available_isas",
+    "compact_adam",
     "get_num_threads",
     "load_extension",
     "prepare",

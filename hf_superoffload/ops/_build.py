@@ -60,11 +60,12 @@ SOURCES = (
     "isa_neon.cpp",
     "isa_sve.cpp",
     "dispatch.cpp",
+    "compact_dispatch.cpp",
     "binding.cpp",
 )
-HEADERS = ("adam_types.h", "adam_math.h")
-# -ffp-contract=off: only the fused multiply-adds written in adam_math.h may fuse, so every
-# instruction set rounds identically. No -march: each ISA file names its own target.
+HEADERS = ("adam_types.h", "adam_math.h", "compact_types.h", "compact_math.h")
+# -ffp-contract=off: only the fused multiply-adds written in adam_math.h may fuse (none in
+# compact_math.h, as its reference has none), so every instruction set rounds identically. No -march: each ISA file names its own target.
 CFLAGS = ("-O3", "-std=c++17", "-fopenmp", "-ffp-contract=off", "-fno-math-errno")
 LDFLAGS = ("-fopenmp",)
 # Bumped when the layout of a cache folder changes, so no folder is shared across layouts.

@@ -63,6 +63,54 @@ struct ScalarIsa {
 #endif
     __builtin_memcpy(out, &h, 2);
   }
+
+  // 32-bit integer lanes, for the compact state's codes (compact_math.h). Arithmetic wraps
+  // modulo 2^32 (done in uint32_t: no signed overflow); right shifts are logical (shr) or
+  // arithmetic (sar).
+  using VI = int32_t;
+  static inline M lt(V a, V b) { return a < b; }
+  static inline VI seti(int32_t x) { return x; }
+  static inline VI iota() { return 0; }
+  static inline VI bits(V x) {
+    VI u;
+    __builtin_memcpy(&u, &x, 4);
+    return u;
+  }
+  static inline V from_bits(VI u) {
+    V x;
+    __builtin_memcpy(&x, &u, 4);
+    return x;
+  }
+  static inline VI addi(VI a, VI b) { return VI(uint32_t(a) + uint32_t(b)); }
+  static inline VI muli(VI a, VI b) { return VI(uint32_t(a) * uint32_t(b)); }
+  static inline VI andi(VI a, VI b) { return a & b; }
+  static inline VI ori(VI a, VI b) { return a | b; }
+  static inline VI xori(VI a, VI b) { return a ^ b; }
+  template <int k>
+  static inline VI shl(VI a) {
+    return VI(uint32_t(a) << k);
+  }
+  template <int k>
+  static inline VI shr(VI a) {
+    return VI(uint32_t(a) >> k);
+  }
+  template <int k>
+  static inline VI sar(VI a) {
+    return a >> k;  // arithmetic in GCC (and by definition since C++20)
+  }
+  static inline VI maxi(VI a, VI b) { return a > b ? a : b; }
+  static inline int32_t reduce_maxi(VI a) { return a; }
+  static inline M eqi(VI a, VI b) { return a == b; }
+  static inline bool any(M m) { return m; }
+  static inline VI selecti(M m, VI a, VI b) { return m ? a : b; }
+  static inline V to_float(VI a) { return float(a); }
+  // Toward zero; out of range (and NaN) gives INT32_MIN as x86 does, instead of undefined
+  // behaviour. Callers only use lanes in range, where every instruction set agrees.
+  static inline VI trunc_int(V x) {
+    return (x >= -2147483648.0f && x < 2147483648.0f) ? VI(x) : VI(-2147483647 - 1);
+  }
+  static inline VI load_u8(const uint8_t* p) { return *p; }
+  static inline void store_u8(uint8_t* p, VI x) { *p = uint8_t(uint32_t(x)); }
 };
 
 // One AdamW/Adam update of (p, m, v) with effective gradient g, in place; lanes whose

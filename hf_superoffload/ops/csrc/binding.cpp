@@ -5,6 +5,7 @@
 #include <string>
 
 #include "adam_types.h"
+#include "compact_types.h"
 
 namespace {
 
@@ -76,10 +77,99 @@ int64_t adam_apply(int64_t op, const std::string& isa, at::Tensor param, at::Ten
   return skipped;
 }
 
+// `what`: the dtype's name and what the tensor holds, for the error.
+void check_flat(const at::Tensor& t, const char* name, at::ScalarType dtype, const char* what,
+                int64_t numel, const char* numel_of) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be a CPU tensor, got one on ", t.device(),
+                    "; the compact state lives in host memory (e.g. tensor.cpu()).");
+  TORCH_CHECK_TYPE(t.scalar_type() == dtype, name, " must be ", what, ", got ", t.scalar_type(),
+                   ".");
+  TORCH_CHECK_VALUE(t.is_contiguous(), name,
+                    " must be contiguous; pass tensor.contiguous() or a flat buffer view.");
+  TORCH_CHECK_VALUE(t.numel() == numel, name, " has ", t.numel(), " elements but ", numel_of,
+                    " ", numel, ".");
+}
+
+// One compact_adam_pass (compact_state.py) over flat CPU tensors; the Python side
+// (compact.py) checks the scalars and derives the constants.
+int64_t compact_apply(const std::string& isa, at::Tensor master, at::Tensor grad,
+                      at::Tensor exp_avg, at::Tensor exp_avg_scale, at::Tensor exp_avg_sq,
+                      at::Tensor exp_avg_sq_scale, const std::optional<at::Tensor>& out_lowp,
+                      double grad_scale, double weight_decay, double beta1,
+                      double one_minus_beta1, double beta2, double one_minus_beta2,
+                      double rsqrt_bias_correction2, double eps, double decay,
+                      double neg_step_size, int64_t key_exp_avg, int64_t key_exp_avg_sq,
+                      int64_t index_base, bool adamw, bool stochastic, bool commit,
+                      int64_t threads) {
+  const int64_t n = master.numel();
+  const int64_t blocks = (n + kCompactBlock - 1) / kCompactBlock;
+  check_flat(master, "master", at::kFloat, "float32 (the master weights; use tensor.float())", n,
+             "master has");
+  TORCH_CHECK_TYPE(grad.scalar_type() == at::kFloat || lowp_kind(grad) != kLowpNone,
+                   "grad must be float32, bfloat16 or float16, got ", grad.scalar_type(), ".");
+  check_flat(grad, "grad", grad.scalar_type(), "", n, "master has");
+  const char* codes = "uint8 (8-bit codes, as CompactMoments holds them)";
+  check_flat(exp_avg, "exp_avg", at::kByte, codes, n, "master has");
+  check_flat(exp_avg_sq, "exp_avg_sq", at::kByte, codes, n, "master has");
+  const char* scales = "float32 (one scale per block of 256 elements)";
+  check_flat(exp_avg_scale, "exp_avg_scale", at::kFloat, scales, blocks,
+             "master's blocks of 256 number");
+  check_flat(exp_avg_sq_scale, "exp_avg_sq_scale", at::kFloat, scales, blocks,
+             "master's blocks of 256 number");
+  CompactTensors tensors{master.data_ptr<float>(),
+                         grad.data_ptr(),
+                         lowp_kind(grad),
+                         exp_avg.data_ptr<uint8_t>(),
+                         exp_avg_scale.data_ptr<float>(),
+                         exp_avg_sq.data_ptr<uint8_t>(),
+                         exp_avg_sq_scale.data_ptr<float>(),
+                         nullptr,
+                         kLowpNone};
+  if (out_lowp.has_value()) {
+    const at::Tensor& out = *out_lowp;
+    const bool fp32 = out.scalar_type() == at::kFloat;
+    TORCH_CHECK_TYPE(fp32 || lowp_kind(out) != kLowpNone,
+                     "out_lowp must be bfloat16, float16 or float32, got ", out.scalar_type(),
+                     ".");
+    check_flat(out, "out_lowp", out.scalar_type(), "", n, "master has");
+    tensors.out = out.data_ptr();
+    tensors.out_kind = fp32 ? kOutFp32 : lowp_kind(out);
+  }
+  TORCH_CHECK_VALUE(commit || out_lowp.has_value(),
+                    "a speculative pass (commit=False) writes only out_lowp: pass one.");
+  const CompactArgs args{float(grad_scale),
+                         float(weight_decay),
+                         float(beta1),
+                         float(one_minus_beta1),
+                         float(beta2),
+                         float(one_minus_beta2),
+                         float(rsqrt_bias_correction2),
+                         float(eps),
+                         float(decay),
+                         float(neg_step_size),
+                         uint32_t(key_exp_avg),
+                         uint32_t(key_exp_avg_sq),
+                         uint32_t(index_base),
+                         adamw ? 1 : 0,
+                         stochastic ? 1 : 0,
+                         commit ? 1 : 0};
+  int64_t skipped;
+  {
+    pybind11::gil_scoped_release no_gil;
+    skipped = hso_compact_run(isa.empty() ? nullptr : isa.c_str(), &args, &tensors, n,
+                              int(threads));
+  }
+  TORCH_CHECK_VALUE(skipped >= 0, "instruction set '", isa,
+                    "' is unknown or not supported by this CPU; see available_isas().");
+  return skipped;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adam_apply", &adam_apply, "Adam step/rollback/replay over flat fp32 CPU tensors");
+  m.def("compact_apply", &compact_apply,
+        "One compact-state Adam pass (8-bit moments) over flat CPU tensors");
   m.def("best_isa", []() { return std::string(hso_best_isa()); });
   m.def("isa_supported", [](const std::string& name) { return bool(hso_isa_supported(name.c_str())); });
 }

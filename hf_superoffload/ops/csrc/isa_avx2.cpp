@@ -4,6 +4,7 @@
 #include <immintrin.h>
 
 #include "adam_math.h"
+#include "compact_math.h"
 
 namespace {
 
@@ -49,6 +50,55 @@ struct Avx2Isa {
     const __m128i h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out), h);
   }
+
+  // 32-bit integer lanes (compact_math.h).
+  using VI = __m256i;
+  static inline M lt(V a, V b) { return _mm256_cmp_ps(a, b, _CMP_LT_OQ); }
+  static inline VI seti(int32_t x) { return _mm256_set1_epi32(x); }
+  static inline VI iota() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
+  static inline VI bits(V x) { return _mm256_castps_si256(x); }
+  static inline V from_bits(VI x) { return _mm256_castsi256_ps(x); }
+  static inline VI addi(VI a, VI b) { return _mm256_add_epi32(a, b); }
+  static inline VI muli(VI a, VI b) { return _mm256_mullo_epi32(a, b); }
+  static inline VI andi(VI a, VI b) { return _mm256_and_si256(a, b); }
+  static inline VI ori(VI a, VI b) { return _mm256_or_si256(a, b); }
+  static inline VI xori(VI a, VI b) { return _mm256_xor_si256(a, b); }
+  template <int k>
+  static inline VI shl(VI a) {
+    return _mm256_slli_epi32(a, k);
+  }
+  template <int k>
+  static inline VI shr(VI a) {
+    return _mm256_srli_epi32(a, k);
+  }
+  template <int k>
+  static inline VI sar(VI a) {
+    return _mm256_srai_epi32(a, k);
+  }
+  static inline VI maxi(VI a, VI b) { return _mm256_max_epi32(a, b); }
+  static inline int32_t reduce_maxi(VI a) {
+    __m128i m = _mm_max_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    m = _mm_max_epi32(m, _mm_shuffle_epi32(m, 0x4E));  // lanes 2,3,0,1
+    m = _mm_max_epi32(m, _mm_shuffle_epi32(m, 0xB1));  // lanes 1,0,3,2
+    return _mm_cvtsi128_si32(m);
+  }
+  static inline M eqi(VI a, VI b) { return _mm256_castsi256_ps(_mm256_cmpeq_epi32(a, b)); }
+  static inline bool any(M m) { return _mm256_movemask_ps(m) != 0; }
+  static inline VI selecti(M m, VI a, VI b) {
+    return _mm256_blendv_epi8(b, a, _mm256_castps_si256(m));
+  }
+  static inline V to_float(VI a) { return _mm256_cvtepi32_ps(a); }
+  static inline VI trunc_int(V x) { return _mm256_cvttps_epi32(x); }
+  static inline VI load_u8(const uint8_t* p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
+  static inline void store_u8(uint8_t* p, VI x) {
+    // Low bytes of the lanes: mask, then the unsigned-saturating packs are exact.
+    const __m256i low = _mm256_and_si256(x, _mm256_set1_epi32(0xFF));
+    const __m128i words =
+        _mm_packus_epi32(_mm256_castsi256_si128(low), _mm256_extracti128_si256(low, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(words, words));
+  }
 };
 
 }  // namespace
@@ -56,5 +106,10 @@ struct Avx2Isa {
 extern "C" int64_t hso_adam_span_avx2(int op, const AdamArgs* a, const AdamTensors* t,
                                       int64_t begin, int64_t end) {
   return adam_span<Avx2Isa>(op, *a, *t, begin, end);
+}
+
+extern "C" int64_t hso_compact_span_avx2(const CompactArgs* a, const CompactTensors* t,
+                                         int64_t n, int64_t first_block, int64_t end_block) {
+  return compact_span<Avx2Isa>(*a, *t, n, first_block, end_block);
 }
 #endif  // __x86_64__

@@ -3,6 +3,7 @@
 #include <arm_neon.h>
 
 #include "adam_math.h"
+#include "compact_math.h"
 
 namespace {
 
@@ -39,6 +40,55 @@ struct NeonIsa {
   static inline void store_fp16(uint16_t* out, V x) {
     vst1_u16(out, vreinterpret_u16_f16(vcvt_f16_f32(x)));
   }
+
+  // 32-bit integer lanes (compact_math.h); wrapping arithmetic through the unsigned forms.
+  using VI = int32x4_t;
+  static inline M lt(V a, V b) { return vcltq_f32(a, b); }
+  static inline VI seti(int32_t x) { return vdupq_n_s32(x); }
+  static inline VI iota() {
+    static const int32_t kIota[4] = {0, 1, 2, 3};
+    return vld1q_s32(kIota);
+  }
+  static inline VI bits(V x) { return vreinterpretq_s32_f32(x); }
+  static inline V from_bits(VI x) { return vreinterpretq_f32_s32(x); }
+  static inline uint32x4_t u(VI x) { return vreinterpretq_u32_s32(x); }
+  static inline VI s(uint32x4_t x) { return vreinterpretq_s32_u32(x); }
+  static inline VI addi(VI a, VI b) { return s(vaddq_u32(u(a), u(b))); }
+  static inline VI muli(VI a, VI b) { return s(vmulq_u32(u(a), u(b))); }
+  static inline VI andi(VI a, VI b) { return vandq_s32(a, b); }
+  static inline VI ori(VI a, VI b) { return vorrq_s32(a, b); }
+  static inline VI xori(VI a, VI b) { return veorq_s32(a, b); }
+  template <int k>
+  static inline VI shl(VI a) {
+    return s(vshlq_n_u32(u(a), k));
+  }
+  template <int k>
+  static inline VI shr(VI a) {
+    return s(vshrq_n_u32(u(a), k));
+  }
+  template <int k>
+  static inline VI sar(VI a) {
+    return vshrq_n_s32(a, k);
+  }
+  static inline VI maxi(VI a, VI b) { return vmaxq_s32(a, b); }
+  static inline int32_t reduce_maxi(VI a) { return vmaxvq_s32(a); }
+  static inline M eqi(VI a, VI b) { return vceqq_s32(a, b); }
+  static inline bool any(M m) { return vmaxvq_u32(m) != 0; }
+  static inline VI selecti(M m, VI a, VI b) { return vbslq_s32(m, a, b); }
+  static inline V to_float(VI a) { return vcvtq_f32_s32(a); }
+  static inline VI trunc_int(V x) { return vcvtq_s32_f32(x); }  // toward zero
+  static inline VI load_u8(const uint8_t* p) {
+    uint32_t word;
+    __builtin_memcpy(&word, p, 4);
+    const uint8x8_t bytes = vreinterpret_u8_u32(vdup_n_u32(word));
+    return s(vmovl_u16(vget_low_u16(vmovl_u8(bytes))));
+  }
+  static inline void store_u8(uint8_t* p, VI x) {
+    const uint16x4_t half = vmovn_u32(u(x));  // low 16, then low 8 bits of each lane
+    const uint8x8_t bytes = vmovn_u16(vcombine_u16(half, half));
+    const uint32_t word = vget_lane_u32(vreinterpret_u32_u8(bytes), 0);
+    __builtin_memcpy(p, &word, 4);
+  }
 };
 
 }  // namespace
@@ -46,5 +96,10 @@ struct NeonIsa {
 extern "C" int64_t hso_adam_span_neon(int op, const AdamArgs* a, const AdamTensors* t,
                                       int64_t begin, int64_t end) {
   return adam_span<NeonIsa>(op, *a, *t, begin, end);
+}
+
+extern "C" int64_t hso_compact_span_neon(const CompactArgs* a, const CompactTensors* t,
+                                         int64_t n, int64_t first_block, int64_t end_block) {
+  return compact_span<NeonIsa>(*a, *t, n, first_block, end_block);
 }
 #endif  // __aarch64__

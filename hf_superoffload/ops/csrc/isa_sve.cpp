@@ -5,6 +5,7 @@
 #include <arm_sve.h>
 
 #include "adam_math.h"
+#include "compact_math.h"
 
 namespace {
 
@@ -47,6 +48,44 @@ struct SveIsa {
     const svfloat16_t h = svcvt_f16_f32_x(all(), x);
     svst1h_u32(all(), out, svreinterpret_u32_f16(h));
   }
+
+  // 32-bit integer lanes (compact_math.h).
+  using VI = svint32_t;
+  static inline M lt(V a, V b) { return svcmplt_f32(all(), a, b); }
+  static inline VI seti(int32_t x) { return svdup_n_s32(x); }
+  static inline VI iota() { return svindex_s32(0, 1); }
+  static inline VI bits(V x) { return svreinterpret_s32_f32(x); }
+  static inline V from_bits(VI x) { return svreinterpret_f32_s32(x); }
+  static inline svuint32_t u(VI x) { return svreinterpret_u32_s32(x); }
+  static inline VI s(svuint32_t x) { return svreinterpret_s32_u32(x); }
+  static inline VI addi(VI a, VI b) { return s(svadd_u32_x(all(), u(a), u(b))); }
+  static inline VI muli(VI a, VI b) { return s(svmul_u32_x(all(), u(a), u(b))); }
+  static inline VI andi(VI a, VI b) { return svand_s32_x(all(), a, b); }
+  static inline VI ori(VI a, VI b) { return svorr_s32_x(all(), a, b); }
+  static inline VI xori(VI a, VI b) { return sveor_s32_x(all(), a, b); }
+  template <int k>
+  static inline VI shl(VI a) {
+    return s(svlsl_n_u32_x(all(), u(a), k));
+  }
+  template <int k>
+  static inline VI shr(VI a) {
+    return s(svlsr_n_u32_x(all(), u(a), k));
+  }
+  template <int k>
+  static inline VI sar(VI a) {
+    return svasr_n_s32_x(all(), a, k);
+  }
+  static inline VI maxi(VI a, VI b) { return svmax_s32_x(all(), a, b); }
+  static inline int32_t reduce_maxi(VI a) { return svmaxv_s32(all(), a); }
+  static inline M eqi(VI a, VI b) { return svcmpeq_s32(all(), a, b); }
+  static inline bool any(M m) { return svptest_any(all(), m); }
+  static inline VI selecti(M m, VI a, VI b) { return svsel_s32(m, a, b); }
+  static inline V to_float(VI a) { return svcvt_f32_s32_x(all(), a); }
+  static inline VI trunc_int(V x) { return svcvt_s32_f32_x(all(), x); }  // toward zero
+  static inline VI load_u8(const uint8_t* p) { return s(svld1ub_u32(all(), p)); }
+  static inline void store_u8(uint8_t* p, VI x) {
+    svst1b_s32(all(), reinterpret_cast<int8_t*>(p), x);  // the low byte of each lane
+  }
 };
 
 }  // namespace
@@ -54,5 +93,10 @@ struct SveIsa {
 extern "C" int64_t hso_adam_span_sve(int op, const AdamArgs* a, const AdamTensors* t,
                                      int64_t begin, int64_t end) {
   return adam_span<SveIsa>(op, *a, *t, begin, end);
+}
+
+extern "C" int64_t hso_compact_span_sve(const CompactArgs* a, const CompactTensors* t,
+                                        int64_t n, int64_t first_block, int64_t end_block) {
+  return compact_span<SveIsa>(*a, *t, n, first_block, end_block);
 }
 #endif  // __aarch64__

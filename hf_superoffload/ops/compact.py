@@ -1,0 +1,130 @@
+"""Python entry of the compiled compact-state Adam: both moments as 8-bit codes.
+
+``compact_adam`` is ``compact_state.compact_adam_pass`` (same arguments, same meaning, the same
+bits in every output) run by the compiled kernel: one pass over memory per call, on
+``get_num_threads()`` OpenMP threads that split the range on block boundaries, with the GIL
+released, on the instruction set of ``active_isa()`` (``set_isa`` chooses it, as for
+``adam_step``). Arguments are checked before anything is written.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._build import load_extension
+from .adam import _forced_isa, _real, _scale, get_num_threads
+from .compact_state import BLOCK, CompactFormat
+
+_TENSORS = ("master", "grad", "exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale")
+
+
+def _int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}.")
+    return value
+
+
+def constants(
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    grad_scale: float,
+    salt: int,
+) -> tuple:
+    """The kernel's per-call constants, in the order of the first twelve fields of
+    ``CompactArgs`` (csrc/compact_types.h): the reference's constants, derived in double as it
+    derives them (the kernel rounds each to fp32 once), then the two moments' rounding keys
+    (``CompactFormat.key``, uint32)."""
+    keys = CompactFormat(stochastic=True)
+    return (
+        grad_scale,
+        weight_decay,
+        beta1,
+        1.0 - beta1,
+        beta2,
+        1.0 - beta2,
+        1.0 / math.sqrt(1.0 - beta2**step),
+        eps,
+        1.0 - lr * weight_decay,
+        -lr / (1.0 - beta1**step),
+        keys.key(salt, step, 0),
+        keys.key(salt, step, 1),
+    )
+
+
+def compact_adam(
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_scale: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    exp_avg_sq_scale: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw: bool = True,
+    grad_scale: float = 1.0,
+    salt: int = 0,
+    element_offset: int = 0,
+    stochastic: bool = True,
+    commit: bool = True,
+    out_lowp: torch.Tensor | None = None,
+) -> int:
+    """One Adam(W) update of a flat range in the default ``CompactFormat``: see
+    ``compact_state.compact_adam_pass``, whose results this gives bit for bit.
+
+    ``master`` fp32; ``grad`` fp32, bf16 or fp16; ``exp_avg``/``exp_avg_sq`` uint8 codes of
+    as many elements; ``*_scale`` fp32, one per block of 256 (``ceil(numel / 256)``); all
+    contiguous CPU tensors. ``out_lowp``: bf16, fp16 or fp32, required if ``commit=False``.
+    Returns how many elements had a non-finite gradient term."""
+    tensors = (master, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale)
+    for name, tensor in (*zip(_TENSORS, tensors, strict=True), ("out_lowp", out_lowp)):
+        if tensor is not None and not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}.")
+    step, salt = _int("step", step), _int("salt", salt)
+    element_offset = _int("element_offset", element_offset)
+    if step < 1:
+        raise ValueError(
+            f"step is the 1-based number of the update, so it must be >= 1; got {step}."
+        )
+    if element_offset < 0 or element_offset % BLOCK:
+        raise ValueError(
+            f"element_offset must be a non-negative multiple of {BLOCK} (the range's first "
+            f"element within its partition, on a block boundary), got {element_offset}"
+        )
+    if not commit and out_lowp is None:
+        raise ValueError("a speculative pass (commit=False) writes only out_lowp: pass one")
+    lr, beta1, beta2 = _real("lr", lr), _real("beta1", beta1), _real("beta2", beta2)
+    eps, weight_decay = _real("eps", eps), _real("weight_decay", weight_decay)
+    grad_scale = _scale("grad_scale", grad_scale)
+    if lr < 0:
+        raise ValueError(f"lr must be >= 0, got {lr}.")
+    for name, beta in (("beta1", beta1), ("beta2", beta2)):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"{name} must be in [0, 1), got {beta}.")
+    if eps <= 0:
+        raise ValueError(
+            f"eps must be > 0 (it keeps the update finite where exp_avg_sq is 0), got {eps}."
+        )
+    if weight_decay < 0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}.")
+    return load_extension().compact_apply(
+        _forced_isa() or "",
+        *tensors,
+        out_lowp,
+        *constants(step, lr, beta1, beta2, eps, weight_decay, grad_scale, salt),
+        element_offset & 0xFFFFFFFF,
+        bool(adamw),
+        bool(stochastic),
+        bool(commit),
+        get_num_threads(),
+    )
