@@ -2,10 +2,8 @@
 bits: params, codes, scales, out_lowp and the non-finite count, for every instruction set of
 this CPU and 1 or 2 threads, over sequences of speculative and committed steps.
 
-The reference is run with an IEEE (correctly rounded) fp32 square root in place of torch's CPU
-one: torch computes ``torch.sqrt`` on CPU with MKL's vector math, which is within an ulp but
-not correctly rounded (about 0.7% of random inputs differ from IEEE sqrt), while the kernel,
-every other instruction set and the GPU round it once, as IEEE 754 asks.
+The reference rounds its square root once (``compact_state.ieee_sqrt``), as the kernel, every
+other instruction set and the GPU do; torch's own CPU ``sqrt`` does not.
 """
 
 from __future__ import annotations
@@ -16,7 +14,6 @@ import shutil
 import subprocess
 import threading
 import time
-from types import ModuleType
 
 import numpy
 import pytest
@@ -24,45 +21,15 @@ import torch
 
 from hf_superoffload import ops
 from hf_superoffload.ops import _build, compact_state
-from hf_superoffload.ops.compact_state import BLOCK, CompactMoments
+from hf_superoffload.ops.compact_state import BLOCK, CompactMoments, ieee_sqrt
 
 HYPER = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
 # Two chunks of 64K elements that two threads share, three blocks, and a short last block.
 N_THREADED = 2 * 65536 + 3 * BLOCK + 37
 
 
-def ieee_sqrt(x: torch.Tensor) -> torch.Tensor:
-    """fp32 sqrt rounded once to nearest: torch's (within an ulp) corrected by comparing with
-    the midpoints to its neighbours, whose squares are exact in double (25 significant bits)."""
-    s = torch.sqrt(x.double()).float()
-    up = torch.nextafter(s, torch.tensor(float("inf")))
-    down = torch.nextafter(s, torch.tensor(0.0))
-    high = (s.double() + up.double()) * 0.5
-    low = (s.double() + down.double()) * 0.5
-    s = torch.where(x.double() > high * high, up, s)
-    return torch.where(x.double() < low * low, down, s)
-
-
-class _TorchWithIeeeSqrt(ModuleType):
-    """torch, but for sqrt: what compact_state sees while the reference runs."""
-
-    def __init__(self):
-        super().__init__("torch")
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    sqrt = staticmethod(ieee_sqrt)
-
-
 def reference(*args, **kwargs) -> int:
-    """compact_adam_pass with an IEEE square root (see the module docstring)."""
-    saved = compact_state.torch
-    compact_state.torch = _TorchWithIeeeSqrt()
-    try:
-        return compact_state.compact_adam_pass(*args, **kwargs)
-    finally:
-        compact_state.torch = saved
+    return compact_state.compact_adam_pass(*args, **kwargs)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -305,9 +272,9 @@ def test_the_compact_kernel_has_no_fused_multiply_add():
     assert len(re.findall(r"vfmadd", disassembly)) > 0  # the exact kernel's: the pattern works
 
 
-def test_the_reference_square_root_used_here_is_ieee():
-    """ieee_sqrt (the reference's sqrt in these tests) against numpy's, which is IEEE; and
-    torch's own CPU sqrt is not, which is why the tests need it."""
+def test_the_reference_square_root_is_ieee():
+    """compact_state.ieee_sqrt (the reference's) against numpy's, which is IEEE; torch's own
+    CPU sqrt is not, which is why the reference needs it."""
     gen = torch.Generator().manual_seed(3)
     x = torch.rand(1_000_000, generator=gen) * torch.exp(torch.randn(1_000_000, generator=gen) * 20)
     x[:6] = torch.tensor([0.0, 1e-45, 1e-38, 4.0, float("inf"), 3.4e38])

@@ -5,7 +5,8 @@ state: it writes only the updated params, rounded, for the device. The state tak
 after validation, in a second pass over the same inputs that writes master and moments (and
 the params again only when validation changed the update: a clip, new hyperparameters). A
 skipped step sends the unchanged master back. Every verdict is therefore exact with respect
-to the plain-PyTorch compact update (``compact_state.compact_adam_pass``).
+to the plain-PyTorch compact update (``compact_state.compact_adam_pass``), which the compiled
+kernel (``ops.compact_adam``) gives bit for bit.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from ..ops.compact_state import compact_adam_pass
+from .. import ops
 
 if TYPE_CHECKING:
     from .host_steps import HostSteps
@@ -47,7 +48,7 @@ class CompactPasses:
                 at = segment.offset + start
                 low = host.take_copy_out(part, at, n) if send else None
                 began = time.perf_counter()
-                compact_adam_pass(
+                ops.compact_adam(
                     part.master.narrow(0, at, n), grad.narrow(0, at, n),
                     *moments.piece_moments(segment, start, n), step=step, grad_scale=scale,
                     salt=segment.salt, element_offset=start, commit=commit, out_lowp=low,
