@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Compact moments on one GPU: their GPU tests, the compiled kernel's tests on this host's CPU,
-# and the ZeRO-3 path at 3.37B with fp32 and with compact moments in one suite run (same
+# Compact moments on one GPU: their GPU tests, the compiled kernel's tests and speed on this
+# host's CPU, and the ZeRO-3 path at 3.37B with fp32 and with compact moments in one suite run (same
 # ratio, every step clipping), in one device call:
 #
 #   bash dev/compact_check.sh                  # RATIO=1.0 by default
@@ -20,6 +20,9 @@ echo "gpu tests rc=$? $(tail -n 1 "$OUT/pytest_gpu.log")"
 timeout 120 python -m pytest -q -x tests/test_compact_kernel.py tests/test_compact_engine.py \
     > "$OUT/pytest_kernel.log" 2>&1
 echo "kernel and engine tests rc=$? $(tail -n 1 "$OUT/pytest_kernel.log")"
+timeout 60 python benchmarks/compact_kernel_speed.py --numel 67108864 --threads 1,15 \
+    --repeats 3 > "$OUT/kernel_speed.log" 2>&1
+echo "kernel speed rc=$?"; tail -n 7 "$OUT/kernel_speed.log"
 timeout 330 python benchmarks/suite.py --hidden 3072 --layers 28 --seq 4096 --batch 4 \
     --steps 6 --warmup 3 --clip 1.0 --ratio "$RATIO" --timeout 160 \
     --systems superoffload_zero3,superoffload_zero3_compact --out-dir "$OUT" \
