@@ -262,7 +262,8 @@ class Stv:
             self._settle(part, result.verdict, result.clip_coef, undos, state_tasks)
             part.reset_speculation()
         # After every task that sends params: the next forward waits for those, not for these.
-        for part, task in state_tasks:
+        # Last partition first: the next backward's gradients land in those buffers first.
+        for part, task in reversed(state_tasks):
             self.worker.submit([state_key(part.index)], task)
         self._round = SpeculationRound()
 
