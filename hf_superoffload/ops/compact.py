@@ -26,6 +26,26 @@ def _int(name: str, value: object) -> int:
     return value
 
 
+def _check_sizes(tensors: tuple, out_lowp: torch.Tensor | None) -> None:
+    """Every tensor as long as ``master`` (the scales: a block of 256 each). Checked here, not
+    only in the binding: with torch 2.11's headers built by GCC 13 the binding's size refusal
+    crashed the process instead of raising (seen on the H100 hosts), its other checks did not."""
+    n = tensors[0].numel()
+    blocks = -(-n // BLOCK)
+    named = dict(zip(_TENSORS, tensors, strict=True))
+    if out_lowp is not None:
+        named["out_lowp"] = out_lowp
+    for name, tensor in named.items():
+        if name.endswith("_scale"):
+            if tensor.numel() != blocks:
+                raise ValueError(
+                    f"{name} has {tensor.numel()} elements but master's blocks of {BLOCK} "
+                    f"number {blocks}."
+                )
+        elif tensor.numel() != n:
+            raise ValueError(f"{name} has {tensor.numel()} elements but master has {n}.")
+
+
 def constants(
     step: int,
     lr: float,
@@ -90,6 +110,7 @@ def compact_adam(
     for name, tensor in (*zip(_TENSORS, tensors, strict=True), ("out_lowp", out_lowp)):
         if tensor is not None and not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}.")
+    _check_sizes(tensors, out_lowp)
     step, salt = _int("step", step), _int("salt", salt)
     element_offset = _int("element_offset", element_offset)
     if step < 1:
