@@ -3,7 +3,8 @@
 # host's CPU, and the ZeRO-3 path at 3.37B with fp32 and with compact moments in one suite run (same
 # ratio, every step clipping), in one device call:
 #
-#   bash dev/compact_check.sh                  # RATIO=1.0 by default
+#   bash dev/compact_check.sh                  # RATIO=1.0, CLIPS="1.0" by default
+#   TESTS=0 CLIPS="1.0 0" bash dev/compact_check.sh   # the suite only, clipping every step and never
 #
 # Run from the repo root on a GPU machine with `.whl` carried (dev/gpu_env.sh). Writes under
 # $OUT (default ./results): pytest_gpu.log, pytest_kernel.log, suite.csv and the suite's logs;
@@ -11,21 +12,27 @@
 set -u
 OUT="${OUT:-results}"
 RATIO="${RATIO:-1.0}"
+CLIPS="${CLIPS:-1.0}"
+TESTS="${TESTS:-1}"
 mkdir -p "$OUT"
 source dev/gpu_env.sh || exit 1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 lscpu | grep -E "Model name|^CPU\(s\)|Flags" | cut -c1-300 > "$OUT/cpu.txt"
-timeout 150 python -m pytest -q -x -m gpu tests/test_compact_gpu.py > "$OUT/pytest_gpu.log" 2>&1
-echo "gpu tests rc=$? $(tail -n 1 "$OUT/pytest_gpu.log")"
-timeout 120 python -m pytest -q -x tests/test_compact_kernel.py tests/test_compact_engine.py \
-    > "$OUT/pytest_kernel.log" 2>&1
-echo "kernel and engine tests rc=$? $(tail -n 1 "$OUT/pytest_kernel.log")"
-timeout 60 python benchmarks/compact_kernel_speed.py --numel 67108864 --threads 1,15 \
-    --repeats 3 > "$OUT/kernel_speed.log" 2>&1
-echo "kernel speed rc=$?"; tail -n 7 "$OUT/kernel_speed.log"
-timeout 330 python benchmarks/suite.py --hidden 3072 --layers 28 --seq 4096 --batch 4 \
-    --steps 6 --warmup 3 --clip 1.0 --ratio "$RATIO" --timeout 160 \
-    --systems superoffload_zero3,superoffload_zero3_compact --out-dir "$OUT" \
-    > "$OUT/suite.log" 2>&1
-echo "suite rc=$?"
-tail -n 12 "$OUT/suite.log"
+if [ "$TESTS" = 1 ]; then
+    timeout 150 python -m pytest -q -x -m gpu tests/test_compact_gpu.py > "$OUT/pytest_gpu.log" 2>&1
+    echo "gpu tests rc=$? $(tail -n 1 "$OUT/pytest_gpu.log")"
+    timeout 120 python -m pytest -q -x tests/test_compact_kernel.py tests/test_compact_engine.py \
+        > "$OUT/pytest_kernel.log" 2>&1
+    echo "kernel and engine tests rc=$? $(tail -n 1 "$OUT/pytest_kernel.log")"
+    timeout 60 python benchmarks/compact_kernel_speed.py --numel 67108864 --threads 1,15 \
+        --repeats 3 > "$OUT/kernel_speed.log" 2>&1
+    echo "kernel speed rc=$?"; tail -n 7 "$OUT/kernel_speed.log"
+fi
+for clip in $CLIPS; do
+    timeout 330 python benchmarks/suite.py --hidden 3072 --layers 28 --seq 4096 --batch 4 \
+        --steps 6 --warmup 3 --clip "$clip" --ratio "$RATIO" --timeout 160 \
+        --systems superoffload_zero3,superoffload_zero3_compact --out-dir "$OUT" \
+        > "$OUT/suite_clip$clip.log" 2>&1
+    echo "suite clip $clip rc=$?"
+    tail -n 4 "$OUT/suite_clip$clip.log"
+done

@@ -66,8 +66,7 @@ def _copy_out_ring(
     link: Link, plans: list[BucketPlan], dtype: torch.dtype, cast: CastPlan, compact: bool
 ) -> CopyOutRing | None:
     """One small ring for all buckets when params cross in the model dtype (any bucket may be
-    on the host: "auto" moves them); with compact moments always, since a speculative pass
-    leaves the master as it was (its update crosses as fp32 when the master would)."""
+    on the host: "auto" moves them); with compact moments always (``copy_out_dtype``)."""
     size = max(p.numel for p in plans)  # what standalone_host_parts counts
     if compact:
         return CopyOutRing(link, size, copy_out_dtype(dtype, cast.params_on_device, compact))
@@ -77,7 +76,12 @@ def _copy_out_ring(
 
 
 def copy_out_dtype(dtype: torch.dtype, params_on_device: bool, compact: bool) -> torch.dtype | None:
-    """The copy-out ring's dtype (None: no ring), for model params of ``dtype``."""
+    """The copy-out ring's dtype (None: no ring), for model params of ``dtype``. Compact
+    moments always write their updates into the ring (a speculative pass leaves the master as
+    it was), in the model's dtype: the kernel rounds to nearest even, as the device's cast of
+    the fp32 master would, and half the bytes cross."""
+    if compact:
+        return dtype
     if dtype == torch.float32 or params_on_device:
-        return torch.float32 if compact else None
+        return None
     return dtype

@@ -238,9 +238,9 @@ def plan_sub_groups(shape: ModelShape, run: Zero3Run) -> SubGroupSplit:
 
 def copy_out_bytes(largest_host_sub_group: int, low_bytes: int, compact: bool = False) -> int:
     """The copy-out ring (engine/copy_out.py): a few pieces of the largest host sub group,
-    in the model's 16-bit dtype (``low_bytes`` 0: an fp32 model has none); with compact
-    moments always, counted in fp32 (the dtype its updates cross in when params do)."""
-    element = 4 if compact else low_bytes
+    in the model's 16-bit dtype (``low_bytes`` 0: an fp32 model has none, unless its moments
+    are compact: then fp32)."""
+    element = (low_bytes or 4) if compact else low_bytes
     return COPY_OUT_SLOTS * min(largest_host_sub_group, COPY_OUT_PIECE) * element
 
 
