@@ -5,7 +5,7 @@
 #
 # The device runs CPython 3.12 (x86-64, manylinux) with torch 2.11, transformers 5.17,
 # accelerate 1.15, peft, numpy, pyarrow, fsspec, protobuf, ... but no trl, datasets, deepspeed,
-# wandb, torchao, hjson or pydantic, and it has no network. Each device command then carries
+# liger-kernel, wandb, torchao, hjson or pydantic, and it has no network. Each device command then carries
 # `.whl/` beside the checkout and starts with `source dev/gpu_env.sh`.
 #
 # The pins below are the top-level packages plus every runtime dependency of theirs that the
@@ -45,6 +45,7 @@ PINS=(
     opentelemetry-exporter-otlp-common==0.66b2
     opentelemetry-exporter-http-transport==0.66b2
     googleapis-common-protos==1.76.0
+    liger-kernel==0.8.5        # --use_liger_kernel (pure Python: Triton kernels; torch, triton there)
 )
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64
            manylinux2014_x86_64 manylinux1_x86_64)

@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+from gpu_tier import one_gpu_for
 
 # DeepSpeed picks its accelerator once, on first import: without a GPU, its CPU one (gloo).
 if not torch.cuda.is_available():
@@ -28,3 +29,9 @@ def one_intra_op_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _gpu_tier_on_one_gpu(request, monkeypatch):
+    """A ``gpu`` test (not ``multi_gpu``) sees one GPU on a machine with several (gpu_tier.py)."""
+    one_gpu_for(request.node, monkeypatch)

@@ -19,6 +19,7 @@ import transformers
 from hf_superoffload import env
 from hf_superoffload.cli import main, model_source, ratio_auto
 from hf_superoffload.ops import _build
+from hf_superoffload.zero3.loss_memory import LOGIT_BYTES, liger_loss_bytes, trl_loss_bytes
 from hf_superoffload.zero3.memory_plan import HOST_HEADROOM
 from hf_superoffload.zero3.sub_group_cut import device_sub_group_count
 
@@ -423,6 +424,45 @@ def test_plans_a_recipe_with_its_sequence_length_and_batch(capsys, tmp_path):
     assert (short["run"]["seq"], short["run"]["batch"]) == (1024, 2)
     _, overridden = plan_json(capsys, str(recipe), "--hardware", "h100", "--seq", "2048")
     assert (overridden["run"]["seq"], overridden["run"]["batch"]) == (2048, 2)
+
+
+def test_plan_counts_the_loss_it_is_told(capsys):
+    """--loss: the full logits (the default), TRL's fused LM head or Liger's fused cross-entropy
+    decide the GPU bytes of the loss (Qwen3-14B at seq 4096, batch 4: 27.8 GiB of logits and
+    their fp32 copies, against about 5 and 2 GiB), and nothing else in the plan."""
+    machine = ("--gpu-mem", "139.8", "--cpu-mem", "256", "--gpus", "2")
+    _, default = plan_json(capsys, "qwen3-14b", *machine)
+    tokens, hidden, vocab = 4 * 4096, 5120, 151936
+    expected = {
+        "full": LOGIT_BYTES * tokens * vocab,
+        "trl": trl_loss_bytes(tokens, hidden, vocab, 2),
+        "liger": liger_loss_bytes(tokens, hidden, vocab, 2),
+    }
+    assert default["gpu_bytes_per_rank"]["logits_and_loss"] == expected["full"]
+    for loss, fused in (("full", None), ("trl", "trl"), ("liger", "liger")):
+        code, plan = plan_json(capsys, "qwen3-14b", *machine, "--loss", loss)
+        assert code == 0 and plan["run"]["fused_cross_entropy"] == fused
+        gpu = plan["gpu_bytes_per_rank"]
+        assert gpu["logits_and_loss"] == expected[loss], loss
+        assert plan["host_bytes_per_rank"] == default["host_bytes_per_rank"]
+        others = {k: v for k, v in gpu.items() if k != "logits_and_loss"}
+        assert others == {
+            k: v for k, v in default["gpu_bytes_per_rank"].items() if k != "logits_and_loss"
+        }
+    _, out, _ = cli(capsys, "plan", "qwen3-14b", *machine, "--loss", "trl")
+    assert "loss: TRL's fused LM head" in out
+    # The GPU room the logits leave goes to the optimizer state: on two H100, a lower ratio.
+    h100 = ("qwen3-14b", "--hardware", "h100", "--cpu-mem", "256", "--gpus", "2", "--ratio", "auto")
+    _, full = plan_json(capsys, *h100)
+    _, trl = plan_json(capsys, *h100, "--loss", "trl")
+    assert (full["run"]["ratio"], trl["run"]["ratio"]) == (0.9, 0.7)
+
+
+def test_plan_refuses_liger_for_a_model_it_does_not_patch(capsys):
+    code, _, err = cli(capsys, "plan", "seed-oss-36b", "--hardware", "h200", "--loss", "liger")
+    assert code == 2 and "no fused cross-entropy for 'seed_oss'" in err and "--loss trl" in err
+    code, _, err = cli(capsys, "plan", "qwen3-14b", "--hardware", "h200", "--loss", "fused")
+    assert code == 2 and "invalid choice: 'fused'" in err
 
 
 def test_a_recipe_naming_a_model_plan_cannot_find_exits_2(capsys, tmp_path):

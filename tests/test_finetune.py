@@ -17,12 +17,19 @@ import yaml
 from hf_superoffload.cli import finetune
 from hf_superoffload.cli import main as cli_main
 from hf_superoffload.recipes import arguments
+from hf_superoffload.zero3.loss_memory import trl_loss_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def finetune_cli(capsys, tmp_path, *args: str) -> tuple[int, str, str]:
     code = cli_main(["finetune", "--runs-dir", str(tmp_path / "runs"), *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def cli_output(capsys, *args: str) -> tuple[int, str, str]:
+    code = cli_main([*args, "--json"])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -99,12 +106,34 @@ def test_ratio_auto_writes_the_plans_ratio_and_keeps_the_plan(capsys, tmp_path):
         "--hardware", "h100", "--cpu-mem", "512",
     )  # fmt: skip
     assert code == 0
-    assert "RATIO=auto: ratio 0.85" in out
+    assert "RATIO=auto: ratio 0.7" in out
     run_dir = _run_dir(tmp_path)
     plan = json.loads((run_dir / "plan.json").read_text())
-    assert plan["run"]["ratio"] == 0.85 and plan["fits"]
+    assert plan["run"]["ratio"] == 0.7 and plan["fits"]
     offload = json.loads((run_dir / "deepspeed.json").read_text())["zero_optimization"]
-    assert offload["offload_optimizer"]["ratio"] == 0.85
+    assert offload["offload_optimizer"]["ratio"] == 0.7
+
+
+@pytest.mark.parametrize("liger", [False, True], ids=["plain", "use_liger_kernel"])
+def test_ratio_auto_counts_trls_fused_head_not_the_full_logits(capsys, tmp_path, liger):
+    """examples/sft.py computes the loss through TRL's fused LM head, with or without
+    --use_liger_kernel (TRL refuses Liger's fused cross-entropy beside it): the plan counts that
+    head, not a batch's full logits, and so keeps more optimizer state on the GPU (Llama-3.1-8B
+    on an H100: ratio 0.7 where the full logits leave room for 0.85 only)."""
+    script = ["--", "--use_liger_kernel", "true"] if liger else []
+    machine = ("--hardware", "h100", "--cpu-mem", "512")
+    code, _, _ = finetune_cli(
+        capsys, tmp_path, "llama-3.1-8b", "superoffload", "--dry-run", *machine, *script
+    )
+    assert code == 0
+    plan = json.loads((_run_dir(tmp_path) / "plan.json").read_text())
+    assert plan["run"]["fused_cross_entropy"] == "trl"
+    head = trl_loss_bytes(4 * 4096, 4096, 128256, 2)
+    assert plan["gpu_bytes_per_rank"]["logits_and_loss"] == head
+    code, out, _ = cli_output(capsys, "plan", "llama-3.1-8b", *machine, "--ratio", "auto")
+    full = json.loads(out)
+    assert code == 0 and full["run"]["fused_cross_entropy"] is None
+    assert full["run"]["ratio"] == 0.85 > plan["run"]["ratio"]
 
 
 def test_a_run_that_fits_at_no_ratio_names_the_plan_that_explains_it(capsys, tmp_path):

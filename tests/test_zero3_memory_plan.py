@@ -84,6 +84,20 @@ def test_predicts_every_measured_peak_within_five_percent(model, gpus, ratio):
     assert plan.host_bytes_without_resume / GIB == pytest.approx(host, rel=0.05)
 
 
+def test_predicts_the_recipe_launchers_run_with_trls_fused_head():
+    """Llama-3.1-8B through `hf-superoffload finetune` on 2 x H100 (256 GiB host), ratio 0.5,
+    nothing saved: the Trainer's param groups and persistence, and TRL's fused LM head, which
+    the launcher plans (docs/data/liger_llama31_8b_2xh100_2026-11-26.csv: torch's allocated
+    peak of each rank, and the process tree's host memory over both ranks). Counted as the full
+    logits, the same run would be planned 20 GiB a rank above what it held."""
+    run = {"ranks": 2, "ratio": 0.5, "saves_model": False}
+    plan = _plan("llama-3.1-8b", fused_cross_entropy="trl", **run)
+    assert plan.gpu_bytes / GIB == pytest.approx(47.45, rel=0.05)
+    assert plan.host_training / GIB == pytest.approx(56.47 / 2, rel=0.05)
+    full = _plan("llama-3.1-8b", **run)
+    assert full.gpu_bytes / GIB > 47.45 * 1.4
+
+
 def test_trainer_groups_and_persistence_cut_the_dense_models_as_the_benchmark_did():
     # The Trainer's decay / no-decay groups and its "auto" persistence threshold (10 x hidden)
     # put the norms in sub groups of their own, as one group and DeepSpeed's threshold do.

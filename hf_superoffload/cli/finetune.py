@@ -45,6 +45,10 @@ RECIPE_GPUS = {
 }
 DEEPSPEED_JSON = {"superoffload": "zero3_superoffload.json", "zerooffload": "zero3_offload.json"}
 DEFAULT_BATCH = 4  # per GPU, the paper's; a recipe's per_device_train_batch_size wins
+# The loss the plan counts (`plan --loss`): examples/sft.py trains under TRL's SFTTrainer, whose
+# fused LM head never holds a batch's logits; --use_liger_kernel true leaves that loss in place
+# (TRL refuses Liger's fused cross-entropy beside it) and adds Liger's layer kernels only.
+RECIPE_LOSS = "trl"
 
 
 class DoesNotFit(Exception):
@@ -198,7 +202,7 @@ def _plan_ratio(args, recipe: Path, settings: dict, gpus: int, batch: int, never
         options += ["--seq", str(settings.get("max_length", 4096))]
     accumulation = settings.get("gradient_accumulation_steps", 1)
     argv = ["plan", model, "--gpus", str(gpus), "--batch", str(batch), "--ratio", "auto"]
-    argv += ["--gradient-accumulation-steps", str(accumulation), *options]
+    argv += ["--gradient-accumulation-steps", str(accumulation), "--loss", RECIPE_LOSS, *options]
     if never_saves:
         argv.append("--no-save")
     argv += _planned_machine(args)

@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import json
 
+from ..zero3.loss_memory import LIGER_MODEL_TYPES
 from ..zero3.memory_plan import (
     CUDA_CONTEXT_BYTES,
     GPU_HEADROOM,
@@ -29,6 +30,14 @@ from .hardware import GIB, PRESETS
 _MORE_GPUS = (2, 4, 8, 16, 32, 64)  # GPU counts tried when a run does not fit
 NO_SAVE = "a run that saves nothing: examples/sft.py --save_model false with --save_strategy no"
 DEFAULT_SEQ, DEFAULT_BATCH = 4096, 4  # the paper's examples' settings
+# --loss: what computes the loss, as Zero3Run.fused_cross_entropy names it, and what the output
+# calls it. TRL's SFT and DPO trainers (examples/sft.py, the recipes) compute it through TRL's
+# fused LM head whether or not Liger's kernels are on: TRL refuses Liger's fused cross-entropy.
+LOSSES = {
+    "full": (None, "the model's own (a batch's full logits)"),
+    "trl": ("trl", "TRL's fused LM head (chunked, no full logits)"),
+    "liger": ("liger", "Liger-Kernel's fused linear cross-entropy (no full logits)"),
+}
 
 
 def add_parser(commands) -> None:
@@ -74,6 +83,16 @@ def add_parser(commands) -> None:
         "1 - ratio of them stay on the GPU); DeepSpeed's offload_optimizer.ratio "
         "(default 1.0: all of it), or 'auto': the lowest ratio down to 0.5 that fits, keeping "
         f"the GPU need within {ratio_auto.GPU_SHARE:.0%}% of the card",  # %% for argparse
+    )
+    parser.add_argument(
+        "--loss",
+        choices=LOSSES,
+        default="full",
+        help="what computes the loss, which decides the GPU memory of the logits: full (the "
+        "default), the model's own loss over a batch's full logits (a plain Trainer or "
+        "DeepSpeed script); trl, TRL's fused LM head (TRL's SFTTrainer and DPOTrainer: "
+        "examples/sft.py and the recipes, with or without --use_liger_kernel); liger, "
+        "Liger-Kernel's fused linear cross-entropy (a plain Trainer with use_liger_kernel)",
     )
     parser.add_argument(
         "--offload-param", action="store_true", help="bf16 params on the host too (ZeRO-3)"
@@ -140,6 +159,16 @@ def _check(args) -> None:
             f"{args.gradient_accumulation_steps}"
         )
     ratio_auto.check_ratio(args.ratio, "--ratio")
+
+
+def _check_loss(loss: str, config) -> None:
+    model_type = getattr(config, "model_type", None)
+    if loss == "liger" and model_type not in LIGER_MODEL_TYPES:
+        raise UsageError(
+            f"--loss liger: Liger-Kernel has no fused cross-entropy for {model_type!r} models "
+            f"(it patches {', '.join(sorted(LIGER_MODEL_TYPES))}); plan --loss full, or "
+            "--loss trl for TRL's trainers"
+        )
 
 
 def _shape(config) -> ModelShape:
@@ -214,6 +243,7 @@ def answer(args: argparse.Namespace) -> Answer:
     """The plan for ``args`` (plan's options); UsageError on bad input."""
     _check(args)
     source = model_source.resolve(args.model)
+    _check_loss(args.loss, source.config)
     capacity = capacity_options.resolve(args)
     zero3_run = Zero3Run(
         seq=args.seq or source.seq or DEFAULT_SEQ,
@@ -225,6 +255,7 @@ def answer(args: argparse.Namespace) -> Answer:
         gradient_accumulation=args.gradient_accumulation_steps,
         sub_group_size=args.sub_group_size,
         saves_model=not args.no_save,
+        fused_cross_entropy=LOSSES[args.loss][0],
     )
     shape = _shape(source.config)
     auto_notes, auto_suggestions = [], []
@@ -317,10 +348,15 @@ def _run_line(plan: MemoryPlan) -> str:
         extras.append("bf16 params on the host")
     if run.gradient_accumulation > 1:
         extras.append(f"gradient accumulation {run.gradient_accumulation}")
+    extras.append(f"loss: {_loss_label(run.fused_cross_entropy)}")
     return (
         f"run: {run.ranks} GPU(s), {run.ranks_per_host} per host, seq {run.seq} x batch "
         f"{run.batch} per GPU, ratio {run.ratio}; " + ", ".join(extras)
     )
+
+
+def _loss_label(fused: str | None) -> str:
+    return next(label for value, label in LOSSES.values() if value == fused)
 
 
 def _as_text(source, capacity, verdict: Verdict, suggestions, notes) -> str:
