@@ -553,3 +553,17 @@ def test_console_script_points_at_main():
     module, attribute = target.split(":")
     assert name == "hf-superoffload"
     assert getattr(importlib.import_module(module), attribute) is main
+
+
+def test_plan_counts_compact_moments(capsys):
+    """--moments compact: the host's moments take 2 B a param and a scale pair a block, the
+    GPU tail 10 B a param; the output says so."""
+    _, fp32 = plan_json(capsys, "llama-3.1-8b", "--hardware", "h100")
+    _, compact = plan_json(capsys, "llama-3.1-8b", "--hardware", "h100", "--moments", "compact")
+    assert compact["run"]["compact_moments"] is True and fp32["run"]["compact_moments"] is False
+    host, host_fp32 = compact["host_bytes_per_rank"], fp32["host_bytes_per_rank"]
+    assert host["master"] == host_fp32["master"]
+    assert 2 * host["master"] / 4 < host["moments"] < 2.1 * host["master"] / 4
+    assert host_fp32["moments"] == 2 * host_fp32["master"]
+    main(["plan", "llama-3.1-8b", "--hardware", "h100", "--moments", "compact"])
+    assert "10 bytes per param there" in capsys.readouterr().out

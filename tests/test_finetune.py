@@ -251,3 +251,20 @@ def test_any_gpu_count_runs_the_shipped_settings_on_that_many_processes(capsys, 
     assert code == 0
     accelerate = yaml.safe_load((_run_dir(tmp_path) / "accelerate.yaml").read_text())
     assert accelerate["num_processes"] == gpus and accelerate["distributed_type"] == "DEEPSPEED"
+
+
+def test_compact_moments_are_planned_from_the_script_arguments(capsys, tmp_path):
+    """--superoffload_moments compact (passed to examples/sft.py) plans compact moments: Phi-4
+    on one H200 with a 128 GiB host fits at ratio 0.5 with them and at none without; and a plan
+    that does not fit for the host names --moments compact when it would."""
+    machine = ("--hardware", "h200")
+    code, _, err = finetune_cli(capsys, tmp_path, "phi-4", "superoffload", "--dry-run", *machine)
+    assert code == 1 and "--moments compact fits at --ratio 0.5" in err, err
+    script = ("--", "--superoffload_moments", "compact")
+    code, _, _ = finetune_cli(
+        capsys, tmp_path, "phi-4", "superoffload", "--dry-run", *machine, *script
+    )
+    assert code == 0
+    plan = json.loads((_run_dir(tmp_path) / "plan.json").read_text())
+    assert plan["run"]["compact_moments"] is True and plan["run"]["ratio"] == 0.5
+    assert "--superoffload_moments compact" in (_run_dir(tmp_path) / "command.sh").read_text()

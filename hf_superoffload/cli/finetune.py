@@ -27,6 +27,7 @@ from pathlib import Path
 
 import yaml
 
+from .. import env
 from .checkout import find_checkout
 from .errors import EXIT_DOES_NOT_FIT, UsageError
 from .ratio_auto import check_ratio
@@ -163,25 +164,39 @@ def _check_gpus(args, gpus: int, recipe: Path) -> None:
         )
 
 
+def _last_value(script_args: list[str], flag: str, default) -> str:
+    """The value the script takes for ``flag``: its last one on the command line, else
+    ``default`` (lower case)."""
+    value = default
+    for i, arg in enumerate(script_args):
+        if arg == flag and i + 1 < len(script_args):
+            value = script_args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return str(value).lower()
+
+
 def _never_saves(settings: dict, script_args: list[str]) -> bool:
     """Whether the run saves nothing (``--save_model false``, ``save_strategy`` no), so the plan
     leaves out the save's gather of the 16-bit model into rank 0's host memory."""
-
-    def last(flag: str, default) -> str:
-        value = default
-        for i, arg in enumerate(script_args):
-            if arg == flag and i + 1 < len(script_args):
-                value = script_args[i + 1]
-            elif arg.startswith(flag + "="):
-                value = arg.split("=", 1)[1]
-        return str(value).lower()
-
-    saves = last("--save_model", settings.get("save_model", True))
-    strategy = last("--save_strategy", settings.get("save_strategy", "steps"))
+    saves = _last_value(script_args, "--save_model", settings.get("save_model", True))
+    strategy = _last_value(script_args, "--save_strategy", settings.get("save_strategy", "steps"))
     return saves in ("false", "0", "no") and strategy == "no"
 
 
-def _plan_ratio(args, recipe: Path, settings: dict, gpus: int, batch: int, never_saves: bool):
+MOMENTS_ENV = "HF_SUPEROFFLOAD_MOMENTS"
+
+
+def _moments(settings: dict, script_args: list[str]) -> str:
+    """The moments the run keeps: ``--superoffload_moments``, the recipe's, else
+    HF_SUPEROFFLOAD_MOMENTS (the trainers' order), else fp32."""
+    default = settings.get("superoffload_moments") or env.read(MOMENTS_ENV) or "fp32"
+    return _last_value(script_args, "--superoffload_moments", default)
+
+
+def _plan_ratio(
+    args, recipe: Path, settings: dict, gpus: int, batch: int, never_saves: bool, moments: str
+):
     """(ratio, plan JSON or None) for ``--ratio auto``; UsageError or a refusal otherwise."""
     import torch
 
@@ -205,7 +220,7 @@ def _plan_ratio(args, recipe: Path, settings: dict, gpus: int, batch: int, never
     argv += ["--gradient-accumulation-steps", str(accumulation), "--loss", RECIPE_LOSS, *options]
     if never_saves:
         argv.append("--no-save")
-    argv += _planned_machine(args)
+    argv += ["--moments", moments, *_planned_machine(args)]
     where = "the machine given" if _planned_machine(args) else "this machine"
     try:
         found = plan_command.answer(build_parser().parse_args(argv))
@@ -274,9 +289,8 @@ def prepare(args: argparse.Namespace) -> tuple[Path, list[str], dict[str, str]]:
         extra = extra[1:]
     plan = None
     if ratio == "auto":
-        ratio, plan = _plan_ratio(
-            args, recipe, settings, gpus, batch, _never_saves(settings, extra)
-        )
+        never_saves, moments = _never_saves(settings, extra), _moments(settings, extra)
+        ratio, plan = _plan_ratio(args, recipe, settings, gpus, batch, never_saves, moments)
     elif _planned_machine(args):
         print(
             f"--hardware/--gpu-mem/--cpu-mem (PLAN_HARDWARE) are used by --ratio auto only; "

@@ -98,6 +98,13 @@ def add_parser(commands) -> None:
         "--offload-param", action="store_true", help="bf16 params on the host too (ZeRO-3)"
     )
     parser.add_argument(
+        "--moments",
+        choices=("fp32", "compact"),
+        default="fp32",
+        help="Adam's moments in fp32 (the default) or compact, 8 bits a value "
+        "(HF_SUPEROFFLOAD_MOMENTS=compact): 8 host bytes a param in place of 14",
+    )
+    parser.add_argument(
         "--sub-group-size",
         type=int,
         default=Zero3Run.sub_group_size,
@@ -198,7 +205,21 @@ def _suggestions(config, shape: ModelShape, run: Zero3Run, capacity, verdict: Ve
         if trial.fits:
             found.append(f"--gpus {gpus} ({per_host} per host) fits: {_usage(trial)}")
             break
-    if run.saves_model and verdict.host_need > verdict.host_memory:
+    host_short = verdict.host_need > verdict.host_memory
+    if host_short and not run.compact_moments:
+
+        def compact_at(ratio: float) -> Verdict:
+            trial_run = dataclasses.replace(run, compact_moments=True, ratio=ratio)
+            return _judge(config, shape, trial_run, capacity)
+
+        ratio = ratio_auto.lowest_fitting_ratio(compact_at)
+        if ratio is not None:
+            found.append(
+                f"--moments compact fits at --ratio {ratio}: {_usage(compact_at(ratio))} "
+                "(HF_SUPEROFFLOAD_MOMENTS=compact, or --superoffload_moments compact: both Adam "
+                "moments in 8 bits a value)"
+            )
+    if run.saves_model and host_short:
         trial = _judge(config, shape, dataclasses.replace(run, saves_model=False), capacity)
         if trial.fits:
             found.append(f"--no-save fits: {_usage(trial)} ({NO_SAVE})")
@@ -256,6 +277,7 @@ def answer(args: argparse.Namespace) -> Answer:
         sub_group_size=args.sub_group_size,
         saves_model=not args.no_save,
         fused_cross_entropy=LOSSES[args.loss][0],
+        compact_moments=args.moments == "compact",
     )
     shape = _shape(source.config)
     auto_notes, auto_suggestions = [], []
@@ -376,7 +398,8 @@ def _as_text(source, capacity, verdict: Verdict, suggestions, notes) -> str:
         f"host, {per_host} rank(s): needs {_gib(verdict.host_need)} with the system's share, "
         f"has {_gib(verdict.host_memory)} ({verdict.host_need / verdict.host_memory:.0%})",
         f"host bytes per param while training: {plan.host_bytes_per_param:.1f} (a lower "
-        "--ratio moves the state of the first sub groups to the GPU, 16 bytes per param there)",
+        "--ratio moves the state of the first sub groups to the GPU, "
+        f"{10 if plan.run.compact_moments else 16} bytes per param there)",
         *(f"note: {note}" for note in notes),
         "",
     ]
