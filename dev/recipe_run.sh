@@ -7,7 +7,8 @@
 #
 #   bash dev/recipe_run.sh qwen3-30b-a3b 4 [steps]     # repo root, `.whl` carried
 #
-# Env: OUT (default ./results), DEADLINE_S (default 570), MODES (default "superoffload zerooffload").
+# Env: OUT (default ./results), DEADLINE_S (default 570), MODES (default "superoffload zerooffload"),
+# EXTRA (script arguments for the superoffload mode, e.g. "--superoffload_moments compact").
 set -u
 MODEL=${1:?model}
 GPUS=${2:?gpus}
@@ -15,6 +16,7 @@ STEPS=${3:-10}
 OUT="${OUT:-results}"
 DEADLINE_S=${DEADLINE_S:-570}
 MODES=${MODES:-superoffload zerooffload}
+EXTRA=${EXTRA:-}
 BEGAN=$(date +%s)
 mkdir -p "$OUT"
 source dev/gpu_env.sh || exit 1
@@ -31,7 +33,7 @@ for mode in $MODES; do
   python -m hf_superoffload finetune "$MODEL" "$mode" --gpus "$GPUS" --random-init \
     --runs-dir "$runs" --dry-run -- --max_steps "$STEPS" --logging_steps 1 \
     --save_strategy no --save_model false --require_loss_decrease false \
-    > "$OUT/$mode.prepare.log" 2>&1 || { cat "$OUT/$mode.prepare.log"; continue; }
+    $([ "$mode" = superoffload ] && echo "$EXTRA") > "$OUT/$mode.prepare.log" 2>&1 || { cat "$OUT/$mode.prepare.log"; continue; }
   dir=$(ls -d "$runs"/*/)
   cp "$dir"/plan.json "$OUT/$mode.plan.json" 2>/dev/null
   echo "$mode: $(cat "$dir/command.sh" | tail -1 | cut -c1-200) (limit ${left} s)"
