@@ -239,3 +239,57 @@ def test_the_trainers_moments_argument_reaches_the_zero3_optimizer(monkeypatch):
     monkeypatch.setenv("HF_SUPEROFFLOAD_MOMENTS", "fp32")  # restored after the test
     export_zero3_options({"moments": "compact"})
     assert resolve_options(None, torch.device("cpu")).compact
+
+
+def _fp32_into_compact_on_rank(rank, world, port, case, out_dir) -> None:
+    init_rank(rank, world, port)
+    torch.set_num_threads(1)
+    import hf_superoffload  # noqa: F401
+
+    checkpoint = os.path.join(out_dir, "checkpoint")
+    os.environ["HF_SUPEROFFLOAD_MOMENTS"] = "fp32"
+    engine, optimizer = make_engine(case, True, world)
+    train(engine, case, rank, range(case.steps))
+    engine.save_checkpoint(checkpoint, tag="fp32")
+    saved = []
+    for master in optimizer.fp32_partitioned_groups_flat:
+        state = optimizer.optimizer.state[master]
+        saved.append({k: t.detach().cpu().clone() for k, t in
+                      (("master", master), ("exp_avg", state["exp_avg"]),
+                       ("exp_avg_sq", state["exp_avg_sq"]))})  # fmt: skip
+    engine.destroy()
+    os.environ["HF_SUPEROFFLOAD_MOMENTS"] = "compact"
+    engine, optimizer = make_engine(case, True, world, model_seed=1)
+    engine.load_checkpoint(checkpoint, tag="fp32")
+    loaded = []
+    for i, master in enumerate(optimizer.fp32_partitioned_groups_flat):
+        part = optimizer._host_part_at[i]
+        decoded = [torch.zeros(part.numel), torch.zeros(part.numel)]
+        for index, segment in enumerate(part.compact.segments):
+            span = slice(segment.offset, segment.offset + segment.numel)
+            for moment, values in zip(decoded, part.compact.decoded(index), strict=True):
+                moment[span] = values
+        loaded.append({"master": master.detach().cpu().clone(), "exp_avg": decoded[0],
+                       "exp_avg_sq": decoded[1], "step": int(part.step)})  # fmt: skip
+    resumed = train(engine, case, rank, range(case.steps, case.steps + 2))
+    engine.destroy()
+    torch.save({"saved": saved, "loaded": loaded, "resumed": resumed},
+               os.path.join(out_dir, f"rank{rank}.pt"))  # fmt: skip
+
+
+def test_fp32_moments_of_a_checkpoint_load_into_compact_ones_encoded(tmp_path):
+    """A ZeRO-3 checkpoint with fp32 moments resumes with compact ones: the masters as saved,
+    each moment encoded to nearest (within a code's error of the fp32 value), and training
+    goes on."""
+    case = Zero3Case(max_grad_norm=1.0, steps=3, schedule=False)
+    spawn_ranks(_fp32_into_compact_on_rank, (1, free_port(), case, str(tmp_path)), 1)
+    result = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    for saved, loaded in zip(result["saved"], result["loaded"], strict=True):
+        assert torch.equal(loaded["master"], saved["master"])
+        assert loaded["step"] == case.steps
+        for key, tiny in (("exp_avg", 2.0**-17), ("exp_avg_sq", 2.0**-33)):
+            want, got = saved[key], loaded[key]
+            block_max = want.abs().max()  # bounds each block's largest: the subnormal step
+            assert ((got - want).abs() <= want.abs() / 16 + tiny * block_max).all(), key
+            assert (got != 0).sum() > 0.9 * (want != 0).sum(), key
+    assert all(torch.isfinite(torch.tensor(result["resumed"]["losses"])))
