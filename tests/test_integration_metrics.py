@@ -195,3 +195,23 @@ def test_logged_clip_rollbacks_follow_the_threshold(tmp_path, max_grad_norm, cli
     # withheld (then there is no rollback to count).
     assert (logged[-1] + withheld[-1] > 0) == clips
     assert logged == sorted(logged)  # a cumulative counter
+
+
+def test_the_end_of_run_counters_are_the_logs_all_rank_ones():
+    """A partition speculated (and was rolled back) on one rank and was withheld on another:
+    the run's summary gives the counts the logs give (the largest over the ranks), not rank 0's
+    own (a 2-GPU recipe printed 0 rollbacks beside logs that said 1)."""
+    from hf_superoffload.integrations.metrics import STV_KEYS, all_ranks_stats
+
+    other_rank = {key: 0.0 for key in STV_KEYS} | {"rollbacks_clip": 1.0, "replays": 3.0}
+
+    class TwoRanks:
+        num_processes, device = 2, torch.device("cpu")
+
+        def gather(self, values):
+            return torch.cat([values, torch.tensor([[other_rank[k] for k in STV_KEYS]])])
+
+    ours = {key: 0.0 for key in STV_KEYS} | {"steps": 5.0, "speculative_steps": 4.0}
+    reduced = all_ranks_stats(ours, TwoRanks())
+    assert reduced["rollbacks_clip"] == 1.0 and reduced["replays"] == 3.0
+    assert reduced["speculative_steps"] == 4.0 and reduced["steps"] == 5.0

@@ -217,6 +217,14 @@ class ThroughputMeter:
         return out
 
 
+def all_ranks_stats(stats: dict[str, float], accelerator) -> dict[str, float]:
+    """``stats`` with the ``STV_KEYS`` counters as the logs report them (``stv_metrics``): each
+    the largest over the ranks. A rank's own counts differ from another's where a partition
+    speculated on one rank and was withheld on another."""
+    reduced = stv_metrics(stats, accelerator)
+    return {**stats, **{key: reduced[f"stv/{key}"] for key in STV_KEYS}}
+
+
 def stv_metrics(stats: dict[str, float], accelerator) -> dict[str, float]:
     """The optimizer's counters under ``stv/``; ranks agree on the step verdicts, the timings
     are the slowest rank's."""

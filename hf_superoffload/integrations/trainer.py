@@ -46,7 +46,7 @@ from ..engine.state_io import save_atomically
 from ..zero3.config import export_zero3_options, require_super_offload
 from .arguments import resolve_save_dtype
 from .checks import DATA_PARALLEL, check_optimizer_arguments, check_supported
-from .metrics import ThroughputMeter, peak_tflops, stv_metrics
+from .metrics import ThroughputMeter, all_ranks_stats, peak_tflops, stv_metrics
 from .model_card import add_superoffload_section, dataset_names, trainer_kind_tags
 from .oom_retry import release_for_retry
 from .plugin import SuperOffloadOptions
@@ -367,7 +367,9 @@ class _SuperOffloadCallback(TrainerCallback):
                 # The optimizer and scheduler stay (as the plain Trainer's do: a second train()
                 # continues with them); the params now hold the final values.
                 optimizer.synchronize()
-            self.trainer.superoffload_stats = optimizer.stats  # a snapshot at the end of train()
+            # A snapshot at the end of train(), its counters as the logs give them (all ranks).
+            stats = all_ranks_stats(optimizer.stats, self.trainer.accelerator)
+            self.trainer.superoffload_stats = stats
 
 
 def _prepare_in_place(accelerator, ours: SuperOffloadOptimizer) -> None:
