@@ -160,6 +160,18 @@ def _apply(op, param, grad, exp_avg, exp_avg_sq, out_lowp, constants, scale, new
     ):
         if tensor is not None and not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}.")
+    # The sizes are checked here too, not only in the binding: with torch 2.11's headers built
+    # by GCC 13 (the H100 hosts) the compact kernel's binding crashed on its size refusal (the
+    # same check as this one's), where its other refusals raised.
+    n = param.numel()
+    for name, tensor in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        if tensor.numel() != n:
+            raise ValueError(
+                f"{name} has {tensor.numel()} elements but param has {n}; all four tensors must "
+                "match."
+            )
+    if out_lowp is not None and out_lowp.numel() != n:
+        raise ValueError(f"out_lowp has {out_lowp.numel()} elements but param has {n}.")
     return load_extension().adam_apply(
         op,
         _forced_isa() or "",
