@@ -93,18 +93,17 @@ def _real(name: str, value: object) -> float:
     return value
 
 
-def _constants(
+def checked_hyper(
     step: int,
     lr: float,
     beta1: float,
     beta2: float,
     eps: float,
     weight_decay: float,
-    adamw: bool,
-    bias_correction: bool,
-    undoing: bool,
-) -> tuple[float, ...]:
-    """Validate hyperparameters and derive the per-call constants in double precision."""
+    undoing: bool = False,
+) -> tuple[int, float, float, float, float, float]:
+    """The update number and hyperparameters as numbers, or a refusal that says what to pass
+    (``undoing``: the step must be undoable, so neither beta may be 0)."""
     if isinstance(step, bool) or not isinstance(step, int):
         raise TypeError(f"step must be an int (the 1-based update number), got {step!r}.")
     if step < 1:
@@ -129,6 +128,24 @@ def _constants(
         )
     if weight_decay < 0:
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay}.")
+    return step, lr, beta1, beta2, eps, weight_decay
+
+
+def _constants(
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw: bool,
+    bias_correction: bool,
+    undoing: bool,
+) -> tuple[float, ...]:
+    """Validate hyperparameters and derive the per-call constants in double precision."""
+    step, lr, beta1, beta2, eps, weight_decay = checked_hyper(
+        step, lr, beta1, beta2, eps, weight_decay, undoing
+    )
     decay = 1.0 - lr * weight_decay
     if adamw and undoing and decay <= 0:
         raise ValueError(

@@ -14,7 +14,7 @@ import math
 import torch
 
 from ._build import load_extension
-from .adam import _forced_isa, _real, _scale, get_num_threads
+from .adam import _forced_isa, _scale, checked_hyper, get_num_threads
 from .compact_state import BLOCK, CompactFormat
 
 _TENSORS = ("master", "grad", "exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale")
@@ -111,12 +111,10 @@ def compact_adam(
         if tensor is not None and not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}.")
     _check_sizes(tensors, out_lowp)
-    step, salt = _int("step", step), _int("salt", salt)
-    element_offset = _int("element_offset", element_offset)
-    if step < 1:
-        raise ValueError(
-            f"step is the 1-based number of the update, so it must be >= 1; got {step}."
-        )
+    step, lr, beta1, beta2, eps, weight_decay = checked_hyper(
+        step, lr, beta1, beta2, eps, weight_decay
+    )
+    salt, element_offset = _int("salt", salt), _int("element_offset", element_offset)
     if element_offset < 0 or element_offset % BLOCK:
         raise ValueError(
             f"element_offset must be a non-negative multiple of {BLOCK} (the range's first "
@@ -124,20 +122,7 @@ def compact_adam(
         )
     if not commit and out_lowp is None:
         raise ValueError("a speculative pass (commit=False) writes only out_lowp: pass one")
-    lr, beta1, beta2 = _real("lr", lr), _real("beta1", beta1), _real("beta2", beta2)
-    eps, weight_decay = _real("eps", eps), _real("weight_decay", weight_decay)
     grad_scale = _scale("grad_scale", grad_scale)
-    if lr < 0:
-        raise ValueError(f"lr must be >= 0, got {lr}.")
-    for name, beta in (("beta1", beta1), ("beta2", beta2)):
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"{name} must be in [0, 1), got {beta}.")
-    if eps <= 0:
-        raise ValueError(
-            f"eps must be > 0 (it keeps the update finite where exp_avg_sq is 0), got {eps}."
-        )
-    if weight_decay < 0:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}.")
     return load_extension().compact_apply(
         _forced_isa() or "",
         *tensors,
