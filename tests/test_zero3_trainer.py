@@ -194,6 +194,32 @@ def test_python_train_py_with_a_deepspeed_config_and_no_launcher_runs_one_proces
     assert all("tokens_per_second" in log and "stv/rollbacks_clip" in log for log in step_logs)
 
 
+@pytest.mark.slow
+def test_examples_sft_with_compact_moments_on_zero3_holds_them_and_says_so(tmp_path):
+    """`examples/sft.py --deepspeed <JSON> --superoffload_moments compact`: the argument reaches
+    the ZeRO-3 optimizer DeepSpeed builds, whose state is the fp32 master and the codes (about
+    6 B/param with the block scales), and the summary names compact moments."""
+    from launched import ONE_PROCESS, run_launched
+
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
+    env.pop("HF_SUPEROFFLOAD_MOMENTS", None)
+    out = tmp_path / "out"
+    argv = [
+        sys.executable, str(REPO / "examples" / "sft.py"),
+        "--deepspeed", str(REPO / "accelerate_configs" / "deepspeed" / "zero3_superoffload.json"),
+        "--use_cpu", "true", "--max_steps", "3", "--superoffload_moments", "compact",
+        "--output_dir", str(out), "--require_loss_decrease", "false",
+    ]  # fmt: skip
+    done = run_launched(argv, timeout=ONE_PROCESS, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    state = json.loads((out / "sft_summary.json").read_text())["optimizer_state"]
+    params = sum(p.numel() for p in _demo_model().parameters())
+    assert 6 * params < state["host_bytes"] < 6.1 * params and state["device_bytes"] == 0
+    line = next(x for x in done.stdout.splitlines() if x.startswith("optimizer state:"))
+    assert "compact moments (8 bits a value)" in line, line
+
+
 def _demo_model():
     from hf_superoffload.recipes.arguments import parse
     from hf_superoffload.recipes.model import build_model, load_tokenizer
