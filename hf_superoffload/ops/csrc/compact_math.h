@@ -47,8 +47,9 @@ inline typename I::V decode(typename I::VI code, typename I::V scale) {
   // The reference's ((exponent - bias + 127) << 23) | (fraction << kShift), exponent and
   // fraction the code's fields: the same bits in two steps.
   const VI normal = I::addi(I::template shl<F::kShift>(magnitude), I::seti((127 - F::kBias) << 23));
+  // No exponent bits (one masked test where the ISA has it).
   const typename I::M zero_exponent =
-      I::eqi(I::template sar<23 - F::kShift>(magnitude), I::seti(0));
+      I::eqi(I::andi(magnitude, I::seti(-(1 << (23 - F::kShift)))), I::seti(0));
   V unit = I::from_bits(normal);
   if (I::any(zero_exponent)) {
     // Below the smallest normal code (the code is its fraction): multiples of the subnormal
@@ -59,8 +60,8 @@ inline typename I::V decode(typename I::VI code, typename I::V scale) {
   const V value = I::mul(unit, scale);
   if (!F::kHasSign) return value;
   // The sign bit of the code flips the value's (negation).
-  return I::from_bits(
-      I::xori(I::bits(value), I::template shl<24>(I::andi(code, I::seti(0x80)))));
+  return I::from_bits(I::xori(I::bits(value), I::andi(I::template shl<24>(code),
+                                                      I::seti(int32_t(0x80000000u)))));
 }
 
 // The reference's counter-based hash (compact_state.rounding_bits) of element indices whose
