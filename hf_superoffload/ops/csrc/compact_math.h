@@ -228,7 +228,9 @@ inline int update_lanes(const CompactArgs& a, const CompactTensors& t, int64_t i
   const V m0 = decode<I, ExpAvgCode>(I::load_u8(t.exp_avg + i), scale_m);
   const V v0 = decode<I, ExpAvgSqCode>(I::load_u8(t.exp_avg_sq + i), scale_v);
   const V g2 = I::mul(I::mul(I::set1(a.one_minus_beta2), g), g);
-  const M ok = I::finite(g2);  // non-finite gradient terms keep their param and moments
+  // Non-finite gradient terms keep their param and moments. g2 is never below +0 (a product
+  // of g with itself and 1 - beta2 >= 0), so being finite is being below +inf: one compare.
+  const M ok = I::lt(g2, I::set1(__builtin_inff()));
   const V m1 = I::add(I::mul(I::set1(a.beta1), m0), I::mul(I::set1(a.one_minus_beta1), g));
   const V v1 = I::add(I::mul(I::set1(a.beta2), v0), g2);
   const V denom =
