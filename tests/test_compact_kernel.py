@@ -60,10 +60,15 @@ def assert_same_bits(got: list, expected: list, label: object = "") -> None:
 
 def gradient(n: int, step: int) -> torch.Tensor:
     """Magnitudes from 1e-12 to 1e2 inside every block (so both moments take subnormal and
-    zero codes), an all-zero block, NaN, +-Inf, 1e30 (its square overflows: skipped) and 3e19
-    (a finite square near the top of fp32)."""
+    zero codes), an all-zero block, two blocks of tiny gradients (second moments, then first
+    moments, of a scale below 2**-128, whose reciprocal overflows: their codes divide), NaN,
+    +-Inf, 1e30 (its square overflows: skipped) and 3e19 (a finite square near the top of
+    fp32)."""
     gen = torch.Generator().manual_seed(100 + step)
     g = torch.randn(n, generator=gen) * 10.0 ** (torch.rand(n, generator=gen) * 14 - 12)
+    for block, largest in ((2, 1e-19), (4, 1e-38)):
+        tiny = g[block * BLOCK : (block + 1) * BLOCK]
+        tiny *= largest / tiny.abs().amax() if tiny.numel() else 1.0
     g[::97] = float("nan")
     g[5::101] = float("inf")
     g[7::103] = float("-inf")
@@ -144,6 +149,8 @@ def test_steps_equal_the_reference_bit_for_bit_on_every_isa_and_thread_count(nam
     assert ((expected[-2] > 0) & (expected[-2] < 8)).any()
     if scenario["adamw"]:
         assert (expected[-1] == 0).any() and (expected[-3] == 0).any()  # the all-zero block
+        for scales in (expected[-1], expected[-3]):  # blocks whose codes divide
+            assert ((scales > 0) & (scales < 2.0**-128)).any()
     for isa, threads in each_isa_and_thread_count():
         got = run_steps(ops.compact_adam, scenario, N_THREADED)
         assert_same_bits(got, expected, (isa, threads))

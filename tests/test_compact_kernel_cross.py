@@ -54,11 +54,15 @@ def _tool(name: str) -> str:
 
 
 def _inputs() -> tuple[torch.Tensor, torch.Tensor, CompactMoments]:
-    """Master, a gradient with magnitudes from 1e-12 to 1e2 in every block, NaN, +-Inf, an
+    """Master, a gradient with magnitudes from 1e-12 to 1e2 in every block but two of tiny
+    ones (moments whose scale's reciprocal overflows: their codes divide), NaN, +-Inf, an
     overflowing square and an all-zero block; zero moments."""
     gen = torch.Generator().manual_seed(7)
     master = torch.randn(N, generator=gen)
     grad = torch.randn(N, generator=gen) * 10.0 ** (torch.rand(N, generator=gen) * 14 - 12)
+    for block, largest in ((2, 1e-19), (4, 1e-38)):  # the second moments', the first's
+        tiny = grad[block * BLOCK : (block + 1) * BLOCK]
+        tiny *= largest / tiny.abs().amax()
     grad[::97] = float("nan")
     grad[5::101] = float("inf")
     grad[7::103] = float("-inf")

@@ -5,6 +5,7 @@ the decoded moments."""
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from hf_superoffload.ops.compact_state import (
     CompactAdamW,
     CompactFormat,
     CompactMoments,
+    block_reciprocals,
     compact_adam_pass,
     compact_adam_step,
     decode,
@@ -73,6 +75,41 @@ def test_ties_round_to_even_and_the_largest_value_is_the_top_code():
     assert scales.tolist() == [2.0]
     assert back.tolist() == [2.0, 1.0, 1.25, -0.0]
     assert codes[0] == 15 << 3  # 1.0 of the block: the top exponent, no mantissa
+
+
+def test_block_reciprocals_put_each_blocks_largest_element_on_one():
+    """rcp is 1 / scale to nearest, or an ulp above where scale * rcp rounds below 1: the
+    largest magnitude times rcp is then 1.0 once clamped, and every other element's product
+    stays within two ulps of its quotient."""
+    torch.manual_seed(3)
+    scales = (1 + torch.rand(100_000)) * 2.0 ** torch.randint(-126, 126, (100_000,)).float()
+    scales = torch.cat([scales, torch.tensor([0.0, float("nan"), float("inf"), 2.0**-140])])
+    safe, rcp, by_rcp = block_reciprocals(scales)
+    assert safe[-4] == 1.0 and safe[-3] == 1.0  # a zero or NaN scale divides by 1
+    assert by_rcp[:-2].all() and not by_rcp[-2:].any()  # infinite and subnormal rcp divide
+    nearest = torch.ones_like(safe) / safe
+    assert ((rcp == nearest) | (rcp == torch.nextafter(nearest, torch.tensor(math.inf)))).all()
+    assert (rcp != nearest).any()  # some scales need the ulp up
+    assert (torch.clamp(safe * rcp, max=1.0)[by_rcp] == 1.0).all()
+
+
+@pytest.mark.parametrize("moment", sorted(FORMATS))
+@pytest.mark.parametrize("exponent", [-140, -128, -127, 0, 100, 127])
+def test_blocks_of_any_scale_take_the_same_codes(moment, exponent):
+    """A block's codes do not depend on its scale's power of two, from subnormal scales (whose
+    reciprocal overflows: the codes divide) to the top of fp32 (a subnormal reciprocal), and its
+    zeros stay zero; under stochastic rounding too, the largest element is exactly the scale."""
+    fmt, signed = FORMATS[moment]
+    unit = torch.tensor([1.0, 0.75, 0.5, 0.3, 0.0, 2.0**-8, 0.9] * 9 + [0.6])
+    if signed:
+        unit[1::2] = -unit[1::2]
+    for key in (None, 5):
+        expected = encode(unit * 1.5, fmt, signed, key=key)[0]
+        x = unit * 1.5 * 2.0**exponent
+        codes, scales = encode(x, fmt, signed, key=key)
+        assert torch.equal(codes, expected) and scales.item() == 1.5 * 2.0**exponent
+        back = decode(codes, scales, fmt, signed)
+        assert back[0] == x[0] and (back[4::7] == 0).all()
 
 
 def test_a_block_of_zeros_stays_zero():

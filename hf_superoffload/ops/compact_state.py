@@ -6,7 +6,9 @@ shrink, from 8 bytes a param to 2 and a scale per block.
 
 Format. Each moment is cut into blocks of ``BLOCK`` elements; a block keeps its largest
 magnitude as an fp32 scale and every element as an 8-bit minifloat of its value over that
-scale (so the largest element is exactly 1.0):
+scale, computed as its magnitude times the block's fp32 reciprocal of the scale (one division
+a block instead of one an element), clamped at 1, so that the largest element is exactly 1.0
+(``block_reciprocals``):
 
 - ``exp_avg``: a sign bit, then 4 exponent and 3 mantissa bits (values down to 2**-17 of the
   block's largest, relative error at most 2**-4 above 2**-14).
@@ -16,9 +18,10 @@ scale (so the largest element is exactly 1.0):
 
 Every step is computed in fp32 from the decoded moments, then the new moments are encoded.
 Codes round stochastically by default, with bits drawn from a counter-based hash of the
-element, the param and the step (round to nearest lets a slowly moving moment stall); encoding
-and decoding are exact bit manipulations and the update uses no fused multiply-add, so any
-implementation of the same operations gives the same bits.
+element, the param and the step (round to nearest lets a slowly moving moment stall). Apart
+from the IEEE-rounded products, quotients and square roots (no fused multiply-add), encoding
+and decoding are exact bit manipulations, so any implementation of the same operations gives
+the same bits.
 """
 
 from __future__ import annotations
@@ -97,6 +100,22 @@ def _decode_unit(code: torch.Tensor, fmt: tuple[int, int]) -> torch.Tensor:
     return torch.where(exponent == 0, subnormal, normal)
 
 
+def block_reciprocals(
+    scales: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(safe, rcp, by_rcp) of each block's ``scales`` (fp32): ``safe`` the scale, or 1 where it
+    is 0 or NaN; ``rcp`` 1 / safe rounded to nearest, then up one ulp where safe * rcp falls
+    below 1, so that the block's largest element is exactly 1.0 once clamped; ``by_rcp`` where
+    rcp is a normal number, so that |x| * rcp is within an ulp of |x| / safe (elsewhere, scales
+    below 2**-128 or above 2**126 and infinite ones, the codes divide by ``safe``)."""
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    rcp = torch.ones_like(safe) / safe
+    up = torch.nextafter(rcp, torch.full_like(rcp, math.inf))
+    rcp = torch.where(safe * rcp < 1.0, up, rcp)
+    by_rcp = (rcp >= 2.0**-126) & (rcp < math.inf)
+    return safe, rcp, by_rcp
+
+
 def encode(
     x: torch.Tensor,
     fmt: tuple[int, int],
@@ -110,8 +129,12 @@ def encode(
     ``start`` (see ``rounding_bits``)."""
     rows = _blocks(x.float(), block)
     scales = rows.abs().amax(dim=1)
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    unit = (rows.abs() / safe[:, None]).contiguous()
+    safe, rcp, by_rcp = block_reciprocals(scales)
+    magnitude = rows.abs()
+    # Products clamped at 1 (an element an ulp below the scale may land an ulp above 1; NaN
+    # stays NaN); blocks without a normal reciprocal divide.
+    scaled = torch.clamp(magnitude * rcp[:, None], max=1.0)
+    unit = torch.where(by_rcp[:, None], scaled, magnitude / safe[:, None]).contiguous()
     noise = None
     if key is not None:
         noise = rounding_bits(unit.numel(), key, x.device, start).view_as(unit)

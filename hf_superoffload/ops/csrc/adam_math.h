@@ -32,6 +32,8 @@ struct ScalarIsa {
   // x - x is 0 exactly for finite x and NaN for +-Inf/NaN.
   static inline M finite(V x) { return (x - x) == 0.0f; }
   static inline M gt(V a, V b) { return a > b; }
+  // x, or limit where x is larger; a NaN x stays NaN (limit is never NaN).
+  static inline V clamp_max(V x, V limit) { return x > limit ? limit : x; }
   static inline V select(M m, V a, V b) { return m ? a : b; }
   static inline int count_false(M m) { return m ? 0 : 1; }
   static inline V load_bf16(const uint16_t* p) {

@@ -7,8 +7,9 @@
 // adds as the reference, no fused multiply-add: -ffp-contract=off), then, for a commit, the
 // block's new scale (the largest |moment| compared as integers: the bits of non-negative
 // floats order as their values, and a NaN beats every number, as torch's amax propagates it),
-// and the codes, with the reference's rounding bits. Every step is an exact IEEE operation or
-// integer bit manipulation, so each instruction set gives the reference's bits.
+// and the codes (magnitudes times the block's reciprocal of its scale: one division a block,
+// not one an element), with the reference's rounding bits. Every step is an exact IEEE
+// operation or integer bit manipulation, so each instruction set gives the reference's bits.
 //
 // Same rule as adam_math.h: anonymous namespace, no standard-library templates.
 #pragma once
@@ -46,8 +47,9 @@ inline typename I::V decode(typename I::VI code, typename I::V scale) {
   // The reference's ((exponent - bias + 127) << 23) | (fraction << kShift), exponent and
   // fraction the code's fields: the same bits in two steps.
   const VI normal = I::addi(I::template shl<F::kShift>(magnitude), I::seti((127 - F::kBias) << 23));
+  // No exponent bits (one masked test where the ISA has it).
   const typename I::M zero_exponent =
-      I::eqi(I::template sar<23 - F::kShift>(magnitude), I::seti(0));
+      I::eqi(I::andi(magnitude, I::seti(-(1 << (23 - F::kShift)))), I::seti(0));
   V unit = I::from_bits(normal);
   if (I::any(zero_exponent)) {
     // Below the smallest normal code (the code is its fraction): multiples of the subnormal
@@ -58,16 +60,19 @@ inline typename I::V decode(typename I::VI code, typename I::V scale) {
   const V value = I::mul(unit, scale);
   if (!F::kHasSign) return value;
   // The sign bit of the code flips the value's (negation).
-  return I::from_bits(
-      I::xori(I::bits(value), I::template shl<24>(I::andi(code, I::seti(0x80)))));
+  return I::from_bits(I::xori(I::bits(value), I::andi(I::template shl<24>(code),
+                                                      I::seti(int32_t(0x80000000u)))));
 }
 
 // The reference's counter-based hash (compact_state.rounding_bits) of element indices whose
-// first product index * 0x9E3779B1 is `product`, and `key`: both moments share the product.
+// first product index * 0x9E3779B1 is `product`, and `key`: both moments share the product,
+// and consecutive vectors' products differ by lanes * 0x9E3779B1 (mod 2**32).
+constexpr uint32_t kIndexFactor = 0x9E3779B1u;
+
 template <class I>
 inline typename I::VI index_product(uint32_t first, int64_t j) {
   const typename I::VI index = I::addi(I::seti(int32_t(first + uint32_t(j))), I::iota());
-  return I::muli(index, I::seti(int32_t(0x9E3779B1u)));
+  return I::muli(index, I::seti(int32_t(kIndexFactor)));
 }
 
 template <class I>
@@ -117,51 +122,83 @@ inline typename I::VI encode_unit(typename I::V r, typename I::VI noise) {
   return I::selecti(below, subnormal, normal);
 }
 
-// The code of buf[j]'s lanes in format F, in a block whose largest magnitude is `scale`
-// (0 or NaN: divided by 1), rounded with `noise` if kStochastic.
+// What a block's codes scale its magnitudes by (compact_state.block_reciprocals): `safe` the
+// scale (1 where it is 0 or NaN); `rcp` 1 / safe rounded to nearest, one ulp up where
+// safe * rcp < 1, so that the largest magnitude lands on 1.0 or above and clamps to exactly
+// 1.0; `by_rcp` where rcp is a normal number (elsewhere the codes divide by safe).
+struct BlockReciprocal {
+  float safe;
+  float rcp;
+  bool by_rcp;
+};
+
+inline BlockReciprocal block_reciprocal(float scale) {
+  BlockReciprocal b;
+  b.safe = scale > 0.0f ? scale : 1.0f;
+  b.rcp = 1.0f / b.safe;
+  // The next float up: rcp is positive (or 0 for an infinite scale, whose product is NaN).
+  if (b.safe * b.rcp < 1.0f) b.rcp = ScalarIsa::from_bits(ScalarIsa::bits(b.rcp) + 1);
+  b.by_rcp = b.rcp >= pow2(-126) && b.rcp < ScalarIsa::from_bits(0x7F800000);
+  return b;
+}
+
+// The code of buf[j]'s lanes in format F, in a block scaled by `b`, rounded with `noise` if
+// kStochastic.
 template <class I, class F, bool kStochastic>
-inline void encode_moment(const float* buf, int64_t j, float safe_scale, uint8_t* codes,
+inline void encode_moment(const float* buf, int64_t j, const BlockReciprocal& b, uint8_t* codes,
                           typename I::VI noise) {
   using V = typename I::V;
   using VI = typename I::VI;
   const V x = I::load(buf + j);
-  const V r = I::div(I::from_bits(I::andi(I::bits(x), I::seti(0x7FFFFFFF))), I::set1(safe_scale));
+  const V magnitude = I::from_bits(I::andi(I::bits(x), I::seti(0x7FFFFFFF)));
+  V r;
+  if (b.by_rcp) {
+    // Clamped at 1 (NaN stays NaN, as torch.clamp keeps it).
+    r = I::clamp_max(I::mul(magnitude, I::set1(b.rcp)), I::set1(1.0f));
+  } else {
+    r = I::div(magnitude, I::set1(b.safe));
+  }
   VI code = encode_unit<I, F, kStochastic>(r, noise);
   if (F::kHasSign)
     code = I::selecti(I::lt(x, I::set1(0.0f)), I::ori(code, I::seti(0x80)), code);
   I::store_u8(codes + j, code);
 }
 
-// Both moments' codes of the block's lanes at j; `index` numbers the block's first element
-// for the rounding bits.
+// Both moments' codes of the block's lanes at j; `product` is index_product of the lanes.
 template <class I, bool kStochastic>
 inline void encode_lanes(const CompactArgs& a, const float* m_buf, const float* v_buf, int64_t j,
-                         float safe_m, float safe_v, uint8_t* codes_m, uint8_t* codes_v,
-                         uint32_t index) {
+                         const BlockReciprocal& rm, const BlockReciprocal& rv, uint8_t* codes_m,
+                         uint8_t* codes_v, typename I::VI product) {
   using VI = typename I::VI;
   VI noise_m = I::seti(0), noise_v = I::seti(0);
   if (kStochastic) {
-    const VI product = index_product<I>(index, j);
     noise_m = rounding_bits<I>(product, a.key_exp_avg);
     noise_v = rounding_bits<I>(product, a.key_exp_avg_sq);
   }
-  encode_moment<I, ExpAvgCode, kStochastic>(m_buf, j, safe_m, codes_m, noise_m);
-  encode_moment<I, ExpAvgSqCode, kStochastic>(v_buf, j, safe_v, codes_v, noise_v);
+  encode_moment<I, ExpAvgCode, kStochastic>(m_buf, j, rm, codes_m, noise_m);
+  encode_moment<I, ExpAvgSqCode, kStochastic>(v_buf, j, rv, codes_v, noise_v);
 }
 
 template <class I, bool kStochastic>
 inline void encode_block(const CompactArgs& a, const float* m_buf, const float* v_buf,
-                            int64_t len, float scale_m, float scale_v, uint8_t* codes_m,
-                            uint8_t* codes_v, uint32_t index) {
-  const float safe_m = scale_m > 0.0f ? scale_m : 1.0f;  // a zero (or NaN) scale divides by 1
-  const float safe_v = scale_v > 0.0f ? scale_v : 1.0f;
+                         int64_t len, float scale_m, float scale_v, uint8_t* codes_m,
+                         uint8_t* codes_v, uint32_t index) {
+  const BlockReciprocal rm = block_reciprocal(scale_m);
+  const BlockReciprocal rv = block_reciprocal(scale_v);
   const int64_t lanes = I::lanes();
+  using VI = typename I::VI;
+  // The rounding bits' index products (`index` numbers the block's first element), advanced
+  // by an addition a vector.
+  VI product = index_product<I>(index, 0);
+  const VI advance = I::seti(int32_t(uint32_t(lanes) * kIndexFactor));
   int64_t j = 0;
-  for (; j + lanes <= len; j += lanes)
-    encode_lanes<I, kStochastic>(a, m_buf, v_buf, j, safe_m, safe_v, codes_m, codes_v, index);
+  for (; j + lanes <= len; j += lanes) {
+    encode_lanes<I, kStochastic>(a, m_buf, v_buf, j, rm, rv, codes_m, codes_v, product);
+    product = I::addi(product, advance);
+  }
   for (; j < len; ++j)
-    encode_lanes<ScalarIsa, kStochastic>(a, m_buf, v_buf, j, safe_m, safe_v, codes_m, codes_v,
-                                         index);
+    encode_lanes<ScalarIsa, kStochastic>(a, m_buf, v_buf, j, rm, rv, codes_m, codes_v,
+                                         index_product<ScalarIsa>(index, j));
 }
 
 template <class I, int kGrad>
@@ -191,7 +228,9 @@ inline int update_lanes(const CompactArgs& a, const CompactTensors& t, int64_t i
   const V m0 = decode<I, ExpAvgCode>(I::load_u8(t.exp_avg + i), scale_m);
   const V v0 = decode<I, ExpAvgSqCode>(I::load_u8(t.exp_avg_sq + i), scale_v);
   const V g2 = I::mul(I::mul(I::set1(a.one_minus_beta2), g), g);
-  const M ok = I::finite(g2);  // non-finite gradient terms keep their param and moments
+  // Non-finite gradient terms keep their param and moments. g2 is never below +0 (a product
+  // of g with itself and 1 - beta2 >= 0), so being finite is being below +inf: one compare.
+  const M ok = I::lt(g2, I::set1(__builtin_inff()));
   const V m1 = I::add(I::mul(I::set1(a.beta1), m0), I::mul(I::set1(a.one_minus_beta1), g));
   const V v1 = I::add(I::mul(I::set1(a.beta2), v0), g2);
   const V denom =

@@ -25,6 +25,8 @@ struct Avx2Isa {
     return _mm256_cmp_ps(_mm256_sub_ps(x, x), _mm256_setzero_ps(), _CMP_EQ_OQ);
   }
   static inline M gt(V a, V b) { return _mm256_cmp_ps(a, b, _CMP_GT_OQ); }
+  // minps returns its second operand where either is NaN: a NaN x stays.
+  static inline V clamp_max(V x, V limit) { return _mm256_min_ps(limit, x); }
   static inline V select(M m, V a, V b) { return _mm256_blendv_ps(b, a, m); }
   static inline int count_false(M m) { return 8 - __builtin_popcount(_mm256_movemask_ps(m)); }
   static inline V load_bf16(const uint16_t* p) {

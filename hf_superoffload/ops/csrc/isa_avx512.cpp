@@ -25,6 +25,8 @@ struct Avx512Isa {
     return _mm512_cmp_ps_mask(_mm512_sub_ps(x, x), _mm512_setzero_ps(), _CMP_EQ_OQ);
   }
   static inline M gt(V a, V b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+  // minps returns its second operand where either is NaN: a NaN x stays.
+  static inline V clamp_max(V x, V limit) { return _mm512_min_ps(limit, x); }
   // blend(k, x, y) takes y where k is set.
   static inline V select(M m, V a, V b) { return _mm512_mask_blend_ps(m, b, a); }
   static inline int count_false(M m) { return 16 - __builtin_popcount(m); }

@@ -22,6 +22,7 @@ struct NeonIsa {
   static inline V sqrt(V a) { return vsqrtq_f32(a); }
   static inline M finite(V x) { return vceqq_f32(vsubq_f32(x, x), vdupq_n_f32(0.0f)); }
   static inline M gt(V a, V b) { return vcgtq_f32(a, b); }
+  static inline V clamp_max(V x, V limit) { return vminq_f32(x, limit); }  // NaN stays
   static inline V select(M m, V a, V b) { return vbslq_f32(m, a, b); }
   static inline int count_false(M m) { return 4 - int(vaddvq_u32(vshrq_n_u32(m, 31))); }
   static inline V load_bf16(const uint16_t* p) {

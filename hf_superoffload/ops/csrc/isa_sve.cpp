@@ -25,6 +25,7 @@ struct SveIsa {
   static inline V sqrt(V a) { return svsqrt_f32_x(all(), a); }
   static inline M finite(V x) { return svcmpeq_n_f32(all(), svsub_f32_x(all(), x, x), 0.0f); }
   static inline M gt(V a, V b) { return svcmpgt_f32(all(), a, b); }
+  static inline V clamp_max(V x, V limit) { return svmin_f32_x(all(), x, limit); }  // NaN stays
   static inline V select(M m, V a, V b) { return svsel_f32(m, a, b); }
   static inline int count_false(M m) { return int(svcntw() - svcntp_b32(all(), m)); }
   static inline V load_bf16(const uint16_t* p) {
