@@ -22,44 +22,21 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
-import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 
 import torch
 
 # Run from a checkout without installing: the package is the folder above this one.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from cpu_adam import cpu_model, median_seconds
 
 HYPER = dict(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 # Bytes moved per element: master 4 + grad 2 + codes 1 + 1 read, out 2 written (speculative);
 # the same read, master 4 + codes 2 written (commit); param, moments 3 x 4 + grad 2 read,
 # 3 x 4 + out 2 written (exact).
 SPECULATIVE_B, COMMIT_B, EXACT_B = 10, 14, 28
-
-
-def median_seconds(fn: Callable[[], object], warmup: int, repeats: int) -> float:
-    times = []
-    for i in range(warmup + repeats):
-        start = time.perf_counter()
-        fn()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("model name", "Model")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def commit_hash() -> str:

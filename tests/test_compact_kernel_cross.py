@@ -8,14 +8,13 @@ qemu-aarch64; skipped where those tools are missing (CI installs them).
 
 from __future__ import annotations
 
-import os
-import shutil
 import struct
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+from cross_tools import tool
 from test_compact_kernel import COMPACT_FUNCTION, fused_multiply_adds
 
 from hf_superoffload import ops
@@ -39,18 +38,6 @@ SCENARIO = [
     (3, True, torch.float32, torch.bfloat16, True, True, 0.7, 2**40 + 3, 0),
     (4, True, torch.bfloat16, torch.float16, True, True, 1.0, 7, 2**32 - 2 * BLOCK),
 ]
-
-
-def _tool(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        message = (
-            f"{name} not found (CI installs it: apt-get install g++-aarch64-linux-gnu qemu-user)"
-        )
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return path
 
 
 def _inputs() -> tuple[torch.Tensor, torch.Tensor, CompactMoments]:
@@ -114,7 +101,7 @@ def _run_x86() -> bytes:
 
 @pytest.fixture(scope="module")
 def aarch64_compact_check(tmp_path_factory) -> Path:
-    compiler = _tool("aarch64-linux-gnu-g++")
+    compiler = tool("aarch64-linux-gnu-g++")
     binary = tmp_path_factory.mktemp("aarch64") / "compact_check"
     flags = [f for f in CFLAGS if f != "-std=c++17"]
     cmd = [compiler, "-std=c++17", *flags, "-static", f"-I{CSRC}", str(CHECK_SOURCE)]
@@ -124,7 +111,7 @@ def aarch64_compact_check(tmp_path_factory) -> Path:
 
 def test_the_aarch64_compact_kernels_have_no_fused_multiply_add(aarch64_compact_check):
     disassembly = subprocess.run(
-        [_tool("aarch64-linux-gnu-objdump"), "-d", "-C", "--no-show-raw-insn",
+        [tool("aarch64-linux-gnu-objdump"), "-d", "-C", "--no-show-raw-insn",
          str(aarch64_compact_check)], capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     functions = {line for line in disassembly.splitlines() if COMPACT_FUNCTION.search(line)}
@@ -145,7 +132,7 @@ def test_the_aarch64_compact_kernels_have_no_fused_multiply_add(aarch64_compact_
 )
 def test_aarch64_compact_kernels_match_x86_bit_for_bit(aarch64_compact_check, tmp_path, isa, cpu):
     assert "-ffp-contract=off" in CFLAGS  # the reference rounds every product and sum
-    qemu = _tool("qemu-aarch64")
+    qemu = tool("qemu-aarch64")
     _write_input(tmp_path / "in.bin")
     run = [qemu, "-cpu", cpu, str(aarch64_compact_check), isa]
     result = subprocess.run(

@@ -7,14 +7,13 @@ both tools (.ci/run); elsewhere the test is skipped when they are missing.
 
 from __future__ import annotations
 
-import os
-import shutil
 import struct
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+from cross_tools import tool
 
 from hf_superoffload import ops
 from hf_superoffload.ops._build import CFLAGS, CSRC
@@ -38,18 +37,6 @@ SCENARIO = [
 ]
 GRAD_DTYPE = {LOWP_NONE: torch.float32, LOWP_BF16: torch.bfloat16, LOWP_FP16: torch.float16}
 HYPER = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
-
-
-def _tool(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        message = (
-            f"{name} not found (CI installs it: apt-get install g++-aarch64-linux-gnu qemu-user)"
-        )
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return path
 
 
 def _inputs(n: int) -> list[torch.Tensor]:
@@ -111,7 +98,7 @@ def _run_x86(tensors: list[torch.Tensor]) -> bytes:
 
 @pytest.fixture(scope="module")
 def aarch64_check_binary(tmp_path_factory) -> Path:
-    compiler = _tool("aarch64-linux-gnu-g++")
+    compiler = tool("aarch64-linux-gnu-g++")
     binary = tmp_path_factory.mktemp("aarch64") / "kernel_check"
     flags = [f for f in CFLAGS if f != "-std=c++17"]
     cmd = [compiler, "-std=c++17", *flags, "-static", f"-I{CSRC}", str(CHECK_SOURCE)]
@@ -129,7 +116,7 @@ def aarch64_check_binary(tmp_path_factory) -> Path:
     ],
 )
 def test_aarch64_kernels_match_x86_bit_for_bit(aarch64_check_binary, tmp_path, isa, cpu):
-    qemu = _tool("qemu-aarch64")
+    qemu = tool("qemu-aarch64")
     n = 4099  # not a multiple of any vector length: the scalar tail runs too
     tensors = _inputs(n)
     _write_input(tmp_path / "in.bin", tensors)
@@ -157,7 +144,7 @@ def test_aarch64_kernels_match_x86_bit_for_bit(aarch64_check_binary, tmp_path, i
 
 
 def test_sve_is_refused_on_a_cpu_without_it(aarch64_check_binary, tmp_path):
-    qemu = _tool("qemu-aarch64")
+    qemu = tool("qemu-aarch64")
     _write_input(tmp_path / "in.bin", _inputs(16))
     result = subprocess.run(
         [
