@@ -17,6 +17,16 @@ from ..engine.partition import HostPartition
 from .param_steps import ParamSteps
 
 
+def compact_salts(init_optimizer, dp_group) -> dict[int, int]:
+    """Each param's rounding-bit salt for compact moments (by id): its place among the base
+    optimizer's params, per rank (a rank holds its own partition of it)."""
+    from deepspeed import comm as dist
+
+    world, rank = dist.get_world_size(group=dp_group), dist.get_rank(group=dp_group)
+    ordered = (p for group in init_optimizer.param_groups for p in group["params"])
+    return {id(p): n * world + rank for n, p in enumerate(ordered)}
+
+
 class HostSubGroup(ParamSteps, HostPartition):
     """A CPU sub group: skips the params without a gradient in a step (``ParamSteps``)."""
 

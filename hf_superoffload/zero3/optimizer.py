@@ -55,7 +55,7 @@ from .checkpoint_load import load_rank_state
 from .checkpoint_universal import load_universal_state
 from .device_sub_groups import DeviceSubGroups, device_sub_group_count
 from .gather_waits import wrap_gathers
-from .host_state import HostState
+from .host_state import HostState, compact_salts
 from .norms import sub_group_norms
 from .options import (
     DEEPSPEED_DEFAULT_REDUCE_BUCKET_SIZE,
@@ -126,12 +126,7 @@ class SuperOffloadZero3Optimizer(
         self._accumulates = kwargs.get("gradient_accumulation_steps", 1) > 1 or not managed
         self._compact = options.compact
         self.moments = "compact" if options.compact else "fp32"
-        # Each param's rounding-bit salt (compact moments): its place among the optimizer's
-        # params, per rank (a rank holds its own partition of it).
-        world = dist.get_world_size(group=kwargs.get("dp_process_group"))
-        rank = dist.get_rank(group=kwargs.get("dp_process_group"))
-        ordered = (p for group in init_optimizer.param_groups for p in group["params"])
-        self._salt_of = {id(p): n * world + rank for n, p in enumerate(ordered)}
+        self._salt_of = compact_salts(init_optimizer, kwargs.get("dp_process_group"))
         super().__init__(module, init_optimizer, param_names, timers, ds_config, **kwargs)
         use_team(options.team)  # its thread count, and its CPUs for the worker
         ops.prepare()  # build or load the CPU Adam now, visibly, not inside step 1
@@ -194,8 +189,8 @@ class SuperOffloadZero3Optimizer(
         log_dist(
             f"hf_superoffload: SuperOffload on ZeRO-3 runs in place of DeepSpeed's "
             f"({len(self._host_parts)} of {len(self.fp32_partitioned_groups_flat)} sub groups "
-            f"on the host, {options.cpu_threads} CPU Adam threads, speculate={options.speculate};"
-            f" {OPT_OUT_ENV}=0 runs DeepSpeed's own)",
+            f"on the host, {options.cpu_threads} CPU Adam threads, speculate={options.speculate}, "
+            f"moments={self.moments}; {OPT_OUT_ENV}=0 runs DeepSpeed's own)",
             ranks=[0],
             level=logging.WARNING,  # once per run, and the user must see which engine runs
         )
