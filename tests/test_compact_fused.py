@@ -229,7 +229,7 @@ SHARED = torch.zeros(1200)
         ({"grad_pending": torch.zeros(600, dtype=torch.int32)}, TypeError,
          "grad_pending must be float32, bfloat16, float16"),
         ({"grad_new": torch.zeros(600, dtype=torch.bfloat16)}, TypeError,
-         "grad_new must be float32, got torch.bfloat16"),
+         r"grad_new must be float32 \(grad_pending's dtype: both gradients share one\), got torch.bf"),
         ({"exp_avg": torch.zeros(600)}, TypeError, "exp_avg must be uint8"),
         ({"exp_avg_sq_scale": torch.zeros(3, dtype=torch.float64)}, TypeError,
          "exp_avg_sq_scale must be float32"),

@@ -455,7 +455,8 @@ def check_commit_speculate(
     for name, tensor in named.items():
         if tensor.dtype not in dtypes[name]:
             allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes[name])
-            raise TypeError(f"{name} must be {allowed}, got {tensor.dtype}.")
+            same = " (grad_pending's dtype: both gradients share one)" if name == "grad_new" else ""
+            raise TypeError(f"{name} must be {allowed}{same}, got {tensor.dtype}.")
         want = blocks if name.endswith("_scale") else n
         if tensor.numel() != want:
             of = f"master's blocks of {BLOCK} number" if name.endswith("_scale") else "master has"
