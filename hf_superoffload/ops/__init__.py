@@ -15,7 +15,7 @@ from .adam import (
     set_isa,
     set_num_threads,
 )
-from .compact import compact_adam
+from .compact import compact_adam, compact_adam_commit_speculate
 
 __all__ = [
     "BuildToolMissingError",
@@ -25,6 +25,7 @@ __all__ = [
     "adam_step",
     "available_isas",
     "compact_adam",
+    "compact_adam_commit_speculate",
     "get_num_threads",
     "load_extension",
     "prepare",

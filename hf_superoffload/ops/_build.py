@@ -63,7 +63,13 @@ SOURCES = (
     "compact_dispatch.cpp",
     "binding.cpp",
 )
-HEADERS = ("adam_types.h", "adam_math.h", "compact_types.h", "compact_math.h")
+HEADERS = (
+    "adam_types.h",
+    "adam_math.h",
+    "compact_types.h",
+    "compact_math.h",
+    "compact_fused_math.h",
+)
 # -ffp-contract=off: only the fused multiply-adds written in adam_math.h may fuse (none in
 # compact_math.h, as its reference has none), so every instruction set rounds identically. No -march: each ISA file names its own target.
 CFLAGS = ("-O3", "-std=c++17", "-fopenmp", "-ffp-contract=off", "-fno-math-errno")

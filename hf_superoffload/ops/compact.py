@@ -5,6 +5,9 @@ bits in every output) run by the compiled kernel: one pass over memory per call,
 ``get_num_threads()`` OpenMP threads that split the range on block boundaries, with the GIL
 released, on the instruction set of ``active_isa()`` (``set_isa`` chooses it, as for
 ``adam_step``). Arguments are checked before anything is written.
+
+``compact_adam_commit_speculate`` is ``compact_state.compact_adam_commit_speculate`` (a
+commit, then the next step's speculative update) in one pass over memory.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import torch
 
 from ._build import load_extension
 from .adam import _forced_isa, _scale, checked_hyper, get_num_threads
-from .compact_state import BLOCK, CompactFormat
+from .compact_state import BLOCK, CompactFormat, check_commit_speculate
 
 _TENSORS = ("master", "grad", "exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale")
 
@@ -132,5 +135,51 @@ def compact_adam(
         bool(adamw),
         bool(stochastic),
         bool(commit),
+        get_num_threads(),
+    )
+
+
+def compact_adam_commit_speculate(
+    master: torch.Tensor,
+    grad_pending: torch.Tensor,
+    grad_new: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_scale: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    exp_avg_sq_scale: torch.Tensor,
+    *,
+    commit: dict,
+    speculate: dict,
+    adamw: bool = True,
+    salt: int = 0,
+    element_offset: int = 0,
+    stochastic: bool = True,
+    out_lowp: torch.Tensor,
+    keep_new_grad: bool = True,
+) -> tuple[int, int]:
+    """The commit of one step (``grad_pending``, ``commit``'s hyperparameters) and the
+    speculative update of the next (``grad_new``, ``speculate``'s, into ``out_lowp``) from the
+    committed state, then (``keep_new_grad``) ``grad_new`` copied into ``grad_pending``: see
+    ``compact_state.compact_adam_commit_speculate``, whose results this gives bit for bit, in
+    one pass where the two calls of ``compact_adam`` take two. Each block's codes are decoded
+    for the speculative update as they are encoded, without a trip through memory.
+
+    Tensors as ``compact_adam``'s (all contiguous CPU tensors), with both gradients of one dtype
+    and no two tensors sharing memory; ``out_lowp`` is required. Returns the non-finite counts
+    of the commit and of the speculative update."""
+    named = {"master": master, "grad_pending": grad_pending, "grad_new": grad_new,
+             "exp_avg": exp_avg, "exp_avg_scale": exp_avg_scale, "exp_avg_sq": exp_avg_sq,
+             "exp_avg_sq_scale": exp_avg_sq_scale, "out_lowp": out_lowp}  # fmt: skip
+    halves = check_commit_speculate(named, commit, speculate, salt, element_offset)
+    commit_c, speculate_c = (constants(**half, salt=salt) for half in halves)
+    return load_extension().compact_fused_apply(
+        _forced_isa() or "",
+        *named.values(),
+        list(commit_c),
+        list(speculate_c),
+        element_offset & 0xFFFFFFFF,
+        bool(adamw),
+        bool(stochastic),
+        bool(keep_new_grad),
         get_num_threads(),
     )

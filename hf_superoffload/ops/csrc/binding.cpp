@@ -3,6 +3,8 @@
 
 #include <optional>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "adam_types.h"
 #include "compact_types.h"
@@ -164,12 +166,79 @@ int64_t compact_apply(const std::string& isa, at::Tensor master, at::Tensor grad
   return skipped;
 }
 
+// CompactArgs of the twelve constants compact.py's constants() derives (grad_scale ...
+// neg_step_size as doubles, the two keys as integers).
+CompactArgs compact_args(const std::vector<double>& c, int64_t index_base, bool adamw,
+                         bool stochastic, bool commit) {
+  TORCH_CHECK_VALUE(c.size() == 12, "expected 12 constants, got ", c.size(), ".");
+  return CompactArgs{float(c[0]),          float(c[1]),          float(c[2]),
+                     float(c[3]),          float(c[4]),          float(c[5]),
+                     float(c[6]),          float(c[7]),          float(c[8]),
+                     float(c[9]),          uint32_t(int64_t(c[10])), uint32_t(int64_t(c[11])),
+                     uint32_t(index_base), adamw ? 1 : 0,        stochastic ? 1 : 0,
+                     commit ? 1 : 0};
+}
+
+// compact_adam_commit_speculate (compact_state.py) over flat CPU tensors: the commit with
+// grad_pending, the speculative update with grad_new into out_lowp, then (keep_new_grad)
+// grad_new copied into grad_pending, in one pass. compact.py checks sizes and scalars first.
+std::tuple<int64_t, int64_t> compact_fused_apply(
+    const std::string& isa, at::Tensor master, at::Tensor grad_pending, at::Tensor grad_new,
+    at::Tensor exp_avg, at::Tensor exp_avg_scale, at::Tensor exp_avg_sq,
+    at::Tensor exp_avg_sq_scale, at::Tensor out_lowp, const std::vector<double>& commit,
+    const std::vector<double>& speculate, int64_t index_base, bool adamw, bool stochastic,
+    bool keep_new_grad, int64_t threads) {
+  const int64_t n = master.numel();
+  const int64_t blocks = (n + kCompactBlock - 1) / kCompactBlock;
+  check_flat(master, "master", at::kFloat, "float32 (the master weights; use tensor.float())", n,
+             "master has");
+  TORCH_CHECK_TYPE(grad_pending.scalar_type() == at::kFloat || lowp_kind(grad_pending) != kLowpNone,
+                   "grad_pending must be float32, bfloat16 or float16, got ",
+                   grad_pending.scalar_type(), ".");
+  check_flat(grad_pending, "grad_pending", grad_pending.scalar_type(), "", n, "master has");
+  check_flat(grad_new, "grad_new", grad_pending.scalar_type(), "grad_pending's dtype", n,
+             "master has");
+  const char* codes = "uint8 (8-bit codes, as CompactMoments holds them)";
+  check_flat(exp_avg, "exp_avg", at::kByte, codes, n, "master has");
+  check_flat(exp_avg_sq, "exp_avg_sq", at::kByte, codes, n, "master has");
+  const char* scales = "float32 (one scale per block of 256 elements)";
+  check_flat(exp_avg_scale, "exp_avg_scale", at::kFloat, scales, blocks,
+             "master's blocks of 256 number");
+  check_flat(exp_avg_sq_scale, "exp_avg_sq_scale", at::kFloat, scales, blocks,
+             "master's blocks of 256 number");
+  const bool fp32 = out_lowp.scalar_type() == at::kFloat;
+  TORCH_CHECK_TYPE(fp32 || lowp_kind(out_lowp) != kLowpNone,
+                   "out_lowp must be bfloat16, float16 or float32, got ", out_lowp.scalar_type(),
+                   ".");
+  check_flat(out_lowp, "out_lowp", out_lowp.scalar_type(), "", n, "master has");
+  const CompactFusedArgs args{compact_args(commit, index_base, adamw, stochastic, true),
+                              compact_args(speculate, index_base, adamw, stochastic, false)};
+  const CompactFusedTensors tensors{
+      CompactTensors{master.data_ptr<float>(), grad_pending.data_ptr(), lowp_kind(grad_pending),
+                     exp_avg.data_ptr<uint8_t>(), exp_avg_scale.data_ptr<float>(),
+                     exp_avg_sq.data_ptr<uint8_t>(), exp_avg_sq_scale.data_ptr<float>(),
+                     out_lowp.data_ptr(), fp32 ? int32_t(kOutFp32) : int32_t(lowp_kind(out_lowp))},
+      grad_new.data_ptr(), keep_new_grad ? grad_pending.data_ptr() : nullptr};
+  CompactCounts counts{0, 0};
+  int status;
+  {
+    pybind11::gil_scoped_release no_gil;
+    status = hso_compact_fused_run(isa.empty() ? nullptr : isa.c_str(), &args, &tensors, n,
+                                   int(threads), &counts);
+  }
+  TORCH_CHECK_VALUE(status == 0, "instruction set '", isa,
+                    "' is unknown or not supported by this CPU; see available_isas().");
+  return std::make_tuple(counts.commit, counts.speculate);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adam_apply", &adam_apply, "Adam step/rollback/replay over flat fp32 CPU tensors");
   m.def("compact_apply", &compact_apply,
         "One compact-state Adam pass (8-bit moments) over flat CPU tensors");
+  m.def("compact_fused_apply", &compact_fused_apply,
+        "A compact-state commit and the next step's speculative update in one pass");
   m.def("best_isa", []() { return std::string(hso_best_isa()); });
   m.def("isa_supported", [](const std::string& name) { return bool(hso_isa_supported(name.c_str())); });
 }

@@ -142,11 +142,12 @@ inline BlockReciprocal block_reciprocal(float scale) {
   return b;
 }
 
-// The code of buf[j]'s lanes in format F, in a block scaled by `b`, rounded with `noise` if
-// kStochastic.
+// The code (sign included) of buf[j]'s lanes in format F, in a block scaled by `b`, rounded
+// with `noise` if kStochastic. Lanes may hold more than 8 bits (a NaN's): the stored code is
+// the low byte.
 template <class I, class F, bool kStochastic>
-inline void encode_moment(const float* buf, int64_t j, const BlockReciprocal& b, uint8_t* codes,
-                          typename I::VI noise) {
+inline typename I::VI encode_code(const float* buf, int64_t j, const BlockReciprocal& b,
+                                  typename I::VI noise) {
   using V = typename I::V;
   using VI = typename I::VI;
   const V x = I::load(buf + j);
@@ -161,7 +162,13 @@ inline void encode_moment(const float* buf, int64_t j, const BlockReciprocal& b,
   VI code = encode_unit<I, F, kStochastic>(r, noise);
   if (F::kHasSign)
     code = I::selecti(I::lt(x, I::set1(0.0f)), I::ori(code, I::seti(0x80)), code);
-  I::store_u8(codes + j, code);
+  return code;
+}
+
+template <class I, class F, bool kStochastic>
+inline void encode_moment(const float* buf, int64_t j, const BlockReciprocal& b, uint8_t* codes,
+                          typename I::VI noise) {
+  I::store_u8(codes + j, encode_code<I, F, kStochastic>(buf, j, b, noise));
 }
 
 // Both moments' codes of the block's lanes at j; `product` is index_product of the lanes.
@@ -212,6 +219,43 @@ inline typename I::V load_gradient(const void* grad, int64_t i) {
   }
 }
 
+// The effective gradient of the lanes at element i: grad * grad_scale, plus wd * p for L2 Adam.
+template <class I, int kGrad>
+inline typename I::V compact_gradient(const CompactArgs& a, const void* grad, int64_t i,
+                                      typename I::V p) {
+  const typename I::V g = I::mul(load_gradient<I, kGrad>(grad, i), I::set1(a.grad_scale));
+  return a.adamw ? g : I::add(I::mul(I::set1(a.weight_decay), p), g);  // L2: wd * p + g
+}
+
+// The Adam arithmetic of the lanes: the new moments m1, v1 and param p1 from param p,
+// effective gradient g and the decoded moments m0, v0; p1 is p where the gradient term is not
+// finite. Returns where it is finite.
+template <class I>
+inline typename I::M compact_adam_lanes(const CompactArgs& a, typename I::V p, typename I::V g,
+                                        typename I::V m0, typename I::V v0, typename I::V& m1,
+                                        typename I::V& v1, typename I::V& p1) {
+  using V = typename I::V;
+  const V g2 = I::mul(I::mul(I::set1(a.one_minus_beta2), g), g);
+  // Non-finite gradient terms keep their param and moments. g2 is never below +0 (a product
+  // of g with itself and 1 - beta2 >= 0), so being finite is being below +inf: one compare.
+  const typename I::M ok = I::lt(g2, I::set1(__builtin_inff()));
+  m1 = I::add(I::mul(I::set1(a.beta1), m0), I::mul(I::set1(a.one_minus_beta1), g));
+  v1 = I::add(I::mul(I::set1(a.beta2), v0), g2);
+  const V denom =
+      I::add(I::mul(I::sqrt(v1), I::set1(a.rsqrt_bias_correction2)), I::set1(a.eps));
+  const V update = I::div(m1, denom);
+  const V decayed = a.adamw ? I::mul(p, I::set1(a.decay)) : p;
+  p1 = I::select(ok, I::add(decayed, I::mul(I::set1(a.neg_step_size), update)), p);
+  return ok;
+}
+
+template <class I, int kOut>
+inline void store_out(void* out, int64_t i, typename I::V p1) {
+  if constexpr (kOut == kLowpBf16) I::store_bf16(static_cast<uint16_t*>(out) + i, p1);
+  if constexpr (kOut == kLowpFp16) I::store_fp16(static_cast<uint16_t*>(out) + i, p1);
+  if constexpr (kOut == kOutFp32) I::store(static_cast<float*>(out) + i, p1);
+}
+
 // One update of the lanes at element i (j within its block, whose old scales are scale_m and
 // scale_v): writes out (and, for a commit, the master) and, for a commit, the new moments into
 // the block buffers and their magnitudes' bits into the running maxima. Returns how many lanes
@@ -221,26 +265,13 @@ inline int update_lanes(const CompactArgs& a, const CompactTensors& t, int64_t i
                         typename I::V scale_m, typename I::V scale_v, float* m_buf,
                         float* v_buf, typename I::VI& max_m, typename I::VI& max_v) {
   using V = typename I::V;
-  using M = typename I::M;
   const V p = I::load(t.master + i);
-  V g = I::mul(load_gradient<I, kGrad>(t.grad, i), I::set1(a.grad_scale));
-  if (!a.adamw) g = I::add(I::mul(I::set1(a.weight_decay), p), g);  // L2: wd * p + g
+  const V g = compact_gradient<I, kGrad>(a, t.grad, i, p);
   const V m0 = decode<I, ExpAvgCode>(I::load_u8(t.exp_avg + i), scale_m);
   const V v0 = decode<I, ExpAvgSqCode>(I::load_u8(t.exp_avg_sq + i), scale_v);
-  const V g2 = I::mul(I::mul(I::set1(a.one_minus_beta2), g), g);
-  // Non-finite gradient terms keep their param and moments. g2 is never below +0 (a product
-  // of g with itself and 1 - beta2 >= 0), so being finite is being below +inf: one compare.
-  const M ok = I::lt(g2, I::set1(__builtin_inff()));
-  const V m1 = I::add(I::mul(I::set1(a.beta1), m0), I::mul(I::set1(a.one_minus_beta1), g));
-  const V v1 = I::add(I::mul(I::set1(a.beta2), v0), g2);
-  const V denom =
-      I::add(I::mul(I::sqrt(v1), I::set1(a.rsqrt_bias_correction2)), I::set1(a.eps));
-  const V update = I::div(m1, denom);
-  const V decayed = a.adamw ? I::mul(p, I::set1(a.decay)) : p;
-  const V p1 = I::select(ok, I::add(decayed, I::mul(I::set1(a.neg_step_size), update)), p);
-  if constexpr (kOut == kLowpBf16) I::store_bf16(static_cast<uint16_t*>(t.out) + i, p1);
-  if constexpr (kOut == kLowpFp16) I::store_fp16(static_cast<uint16_t*>(t.out) + i, p1);
-  if constexpr (kOut == kOutFp32) I::store(static_cast<float*>(t.out) + i, p1);
+  V m1, v1, p1;
+  const typename I::M ok = compact_adam_lanes<I>(a, p, g, m0, v0, m1, v1, p1);
+  store_out<I, kOut>(t.out, i, p1);
   if constexpr (kCommit) {
     I::store(t.master + i, p1);
     const V m = I::select(ok, m1, m0);
@@ -253,13 +284,14 @@ inline int update_lanes(const CompactArgs& a, const CompactTensors& t, int64_t i
   return I::count_false(ok);
 }
 
-// One block of len (<= kCompactBlock) elements from element `begin`.
+// The update of one block of len (<= kCompactBlock) elements from element `begin`; for a
+// commit, its new moments into the buffers and its new scales (not yet stored) into
+// scale_m/scale_v. Returns the non-finite count.
 template <class I, int kGrad, int kOut, bool kCommit>
-inline int64_t compact_block(const CompactArgs& a, const CompactTensors& t, int64_t block,
-                             int64_t begin, int64_t len) {
+inline int64_t update_block(const CompactArgs& a, const CompactTensors& t, int64_t block,
+                            int64_t begin, int64_t len, float* m_buf, float* v_buf,
+                            float& scale_m, float& scale_v) {
   using VI = typename I::VI;
-  float m_buf[kCompactBlock];
-  float v_buf[kCompactBlock];
   const float old_m = t.exp_avg_scale[block];
   const float old_v = t.exp_avg_sq_scale[block];
   const int64_t lanes = I::lanes();
@@ -273,9 +305,21 @@ inline int64_t compact_block(const CompactArgs& a, const CompactTensors& t, int6
   for (; j < len; ++j)
     skipped += update_lanes<ScalarIsa, kGrad, kOut, kCommit>(a, t, begin + j, j, old_m, old_v,
                                                              m_buf, v_buf, tail_m, tail_v);
+  scale_m = ScalarIsa::from_bits(tail_m);
+  scale_v = ScalarIsa::from_bits(tail_v);
+  return skipped;
+}
+
+// One block of len (<= kCompactBlock) elements from element `begin`.
+template <class I, int kGrad, int kOut, bool kCommit>
+inline int64_t compact_block(const CompactArgs& a, const CompactTensors& t, int64_t block,
+                             int64_t begin, int64_t len) {
+  float m_buf[kCompactBlock];
+  float v_buf[kCompactBlock];
+  float scale_m, scale_v;
+  const int64_t skipped = update_block<I, kGrad, kOut, kCommit>(a, t, block, begin, len, m_buf,
+                                                                v_buf, scale_m, scale_v);
   if constexpr (kCommit) {
-    const float scale_m = ScalarIsa::from_bits(tail_m);
-    const float scale_v = ScalarIsa::from_bits(tail_v);
     t.exp_avg_scale[block] = scale_m;
     t.exp_avg_sq_scale[block] = scale_v;
     const uint32_t index = a.index_base + uint32_t(begin);

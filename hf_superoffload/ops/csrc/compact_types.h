@@ -47,6 +47,29 @@ struct CompactTensors {
 typedef int64_t (*CompactSpanFn)(const CompactArgs* args, const CompactTensors* tensors,
                                  int64_t n, int64_t first_block, int64_t end_block);
 
+// The fused pass (compact_state.compact_adam_commit_speculate): the commit of one step, then
+// the speculative update of the next from the committed state, one block at a time.
+struct CompactFusedArgs {
+  CompactArgs commit;     // the committed step's constants (its commit field unused)
+  CompactArgs speculate;  // the speculative step's (its keys unused: it encodes nothing)
+};
+
+struct CompactFusedTensors {
+  CompactTensors state;  // grad: the pending gradient (the commit's); out: required
+  const void* grad_new;  // the next step's gradient, of state.grad_kind
+  void* grad_keep;       // where grad_new is copied (the pending gradient's buffer), or null
+};
+
+// Non-finite gradient terms of each half.
+struct CompactCounts {
+  int64_t commit;
+  int64_t speculate;
+};
+
+typedef CompactCounts (*CompactFusedSpanFn)(const CompactFusedArgs* args,
+                                            const CompactFusedTensors* tensors, int64_t n,
+                                            int64_t first_block, int64_t end_block);
+
 extern "C" {
 int64_t hso_compact_span_scalar(const CompactArgs*, const CompactTensors*, int64_t, int64_t,
                                 int64_t);
@@ -58,10 +81,25 @@ int64_t hso_compact_span_neon(const CompactArgs*, const CompactTensors*, int64_t
                               int64_t);
 int64_t hso_compact_span_sve(const CompactArgs*, const CompactTensors*, int64_t, int64_t,
                              int64_t);
+CompactCounts hso_compact_fused_span_scalar(const CompactFusedArgs*, const CompactFusedTensors*,
+                                            int64_t, int64_t, int64_t);
+CompactCounts hso_compact_fused_span_avx2(const CompactFusedArgs*, const CompactFusedTensors*,
+                                          int64_t, int64_t, int64_t);
+CompactCounts hso_compact_fused_span_avx512(const CompactFusedArgs*, const CompactFusedTensors*,
+                                            int64_t, int64_t, int64_t);
+CompactCounts hso_compact_fused_span_neon(const CompactFusedArgs*, const CompactFusedTensors*,
+                                          int64_t, int64_t, int64_t);
+CompactCounts hso_compact_fused_span_sve(const CompactFusedArgs*, const CompactFusedTensors*,
+                                         int64_t, int64_t, int64_t);
 
 // Dispatcher (compact_dispatch.cpp): the kernel of `isa` (null: the best supported, as
 // hso_best_isa) over n elements on up to `threads` OpenMP threads, which split the range on
 // block boundaries. Returns the non-finite count, or -1 if `isa` is unknown/unsupported.
 int64_t hso_compact_run(const char* isa, const CompactArgs* args, const CompactTensors* tensors,
                         int64_t n, int threads);
+// The fused pass, threaded as hso_compact_run; both counts into `counts`. Returns 0, or -1 if
+// `isa` is unknown/unsupported.
+int hso_compact_fused_run(const char* isa, const CompactFusedArgs* args,
+                          const CompactFusedTensors* tensors, int64_t n, int threads,
+                          CompactCounts* counts);
 }

@@ -4,6 +4,7 @@
 #include <immintrin.h>
 
 #include "adam_math.h"
+#include "compact_fused_math.h"
 #include "compact_math.h"
 
 namespace {
@@ -113,5 +114,11 @@ extern "C" int64_t hso_adam_span_avx2(int op, const AdamArgs* a, const AdamTenso
 extern "C" int64_t hso_compact_span_avx2(const CompactArgs* a, const CompactTensors* t,
                                          int64_t n, int64_t first_block, int64_t end_block) {
   return compact_span<Avx2Isa>(*a, *t, n, first_block, end_block);
+}
+
+extern "C" CompactCounts hso_compact_fused_span_avx2(const CompactFusedArgs* a,
+                                                     const CompactFusedTensors* t, int64_t n,
+                                                     int64_t first_block, int64_t end_block) {
+  return compact_fused_span<Avx2Isa>(*a, *t, n, first_block, end_block);
 }
 #endif  // __x86_64__

@@ -4,6 +4,7 @@
 #include <immintrin.h>
 
 #include "adam_math.h"
+#include "compact_fused_math.h"
 #include "compact_math.h"
 
 namespace {
@@ -102,5 +103,11 @@ extern "C" int64_t hso_adam_span_avx512(int op, const AdamArgs* a, const AdamTen
 extern "C" int64_t hso_compact_span_avx512(const CompactArgs* a, const CompactTensors* t,
                                            int64_t n, int64_t first_block, int64_t end_block) {
   return compact_span<Avx512Isa>(*a, *t, n, first_block, end_block);
+}
+
+extern "C" CompactCounts hso_compact_fused_span_avx512(const CompactFusedArgs* a,
+                                                       const CompactFusedTensors* t, int64_t n,
+                                                       int64_t first_block, int64_t end_block) {
+  return compact_fused_span<Avx512Isa>(*a, *t, n, first_block, end_block);
 }
 #endif  // __x86_64__

@@ -5,6 +5,7 @@
 #include <arm_sve.h>
 
 #include "adam_math.h"
+#include "compact_fused_math.h"
 #include "compact_math.h"
 
 namespace {
@@ -99,5 +100,11 @@ extern "C" int64_t hso_adam_span_sve(int op, const AdamArgs* a, const AdamTensor
 extern "C" int64_t hso_compact_span_sve(const CompactArgs* a, const CompactTensors* t,
                                         int64_t n, int64_t first_block, int64_t end_block) {
   return compact_span<SveIsa>(*a, *t, n, first_block, end_block);
+}
+
+extern "C" CompactCounts hso_compact_fused_span_sve(const CompactFusedArgs* a,
+                                                    const CompactFusedTensors* t, int64_t n,
+                                                    int64_t first_block, int64_t end_block) {
+  return compact_fused_span<SveIsa>(*a, *t, n, first_block, end_block);
 }
 #endif  // __aarch64__
