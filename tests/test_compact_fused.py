@@ -1,5 +1,5 @@
 """The fused commit-and-speculate pass (ops.compact_adam_commit_speculate) gives the bits of
-its definition, compact_state.compact_adam_commit_speculate: a committed compact_adam_pass
+its definition, compact_commit_speculate.compact_adam_commit_speculate: a committed compact_adam_pass
 with the pending gradient, then a speculative one with the new gradient on the committed
 state, then the new gradient copied into the pending one. Params, codes, scales, out_lowp,
 the kept gradient and both non-finite counts, on every instruction set of this CPU at 1 and 2
@@ -24,7 +24,7 @@ from test_compact_kernel import (
 )
 
 from hf_superoffload import ops
-from hf_superoffload.ops import compact_state
+from hf_superoffload.ops import compact_commit_speculate, compact_state
 from hf_superoffload.ops.compact_state import BLOCK
 
 COMMIT = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01,
@@ -113,7 +113,7 @@ def test_fused_pass_equals_the_composition_on_every_isa_and_thread_count(name):
     expected = run_fused(composition, scenario, N_THREADED)
     counts = [x for x in expected if isinstance(x, int)]
     assert counts[0] > 0 or counts[1] > 0  # the non-finite path ran
-    assert_same_bits(run_fused(compact_state.compact_adam_commit_speculate, scenario,
+    assert_same_bits(run_fused(compact_commit_speculate.compact_adam_commit_speculate, scenario,
                                N_THREADED), expected, "reference")  # fmt: skip
     for isa, threads in each_isa_and_thread_count():
         got = run_fused(ops.compact_adam_commit_speculate, scenario, N_THREADED)
@@ -178,7 +178,8 @@ def test_short_ranges_equal_the_composition_on_every_isa():
 
 
 @pytest.mark.parametrize(
-    "fused", [compact_state.compact_adam_commit_speculate, ops.compact_adam_commit_speculate]
+    "fused",
+    [compact_commit_speculate.compact_adam_commit_speculate, ops.compact_adam_commit_speculate],
 )
 def test_without_keep_new_grad_the_pending_gradient_stays(fused):
     scenario, n = SCENARIOS["fp16-grad-fp16-out-nearest-l2"], 2 * BLOCK + 9
@@ -265,7 +266,7 @@ SHARED = torch.zeros(1200)
 )  # fmt: skip
 @pytest.mark.parametrize("which", ["reference", "kernel"])
 def test_bad_arguments_are_refused_before_anything_changes(change, error, pattern, which):
-    fused = {"reference": compact_state.compact_adam_commit_speculate,
+    fused = {"reference": compact_commit_speculate.compact_adam_commit_speculate,
              "kernel": ops.compact_adam_commit_speculate}[which]  # fmt: skip
     args = _arguments()
     args.update({k: args[v] if v == "grad_new" else v for k, v in change.items()})

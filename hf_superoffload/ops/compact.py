@@ -6,7 +6,7 @@ bits in every output) run by the compiled kernel: one pass over memory per call,
 released, on the instruction set of ``active_isa()`` (``set_isa`` chooses it, as for
 ``adam_step``). Arguments are checked before anything is written.
 
-``compact_adam_commit_speculate`` is ``compact_state.compact_adam_commit_speculate`` (a
+``compact_adam_commit_speculate`` is ``compact_commit_speculate.compact_adam_commit_speculate`` (a
 commit, then the next step's speculative update) in one pass over memory.
 """
 
@@ -18,7 +18,8 @@ import torch
 
 from ._build import load_extension
 from .adam import _forced_isa, _scale, checked_hyper, get_num_threads
-from .compact_state import BLOCK, CompactFormat, check_commit_speculate
+from .compact_commit_speculate import check_commit_speculate
+from .compact_state import BLOCK, CompactFormat
 
 _TENSORS = ("master", "grad", "exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale")
 
@@ -160,7 +161,7 @@ def compact_adam_commit_speculate(
     """The commit of one step (``grad_pending``, ``commit``'s hyperparameters) and the
     speculative update of the next (``grad_new``, ``speculate``'s, into ``out_lowp``) from the
     committed state, then (``keep_new_grad``) ``grad_new`` copied into ``grad_pending``: see
-    ``compact_state.compact_adam_commit_speculate``, whose results this gives bit for bit, in
+    ``compact_commit_speculate.compact_adam_commit_speculate``, whose results this gives bit for bit, in
     one pass where the two calls of ``compact_adam`` take two. Each block's codes are decoded
     for the speculative update as they are encoded, without a trip through memory.
 
