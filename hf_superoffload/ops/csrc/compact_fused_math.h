@@ -1,4 +1,4 @@
-// The fused commit-and-speculate pass (compact_state.compact_adam_commit_speculate): the
+// The fused commit-and-speculate pass (compact_commit_speculate.compact_adam_commit_speculate): the
 // commit of one step (compact_math.h's commit pass, with the pending gradient), then the
 // speculative update of the next step (with the new gradient) from the just-committed state,
 // one block at a time, so that master, codes, scales and both gradients cross memory once.

@@ -47,7 +47,7 @@ struct CompactTensors {
 typedef int64_t (*CompactSpanFn)(const CompactArgs* args, const CompactTensors* tensors,
                                  int64_t n, int64_t first_block, int64_t end_block);
 
-// The fused pass (compact_state.compact_adam_commit_speculate): the commit of one step, then
+// The fused pass (compact_commit_speculate.compact_adam_commit_speculate): the commit of one step, then
 // the speculative update of the next from the committed state, one block at a time.
 struct CompactFusedArgs {
   CompactArgs commit;     // the committed step's constants (its commit field unused)
