@@ -124,3 +124,19 @@ def test_a_bad_cap_says_what_to_pass(bad):
 def test_a_fixed_count_above_the_cap_is_refused_with_what_to_change():
     with pytest.raises(ValueError, match="above gpu_tail_cap"):
         run_superoffload(RunConfig(steps=1), gpu_tail=3, gpu_tail_cap=1e-6)
+
+
+@pytest.mark.usefixtures("unbounded_device")
+def test_compact_moments_move_with_their_buckets_bit_exactly():
+    """Compact buckets crossing to the device and back keep their codes and scales, and the
+    trajectory stays the compact reference's to the bit (a move waits for a bucket's commit
+    pass, which the next forward does not)."""
+    from compact_reference import assert_equal_trajectory, run_compact_reference
+
+    cfg = _config(inject=((7, "model.layers.0.mlp.up_proj.weight", "nan"),))
+    tuner = ScriptedTuner({3: 5_000, 5: -4_000, 9: -(10**9), 11: 10**9})
+    got = run_superoffload(
+        cfg, gpu_tail=1, probe=_install(tuner), moments="compact", speculate_after_clip=True
+    )
+    assert got.stats["tail_moves"] == 4 and got.stats["commit_seconds"] > 0
+    assert_equal_trajectory(got, run_compact_reference(cfg, got.grad_norms))

@@ -28,7 +28,7 @@ from .placement import (
     lean_tail_elements,
 )
 from .replicas import Replicas
-from .stv import Stv
+from .stv import Stv, state_key
 from .tail_tuner import TailTuner
 
 logger = logging.getLogger("hf_superoffload")
@@ -197,7 +197,8 @@ class TailMoves:
         """Between steps: turn host buckets into tail buckets or back, state and all."""
         if not buckets:
             return
-        self._stv.worker.wait([b.index for b in buckets])  # their settled updates are done
+        # Their settled updates are done, the commits of compact moments too (state_key).
+        self._stv.worker.wait([k for b in buckets for k in (b.index, state_key(b.index))])
         for bucket in buckets:
             if to_device:
                 bucket.move_to_device(self._link)
