@@ -293,3 +293,44 @@ def test_fp32_moments_of_a_checkpoint_load_into_compact_ones_encoded(tmp_path):
             assert ((got - want).abs() <= want.abs() / 16 + tiny * block_max).all(), key
             assert (got != 0).sum() > 0.9 * (want != 0).sum(), key
     assert all(torch.isfinite(torch.tensor(result["resumed"]["losses"])))
+
+
+def _access_on_rank(rank, world, port, case, out_dir) -> None:
+    os.environ["HF_SUPEROFFLOAD_MOMENTS"] = "compact"
+    init_rank(rank, world, port)
+    torch.set_num_threads(1)
+    import time
+
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    import hf_superoffload  # noqa: F401
+    from hf_superoffload.engine import compact_passes
+
+    run = compact_passes.CompactPasses.run
+
+    def slow_commit(self, part, hyper, scale, runs, grad, *, commit, send, seconds):
+        if commit and not send:  # the commit pass the next forward does not wait for
+            time.sleep(0.2)
+        return run(self, part, hyper, scale, runs, grad, commit=commit, send=send, seconds=seconds)
+
+    compact_passes.CompactPasses.run = slow_commit
+    engine, optimizer = make_engine(case, True, world)
+    train(engine, case, rank, range(case.steps))  # nothing clips: every step commits later
+    param = next(engine.module.parameters())
+    read_at_once = safe_get_full_fp32_param(param).clone()
+    optimizer.synchronize()
+    after_all = safe_get_full_fp32_param(param).clone()
+    commits = optimizer.stats["commit_seconds"]
+    engine.destroy()
+    torch.save({"at_once": read_at_once, "after": after_all, "commits": commits},
+               os.path.join(out_dir, f"rank{rank}.pt"))  # fmt: skip
+
+
+def test_deepspeeds_accessors_read_a_compact_sub_group_after_its_commit(tmp_path):
+    """safe_get_full_fp32_param right after a step reads the master its commit pass (still on
+    the worker, which the next forward does not wait for) writes, not the one before it."""
+    case = Zero3Case(max_grad_norm=0.0, steps=2, schedule=False)
+    spawn_ranks(_access_on_rank, (1, free_port(), case, str(tmp_path)), 1)
+    result = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    assert result["commits"] > 0
+    assert torch.equal(result["at_once"], result["after"])

@@ -35,7 +35,7 @@ from .cast_policy import CastPlan
 from .checks import check_dense_grad
 from .link import Link
 from .replicas import Replicas
-from .stv import Stv
+from .stv import Stv, task_keys
 
 
 class ForwardWatch(Protocol):
@@ -278,7 +278,8 @@ class GradArrival:
                 host_sq_norm = self._stv.host_sq_norms[i : i + 1]
                 host_sq_norm.copy_(self._sq_norms[i : i + 1], non_blocking=True)
             if self._link.is_cuda and not bucket.on_device:
-                self._stv.worker.wait([bucket.index])  # the host buffer is free again
+                # The host buffer is free again: no task (a compact commit neither) reads it.
+                self._stv.worker.wait(task_keys(bucket.index))
                 bucket.host_grad.copy_(staging, non_blocking=True)
                 self._link.keep_alive_on_d2h(staging)
                 self._stv.stats.bytes_d2h += staging.numel() * staging.element_size()

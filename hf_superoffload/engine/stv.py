@@ -136,6 +136,12 @@ def state_key(index: int) -> tuple[str, int]:
     return ("state", index)
 
 
+def task_keys(index: int) -> tuple:
+    """Every worker key of a partition's tasks: those that send params and those that only
+    write its host state (``state_key``); waiting for both frees its buffers."""
+    return (index, state_key(index))
+
+
 def adam_hyper(group: dict, step: int) -> dict:
     """The kernel's keyword arguments for update number ``step`` of a param group."""
     beta1, beta2 = group["betas"]

@@ -28,7 +28,7 @@ from .placement import (
     lean_tail_elements,
 )
 from .replicas import Replicas
-from .stv import Stv, state_key
+from .stv import Stv, task_keys
 from .tail_tuner import TailTuner
 
 logger = logging.getLogger("hf_superoffload")
@@ -198,7 +198,7 @@ class TailMoves:
         if not buckets:
             return
         # Their settled updates are done, the commits of compact moments too (state_key).
-        self._stv.worker.wait([k for b in buckets for k in (b.index, state_key(b.index))])
+        self._stv.worker.wait([k for b in buckets for k in task_keys(b.index)])
         for bucket in buckets:
             if to_device:
                 bucket.move_to_device(self._link)

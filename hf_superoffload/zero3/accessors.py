@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 from deepspeed.accelerator import get_accelerator
 
+from ..engine.stv import task_keys
+
 
 class HostGradientAccessors:
     """Mixed in before DeepSpeedZeroOptimizer_Stage3 (``super()`` is DeepSpeed's)."""
@@ -43,7 +45,7 @@ class HostGradientAccessors:
             return
         if part.speculated_with is not None:
             self._stv.retract(part)
-        self._stv.worker.wait([sub_group])
+        self._stv.worker.wait(task_keys(sub_group))  # a compact commit's too
 
     def set_fp32_grad_for_param(self, value, param):
         if not param.requires_grad:
