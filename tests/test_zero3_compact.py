@@ -301,7 +301,11 @@ def _access_on_rank(rank, world, port, case, out_dir) -> None:
     torch.set_num_threads(1)
     import time
 
-    from deepspeed.utils import safe_get_full_fp32_param
+    from deepspeed.utils import (
+        safe_get_full_fp32_param,
+        safe_get_full_optimizer_state,
+        safe_set_full_optimizer_state,
+    )
 
     import hf_superoffload  # noqa: F401
     from hf_superoffload.engine import compact_passes
@@ -321,16 +325,32 @@ def _access_on_rank(rank, world, port, case, out_dir) -> None:
     optimizer.synchronize()
     after_all = safe_get_full_fp32_param(param).clone()
     commits = optimizer.stats["commit_seconds"]
+    # The moments read as fp32 values (decoded), and writing one is refused.
+    moment = safe_get_full_optimizer_state(param, "exp_avg").clone()
+    i, _, numel = optimizer.grad_position[optimizer.get_param_id(param)]
+    index = next(n for n, p in enumerate(optimizer.fp16_groups[i]) if p is param)
+    decoded = optimizer._host_part_at[i].compact.decoded(index)[0][:numel].view_as(moment)
+    try:
+        safe_set_full_optimizer_state(param, moment, "exp_avg")
+        refused = ""
+    except ValueError as error:
+        refused = str(error)
     engine.destroy()
-    torch.save({"at_once": read_at_once, "after": after_all, "commits": commits},
+    torch.save({"at_once": read_at_once, "after": after_all, "commits": commits,
+                "moment": moment, "decoded": decoded, "refused": refused},
                os.path.join(out_dir, f"rank{rank}.pt"))  # fmt: skip
 
 
 def test_deepspeeds_accessors_read_a_compact_sub_group_after_its_commit(tmp_path):
     """safe_get_full_fp32_param right after a step reads the master its commit pass (still on
-    the worker, which the next forward does not wait for) writes, not the one before it."""
+    the worker, which the next forward does not wait for) writes, not the one before it; the
+    moments read as fp32 values, and writing one is refused."""
     case = Zero3Case(max_grad_norm=0.0, steps=2, schedule=False)
     spawn_ranks(_access_on_rank, (1, free_port(), case, str(tmp_path)), 1)
     result = torch.load(tmp_path / "rank0.pt", weights_only=False)
     assert result["commits"] > 0
     assert torch.equal(result["at_once"], result["after"])
+    assert result["moment"].dtype == torch.float32 and torch.equal(
+        result["moment"], result["decoded"]
+    )
+    assert "not supported with compact moments" in result["refused"]

@@ -81,5 +81,36 @@ class HostGradientAccessors:
     def _get_fp32_opt_state_partition(self, param, release_swap_buffers, optim_state_key=None):
         # DeepSpeed's accessors (safe_get_local_fp32_param, safe_set_full_fp32_param, ...) read
         # or write a sub group's state.
-        self._settle_for_access(self.grad_position[self.get_param_id(param)][0])
+        i = self.grad_position[self.get_param_id(param)][0]
+        self._settle_for_access(i)
+        if self._compact and optim_state_key is not None:
+            return self._decoded_moment(param, i, optim_state_key), i
         return super()._get_fp32_opt_state_partition(param, release_swap_buffers, optim_state_key)
+
+    def _decoded_moment(self, param, i: int, key: str) -> torch.Tensor:
+        """A compact moment of ``param``'s partition as fp32 values (a copy: compact codes
+        cannot be written through it, and the setters refuse them)."""
+        if key not in ("exp_avg", "exp_avg_sq"):
+            raise ValueError(
+                f"optimizer state {key!r}: with compact moments (HF_SUPEROFFLOAD_MOMENTS=compact) "
+                "the accessors read 'exp_avg' and 'exp_avg_sq', decoded to fp32."
+            )
+        part = self._host_part_at.get(i) or self._device_part_at[i]
+        index = next(n for n, p in enumerate(self.fp16_groups[i]) if p is param)
+        return part.compact.decoded(index)[0 if key == "exp_avg" else 1]
+
+    def set_full_hp_param(self, value, param, optim_state_key=None):
+        self._refuse_compact_write(optim_state_key)
+        super().set_full_hp_param(value, param, optim_state_key)
+
+    def set_local_hp_param(self, value, param, optim_state_key=None):
+        self._refuse_compact_write(optim_state_key)
+        super().set_local_hp_param(value, param, optim_state_key)
+
+    def _refuse_compact_write(self, optim_state_key) -> None:
+        if self._compact and optim_state_key is not None:
+            raise ValueError(
+                f"writing optimizer state {optim_state_key!r} is not supported with compact moments "
+                "(HF_SUPEROFFLOAD_MOMENTS=compact: 8-bit codes); write the fp32 master "
+                "(safe_set_full_fp32_param), or train with fp32 moments to set moments."
+            )
