@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -20,3 +22,23 @@ def tool(name: str) -> str:
             pytest.fail(message)
         pytest.skip(message)
     return path
+
+
+def build_aarch64(check_source: Path, kernel_sources: list[Path], binary: Path) -> Path:
+    """A static aarch64 build of a torch-free check program with the kernel sources, under the
+    package's own compiler flags."""
+    from hf_superoffload.ops._build import CFLAGS, CSRC
+
+    flags = [f for f in CFLAGS if f != "-std=c++17"]
+    cmd = [tool("aarch64-linux-gnu-g++"), "-std=c++17", *flags, "-static", f"-I{CSRC}"]
+    subprocess.run([*cmd, str(check_source), *map(str, kernel_sources), "-o", str(binary)],
+                   check=True)  # fmt: skip
+    return binary
+
+
+def run_aarch64(binary: Path, cpu: str, *args: str) -> subprocess.CompletedProcess:
+    """``binary`` under qemu-aarch64 with CPU model ``cpu`` (e.g. "max,sve512=on")."""
+    qemu = tool("qemu-aarch64")
+    return subprocess.run(
+        [qemu, "-cpu", cpu, str(binary), *args], capture_output=True, text=True, timeout=120
+    )

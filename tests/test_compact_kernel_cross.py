@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cross_tools import tool
+from cross_tools import build_aarch64, run_aarch64, tool
 from test_compact_kernel import COMPACT_FUNCTION, fused_multiply_adds
 
 from hf_superoffload import ops
@@ -151,12 +151,8 @@ def _run_x86() -> bytes:
 
 @pytest.fixture(scope="module")
 def aarch64_compact_check(tmp_path_factory) -> Path:
-    compiler = tool("aarch64-linux-gnu-g++")
     binary = tmp_path_factory.mktemp("aarch64") / "compact_check"
-    flags = [f for f in CFLAGS if f != "-std=c++17"]
-    cmd = [compiler, "-std=c++17", *flags, "-static", f"-I{CSRC}", str(CHECK_SOURCE)]
-    subprocess.run([*cmd, *map(str, KERNEL_SOURCES), "-o", str(binary)], check=True)
-    return binary
+    return build_aarch64(CHECK_SOURCE, KERNEL_SOURCES, binary)
 
 
 def test_the_aarch64_compact_kernels_have_no_fused_multiply_add(aarch64_compact_check):
@@ -182,14 +178,9 @@ def test_the_aarch64_compact_kernels_have_no_fused_multiply_add(aarch64_compact_
 )
 def test_aarch64_compact_kernels_match_x86_bit_for_bit(aarch64_compact_check, tmp_path, isa, cpu):
     assert "-ffp-contract=off" in CFLAGS  # the reference rounds every product and sum
-    qemu = tool("qemu-aarch64")
     _write_input(tmp_path / "in.bin")
-    run = [qemu, "-cpu", cpu, str(aarch64_compact_check), isa]
-    result = subprocess.run(
-        [*run, str(tmp_path / "in.bin"), str(tmp_path / "out.bin")],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    result = run_aarch64(
+        aarch64_compact_check, cpu, isa, str(tmp_path / "in.bin"), str(tmp_path / "out.bin")
     )
     assert result.returncode == 0, result.stderr
     expected = _run_x86()

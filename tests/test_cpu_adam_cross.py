@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from cross_tools import tool
+from cross_tools import build_aarch64, run_aarch64, tool
 
 from hf_superoffload import ops
-from hf_superoffload.ops._build import CFLAGS, CSRC
+from hf_superoffload.ops._build import CSRC
 from hf_superoffload.ops.adam import _constants
 
 CHECK_SOURCE = Path(__file__).parent / "csrc" / "kernel_check.cpp"
@@ -98,12 +98,8 @@ def _run_x86(tensors: list[torch.Tensor]) -> bytes:
 
 @pytest.fixture(scope="module")
 def aarch64_check_binary(tmp_path_factory) -> Path:
-    compiler = tool("aarch64-linux-gnu-g++")
     binary = tmp_path_factory.mktemp("aarch64") / "kernel_check"
-    flags = [f for f in CFLAGS if f != "-std=c++17"]
-    cmd = [compiler, "-std=c++17", *flags, "-static", f"-I{CSRC}", str(CHECK_SOURCE)]
-    subprocess.run([*cmd, *map(str, KERNEL_SOURCES), "-o", str(binary)], check=True)
-    return binary
+    return build_aarch64(CHECK_SOURCE, KERNEL_SOURCES, binary)
 
 
 @pytest.mark.parametrize(
@@ -116,23 +112,11 @@ def aarch64_check_binary(tmp_path_factory) -> Path:
     ],
 )
 def test_aarch64_kernels_match_x86_bit_for_bit(aarch64_check_binary, tmp_path, isa, cpu):
-    qemu = tool("qemu-aarch64")
     n = 4099  # not a multiple of any vector length: the scalar tail runs too
     tensors = _inputs(n)
     _write_input(tmp_path / "in.bin", tensors)
-    result = subprocess.run(
-        [
-            qemu,
-            "-cpu",
-            cpu,
-            str(aarch64_check_binary),
-            isa,
-            str(tmp_path / "in.bin"),
-            str(tmp_path / "out.bin"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    result = run_aarch64(
+        aarch64_check_binary, cpu, isa, str(tmp_path / "in.bin"), str(tmp_path / "out.bin")
     )
     assert result.returncode == 0, result.stderr
     expected = _run_x86(tensors)
