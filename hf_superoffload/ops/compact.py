@@ -19,7 +19,7 @@ import torch
 from ._build import load_extension
 from .adam import _forced_isa, _scale, checked_hyper, get_num_threads
 from .compact_commit_speculate import check_commit_speculate
-from .compact_state import BLOCK, CompactFormat
+from .compact_state import CompactFormat, check_element_offset, check_sizes
 
 _TENSORS = ("master", "grad", "exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale")
 
@@ -28,26 +28,6 @@ def _int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {value!r}.")
     return value
-
-
-def _check_sizes(tensors: tuple, out_lowp: torch.Tensor | None) -> None:
-    """Every tensor as long as ``master`` (the scales: a block of 256 each). Checked here, not
-    only in the binding: with torch 2.11's headers built by GCC 13 the binding's size refusal
-    crashed the process instead of raising (seen on the H100 hosts), its other checks did not."""
-    n = tensors[0].numel()
-    blocks = -(-n // BLOCK)
-    named = dict(zip(_TENSORS, tensors, strict=True))
-    if out_lowp is not None:
-        named["out_lowp"] = out_lowp
-    for name, tensor in named.items():
-        if name.endswith("_scale"):
-            if tensor.numel() != blocks:
-                raise ValueError(
-                    f"{name} has {tensor.numel()} elements but master's blocks of {BLOCK} "
-                    f"number {blocks}."
-                )
-        elif tensor.numel() != n:
-            raise ValueError(f"{name} has {tensor.numel()} elements but master has {n}.")
 
 
 def constants(
@@ -114,16 +94,14 @@ def compact_adam(
     for name, tensor in (*zip(_TENSORS, tensors, strict=True), ("out_lowp", out_lowp)):
         if tensor is not None and not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}.")
-    _check_sizes(tensors, out_lowp)
+    # Sizes are checked here, not only in the binding: with torch 2.11's headers built by GCC 13
+    # the binding's size refusal crashed the process (seen on the H100 hosts).
+    named = dict(zip(_TENSORS, tensors, strict=True))
+    check_sizes(named if out_lowp is None else {**named, "out_lowp": out_lowp})
     step, lr, beta1, beta2, eps, weight_decay = checked_hyper(
         step, lr, beta1, beta2, eps, weight_decay
     )
-    salt, element_offset = _int("salt", salt), _int("element_offset", element_offset)
-    if element_offset < 0 or element_offset % BLOCK:
-        raise ValueError(
-            f"element_offset must be a non-negative multiple of {BLOCK} (the range's first "
-            f"element within its partition, on a block boundary), got {element_offset}"
-        )
+    salt, element_offset = _int("salt", salt), check_element_offset(element_offset)
     if not commit and out_lowp is None:
         raise ValueError("a speculative pass (commit=False) writes only out_lowp: pass one")
     grad_scale = _scale("grad_scale", grad_scale)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .compact_state import BLOCK, compact_adam_pass
+from .compact_state import check_element_offset, check_sizes, compact_adam_pass
 
 # The hyperparameters of each half of ``compact_adam_commit_speculate``.
 HALF_KEYS = ("step", "lr", "beta1", "beta2", "eps", "weight_decay", "grad_scale")
@@ -43,32 +43,22 @@ def check_commit_speculate(
     for name, tensor in named.items():
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}.")
-    for name in ("salt", "element_offset"):
-        value = salt if name == "salt" else element_offset
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {value!r}.")
-    if element_offset < 0 or element_offset % BLOCK:
-        raise ValueError(
-            f"element_offset must be a non-negative multiple of {BLOCK} (the range's first "
-            f"element within its partition, on a block boundary), got {element_offset}"
-        )
+    if isinstance(salt, bool) or not isinstance(salt, int):
+        raise TypeError(f"salt must be an int, got {salt!r}.")
+    check_element_offset(element_offset)
     halves = _checked_half("commit", commit), _checked_half("speculate", speculate)
     dtypes = {"master": (torch.float32,), "grad_pending": _GRAD_DTYPES,
               "grad_new": (named["grad_pending"].dtype,), "exp_avg": (torch.uint8,),
               "exp_avg_scale": (torch.float32,), "exp_avg_sq": (torch.uint8,),
               "exp_avg_sq_scale": (torch.float32,), "out_lowp": _GRAD_DTYPES}  # fmt: skip
-    n = named["master"].numel()
-    blocks = -(-n // BLOCK)
-    device = named["master"].device
     for name, tensor in named.items():
         if tensor.dtype not in dtypes[name]:
             allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes[name])
             same = " (grad_pending's dtype: both gradients share one)" if name == "grad_new" else ""
             raise TypeError(f"{name} must be {allowed}{same}, got {tensor.dtype}.")
-        want = blocks if name.endswith("_scale") else n
-        if tensor.numel() != want:
-            of = f"master's blocks of {BLOCK} number" if name.endswith("_scale") else "master has"
-            raise ValueError(f"{name} has {tensor.numel()} elements but {of} {want}.")
+    check_sizes(named)
+    device = named["master"].device
+    for name, tensor in named.items():
         if tensor.device != device:
             raise ValueError(f"{name} is on {tensor.device} but master on {device}.")
         if not tensor.is_contiguous():

@@ -241,6 +241,34 @@ def ieee_sqrt(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x.double() < low * low, down, s)
 
 
+def check_element_offset(element_offset: object) -> int:
+    """A range's first element within its partition: an int on a block boundary."""
+    if isinstance(element_offset, bool) or not isinstance(element_offset, int):
+        raise TypeError(f"element_offset must be an int, got {element_offset!r}.")
+    if element_offset < 0 or element_offset % BLOCK:
+        raise ValueError(
+            f"element_offset must be a non-negative multiple of {BLOCK} (the range's first "
+            f"element within its partition, on a block boundary), got {element_offset}"
+        )
+    return element_offset
+
+
+def check_sizes(named: dict[str, torch.Tensor]) -> None:
+    """Every tensor of ``named`` (by argument name, ``master`` first) as long as the master;
+    the ``*_scale`` ones one element a block."""
+    n = next(iter(named.values())).numel()
+    blocks = -(-n // BLOCK)
+    for name, tensor in named.items():
+        if name.endswith("_scale"):
+            if tensor.numel() != blocks:
+                raise ValueError(
+                    f"{name} has {tensor.numel()} elements but master's blocks of {BLOCK} "
+                    f"number {blocks}."
+                )
+        elif tensor.numel() != n:
+            raise ValueError(f"{name} has {tensor.numel()} elements but master has {n}.")
+
+
 def _f32(x: float, like: torch.Tensor) -> torch.Tensor:
     """A 0-d fp32 constant (fp32 arithmetic with it, as the kernels' fp32 arguments)."""
     return torch.tensor(x, dtype=torch.float32, device=like.device)
@@ -284,8 +312,7 @@ def compact_adam_pass(
     ``commit=True`` master and moments take the update (and ``out_lowp`` too, if given).
     Returns how many elements had a non-finite gradient term: they keep their param and
     moment values (the moments re-encoded with their block's new scale)."""
-    if element_offset % BLOCK:
-        raise ValueError(f"element_offset must be a multiple of {BLOCK}, got {element_offset}")
+    check_element_offset(element_offset)
     if not commit and out_lowp is None:
         raise ValueError("a speculative pass (commit=False) writes only out_lowp: pass one")
     fmt = CompactFormat(stochastic=stochastic)
