@@ -57,7 +57,7 @@ class CompactPasses:
                 setattr(stats, seconds, getattr(stats, seconds) + time.perf_counter() - began)
                 if send:
                     host.send_params(part, low, at, n)
-        if not commit:
+        if seconds == "cpu_step_seconds":  # as the exact path counts its steps, for the tuner
             host.elements_stepped += sum(numel for _, numel, _ in runs)
 
     def restore(self, part: HostPartition, runs) -> None:
@@ -65,12 +65,10 @@ class CompactPasses:
         become the committed ones again."""
         host = self.host
         host.link.host_waits_for(part.last_h2d)
-        for offset, numel, _ in runs:
-            for start in range(offset, offset + numel, self._most()):
-                n = min(self._most(), offset + numel - start)
-                low = host.take_copy_out(part, start, n)
-                low.copy_(part.master.narrow(0, start, n))
-                host.send_params(part, low, start, n)
+        for start, n, _ in host.pieces(part, runs):
+            low = host.take_copy_out(part, start, n)
+            low.copy_(part.master.narrow(0, start, n))
+            host.send_params(part, low, start, n)
 
     def _most(self) -> int:
         return self.host.copy_out.piece_numel

@@ -180,12 +180,12 @@ class HostSteps:
         self.stats.accumulate_seconds += time.perf_counter() - start
 
     def _pass(self, part: HostPartition, kernel, seconds: str, runs, grad) -> None:
-        """One CPU pass over ``runs`` of a partition, piece by piece (``_pieces``):
+        """One CPU pass over ``runs`` of a partition, piece by piece (``pieces``):
         ``kernel(state, low, step)`` updates a piece's master, gradients and moments as update
         number ``step`` and writes its rounded params into ``low``; each piece goes back to
         the model while the kernel does the next. Its time counts into ``stats.<seconds>``."""
         self.link.host_waits_for(part.last_h2d)  # the master and param_low are free again
-        for offset, numel, step in self._pieces(part, runs):
+        for offset, numel, step in self.pieces(part, runs):
             low = self.take_copy_out(part, offset, numel)
             start = time.perf_counter()
             kernel(self._state(part, grad, offset, numel), low, step)
@@ -193,7 +193,7 @@ class HostSteps:
             setattr(self.stats, seconds, getattr(self.stats, seconds) + elapsed)
             self.send_params(part, low, offset, numel)
 
-    def _pieces(self, part: HostPartition, runs) -> list[tuple[int, int, int]]:
+    def pieces(self, part: HostPartition, runs) -> list[tuple[int, int, int]]:
         """(offset, numel, step) pieces of the runs a pass goes through: the runs themselves,
         or pieces of at most the copy-out ring's buffer size when its rounded params go back
         through the ring (each piece goes back while the kernel does the next; the update is
