@@ -16,6 +16,7 @@ import dataclasses
 import torch
 
 from ..ops.compact_state import BLOCK, EXP_AVG_FORMAT, EXP_AVG_SQ_FORMAT, decode, encode
+from .state_checks import COMPACT_STATE_KEYS
 
 
 def blocks_of(numel: int) -> int:
@@ -130,8 +131,7 @@ class CompactMoments:
                 target.zero_()
             return
         if entry["exp_avg"].dtype == torch.uint8:
-            sources = [entry[k] for k in ("exp_avg", "exp_avg_scale", "exp_avg_sq")]
-            sources.append(entry["exp_avg_sq_scale"])
+            sources = [entry[k] for k in COMPACT_STATE_KEYS]
         else:
             sources = [
                 *encode(entry["exp_avg"].reshape(-1), EXP_AVG_FORMAT, True),

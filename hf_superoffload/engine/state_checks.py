@@ -15,8 +15,10 @@ from .checks import HYPER_KEYS, check_group
 
 EXTRA_KEY = "superoffload"
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
-# A compact entry (uint8 codes under MOMENT_KEYS) carries its block scales under these.
-COMPACT_SCALE_KEYS = ("exp_avg_scale", "exp_avg_sq_scale")
+# A compact entry's tensors (CompactMoments.tensors' order): uint8 codes under MOMENT_KEYS,
+# and each moment's block scales.
+COMPACT_STATE_KEYS = ("exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale")
+COMPACT_SCALE_KEYS = COMPACT_STATE_KEYS[1::2]
 
 # Keys torch's Adam/AdamW put into every param group that are no hyperparameters of ours: what
 # each must be for us to continue the run faithfully (None: any value; an implementation

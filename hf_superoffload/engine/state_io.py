@@ -50,6 +50,7 @@ import torch
 
 from .compact_moments import decoded_entry
 from .state_checks import (
+    COMPACT_STATE_KEYS,
     EXTRA_KEY,
     MOMENT_KEYS,
     check_group_sizes,
@@ -59,8 +60,6 @@ from .state_checks import (
     lookup,
     param_number,
 )
-
-COMPACT_ENTRY_KEYS = ("exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale")
 
 if TYPE_CHECKING:
     from .bucket import Bucket
@@ -178,14 +177,10 @@ def _moments_entry(bucket: Bucket, i: int, host: _HostViews) -> dict:
             "exp_avg": host(bucket, bucket.exp_avg, i),
             "exp_avg_sq": host(bucket, bucket.exp_avg_sq, i),
         }
-    codes, scale, codes_sq, scale_sq = (t.detach().cpu() for t in bucket.compact.param_moments(i))
     shape = bucket.plan.params[i].shape
-    return {
-        "exp_avg": codes.view(shape),
-        "exp_avg_scale": scale,
-        "exp_avg_sq": codes_sq.view(shape),
-        "exp_avg_sq_scale": scale_sq,
-    }
+    tensors = (t.detach().cpu() for t in bucket.compact.param_moments(i))
+    entry = dict(zip(COMPACT_STATE_KEYS, tensors, strict=True))
+    return {k: t.view(shape) if k in MOMENT_KEYS else t for k, t in entry.items()}
 
 
 def load_state_dict(opt: SuperOffloadOptimizer, state_dict: Mapping) -> None:
@@ -256,7 +251,7 @@ def _load_param(bucket: Bucket, i: int, param: torch.Tensor, entry: dict | None)
         bucket.set_param_step(i, 0 if entry is None else entry["step"])
         return
     if entry is not None and entry["exp_avg"].dtype == torch.uint8:  # compact: decoded
-        decoded = decoded_entry(*(entry[k] for k in COMPACT_ENTRY_KEYS))
+        decoded = decoded_entry(*(entry[k] for k in COMPACT_STATE_KEYS))
         entry = {
             **entry,
             **{k: m.view_as(param) for k, m in zip(MOMENT_KEYS, decoded, strict=True)},

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..engine.state_checks import COMPACT_STATE_KEYS
 from .checkpoint_layout import (
     BASE_OPTIMIZER_STATE,
     FP32_FLAT_GROUPS,
@@ -25,10 +26,8 @@ from .checkpoint_layout import (
 from .checkpoint_memory import MAPPED_KEY, release_mapped_pages
 from .param_steps import PARAM_STEPS_KEY
 
-# Compact moments (engine/compact_moments.py) save their block scales beside their codes.
-COMPACT_SCALES = ("exp_avg_scale", "exp_avg_sq_scale")
 # Keys of a base optimizer's per-sub-group state this path restores (AdamW's, or compact).
-STATE_KEYS = {"step", PARAM_STEPS_KEY, *MOMENTS, *COMPACT_SCALES}  # param_steps: param_steps.py
+STATE_KEYS = {"step", PARAM_STEPS_KEY, *MOMENTS, *COMPACT_STATE_KEYS}  # param_steps: param_steps.py
 
 
 def restore_group_hyperparameters(live_groups: list[dict], saved_groups: list[dict]) -> None:
@@ -131,8 +130,7 @@ def _load_moments(part, t: int, recut: Recut, moments: list, saved_compact: bool
                 recut.copy_into(t, live, saved_moment)
         return
     if saved_compact:
-        keys = ("exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale")
-        for key, live in zip(keys, compact.tensors(), strict=True):
+        for key, live in zip(COMPACT_STATE_KEYS, compact.tensors(), strict=True):
             live.copy_(state[key])
         return
     values = []

@@ -14,6 +14,7 @@ import torch
 
 from ..engine.compact_moments import CompactMoments
 from ..engine.partition import HostPartition
+from ..engine.state_checks import COMPACT_STATE_KEYS
 from .param_steps import ParamSteps
 
 
@@ -68,8 +69,7 @@ class HostState:
         if part.compact is None:
             state.update(exp_avg=part.exp_avg, exp_avg_sq=part.exp_avg_sq)
         else:
-            names = ("exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale")
-            state.update(zip(names, part.compact.tensors(), strict=True))
+            state.update(zip(COMPACT_STATE_KEYS, part.compact.tensors(), strict=True))
         state["step"] = self._step_value(0)
 
     def _real_numel(self, param) -> int:
