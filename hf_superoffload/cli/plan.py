@@ -23,21 +23,14 @@ from ..zero3.memory_plan import (
 )
 from ..zero3.model_shape import ModelShape
 from . import capacity as capacity_options
-from . import model_source, ratio_auto
+from . import model_source, plan_output, ratio_auto
 from .errors import EXIT_DOES_NOT_FIT, EXIT_FITS, UsageError
-from .hardware import GIB, PRESETS
+from .hardware import PRESETS
+from .plan_output import LOSSES
 
 _MORE_GPUS = (2, 4, 8, 16, 32, 64)  # GPU counts tried when a run does not fit
 NO_SAVE = "a run that saves nothing: examples/sft.py --save_model false with --save_strategy no"
 DEFAULT_SEQ, DEFAULT_BATCH = 4096, 4  # the paper's examples' settings
-# --loss: what computes the loss, as Zero3Run.fused_cross_entropy names it, and what the output
-# calls it. TRL's SFT and DPO trainers (examples/sft.py, the recipes) compute it through TRL's
-# fused LM head whether or not Liger's kernels are on: TRL refuses Liger's fused cross-entropy.
-LOSSES = {
-    "full": (None, "the model's own (a batch's full logits)"),
-    "trl": ("trl", "TRL's fused LM head (chunked, no full logits)"),
-    "liger": ("liger", "Liger-Kernel's fused linear cross-entropy (no full logits)"),
-}
 
 
 def add_parser(commands) -> None:
@@ -203,7 +196,7 @@ def _suggestions(config, shape: ModelShape, run: Zero3Run, capacity, verdict: Ve
             config, shape, dataclasses.replace(run, ranks=gpus, ranks_per_host=per_host), capacity
         )
         if trial.fits:
-            found.append(f"--gpus {gpus} ({per_host} per host) fits: {_usage(trial)}")
+            found.append(f"--gpus {gpus} ({per_host} per host) fits: {plan_output.usage(trial)}")
             break
     host_short = verdict.host_need > verdict.host_memory
     if host_short and not run.compact_moments:
@@ -215,29 +208,29 @@ def _suggestions(config, shape: ModelShape, run: Zero3Run, capacity, verdict: Ve
         ratio = ratio_auto.lowest_fitting_ratio(compact_at)
         if ratio is not None:
             found.append(
-                f"--moments compact fits at --ratio {ratio}: {_usage(compact_at(ratio))} "
+                f"--moments compact fits at --ratio {ratio}: {plan_output.usage(compact_at(ratio))} "
                 "(HF_SUPEROFFLOAD_MOMENTS=compact, or --superoffload_moments compact: both Adam "
                 "moments in 8 bits a value)"
             )
     if run.saves_model and host_short:
         trial = _judge(config, shape, dataclasses.replace(run, saves_model=False), capacity)
         if trial.fits:
-            found.append(f"--no-save fits: {_usage(trial)} ({NO_SAVE})")
+            found.append(f"--no-save fits: {plan_output.usage(trial)} ({NO_SAVE})")
     gpu_short = verdict.gpu_need > verdict.gpu_memory
     if gpu_short and not run.offload_param:
         trial = _judge(config, shape, dataclasses.replace(run, offload_param=True), capacity)
         if trial.fits:
-            found.append(f"--offload-param fits: {_usage(trial)}")
+            found.append(f"--offload-param fits: {plan_output.usage(trial)}")
     if gpu_short and run.ratio < 1.0:
         trial = _judge(config, shape, dataclasses.replace(run, ratio=1.0), capacity)
         if trial.fits:
-            found.append(f"--ratio 1.0 fits: {_usage(trial)}")
+            found.append(f"--ratio 1.0 fits: {plan_output.usage(trial)}")
     batch = run.batch // 2
     while gpu_short and batch >= 1:
         trial = _judge(config, shape, dataclasses.replace(run, batch=batch), capacity)
         if trial.fits:
             found.append(
-                f"--batch {batch} fits: {_usage(trial)} (more gradient accumulation keeps the "
+                f"--batch {batch} fits: {plan_output.usage(trial)} (more gradient accumulation keeps the "
                 "global batch)"
             )
             break
@@ -306,150 +299,9 @@ def answer(args: argparse.Namespace) -> Answer:
         [] if verdict.fits else _suggestions(source.config, shape, zero3_run, capacity, verdict)
     )
     suggestions += auto_suggestions
-    notes = [*source.notes, *auto_notes, *_model_notes(source.config, verdict.plan)]
+    notes = [*source.notes, *auto_notes, *plan_output.model_notes(source.config, verdict.plan)]
     return Answer(
         verdict.fits,
-        _as_json(source, capacity, verdict, suggestions, notes),
-        _as_text(source, capacity, verdict, suggestions, notes),
+        plan_output.as_json(source, capacity, verdict, suggestions, notes),
+        plan_output.as_text(source, capacity, verdict, suggestions, notes),
     )
-
-
-def _gib(nbytes: int) -> str:
-    return f"{nbytes / GIB:.1f} GiB"
-
-
-def _usage(verdict: Verdict) -> str:
-    return (
-        f"GPU {_gib(verdict.gpu_need)} of {_gib(verdict.gpu_memory)}, host "
-        f"{_gib(verdict.host_need)} of {_gib(verdict.host_memory)}"
-    )
-
-
-def _experts(config) -> tuple[int, int]:
-    total = getattr(config, "num_local_experts", 0) or getattr(config, "num_experts", 0) or 0
-    return total, getattr(config, "num_experts_per_tok", 0) or 0
-
-
-def _model_notes(config, plan: MemoryPlan) -> list[str]:
-    total, top_k = _experts(config)
-    if not total:
-        return []
-    return [
-        f"MoE ({total} experts, top-{top_k}): every expert's weights and optimizer state "
-        f"count; the recomputed layer's MLP activations are planned "
-        f"{plan.shape.active_intermediate} wide. The plan was checked against measured peaks "
-        "of dense models only."
-    ]
-
-
-def _model_line(source, plan: MemoryPlan) -> str:
-    shape, config = plan.shape, source.config
-    total, top_k = _experts(config)
-    moe = f", {total} experts (top-{top_k})" if total else ""
-    return (
-        f"model: {source.name} ({config.model_type}, {shape.params / 1e9:.2f}B params, "
-        f"{shape.layers} layers, hidden {shape.hidden}, vocab {shape.vocab}{moe})"
-    )
-
-
-def _run_line(plan: MemoryPlan) -> str:
-    run, split = plan.run, plan.split
-    where = (
-        "all optimizer state on the host"
-        if not split.device_count
-        else f"the first {split.device_count} sub groups' optimizer state on the GPU "
-        f"({split.device_numel / 1e9:.2f}B params, {split.device_numel / split.partition:.0%} "
-        "of the partition)"
-    )
-    extras = [
-        f"{len(split.numels)} sub groups (speculation buckets) of up to "
-        f"{run.sub_group_size / 1e6:.1f}M params (a larger param alone)",
-        where,
-    ]
-    if run.offload_param:
-        extras.append("bf16 params on the host")
-    if run.gradient_accumulation > 1:
-        extras.append(f"gradient accumulation {run.gradient_accumulation}")
-    extras.append(f"loss: {_loss_label(run.fused_cross_entropy)}")
-    return (
-        f"run: {run.ranks} GPU(s), {run.ranks_per_host} per host, seq {run.seq} x batch "
-        f"{run.batch} per GPU, ratio {run.ratio}; " + ", ".join(extras)
-    )
-
-
-def _loss_label(fused: str | None) -> str:
-    return next(label for value, label in LOSSES.values() if value == fused)
-
-
-def _as_text(source, capacity, verdict: Verdict, suggestions, notes) -> str:
-    plan = verdict.plan
-    per_host = plan.run.ranks_per_host
-    lines = [
-        _model_line(source, plan),
-        _run_line(plan),
-        f"hardware: {capacity.label}: {_gib(capacity.gpu_memory)} per GPU, "
-        f"{_gib(verdict.host_memory)} per host of {per_host} GPU(s) ({capacity.source})",
-        "",
-        plan.table(),
-        "",
-        f"GPU per rank: needs {_gib(verdict.gpu_need)} with the allocator's headroom and the "
-        f"CUDA context, has {_gib(verdict.gpu_memory)} "
-        f"({verdict.gpu_need / verdict.gpu_memory:.0%})",
-        f"host, {per_host} rank(s): needs {_gib(verdict.host_need)} with the system's share, "
-        f"has {_gib(verdict.host_memory)} ({verdict.host_need / verdict.host_memory:.0%})",
-        f"host bytes per param while training: {plan.host_bytes_per_param:.1f} (a lower "
-        "--ratio moves the state of the first sub groups to the GPU, "
-        f"{10 if plan.run.compact_moments else 16} bytes per param there)",
-        *(f"note: {note}" for note in notes),
-        "",
-    ]
-    if verdict.fits:
-        lines.append("fits")
-    else:
-        lines.append("does not fit, because " + "; and ".join(verdict.reasons))
-        lines.extend(f"change: {suggestion}" for suggestion in suggestions)
-    return "\n".join(lines)
-
-
-def _as_json(source, capacity, verdict: Verdict, suggestions, notes) -> dict:
-    plan, split = verdict.plan, verdict.plan.split
-    per_param = ("param_numels", "param_decays")  # the model's every param: not for the output
-    return {
-        "model": {
-            "name": source.name,
-            "config": source.path,
-            "model_type": source.config.model_type,
-            **{k: v for k, v in dataclasses.asdict(plan.shape).items() if k not in per_param},
-        },
-        "run": dataclasses.asdict(plan.run),
-        "hardware": {
-            "name": capacity.label,
-            "gpu_memory_bytes": verdict.gpu_memory,
-            "host_memory_bytes": verdict.host_memory,
-            "gpus_per_host": plan.run.ranks_per_host,
-            "source": capacity.source,
-        },
-        "gpu_bytes_per_rank": plan.gpu,
-        "host_bytes_per_rank": plan.host,
-        "gpu_total_bytes": plan.gpu_bytes,
-        "sub_groups": {
-            "count": len(split.numels),
-            "on_gpu": split.device_count,
-            "gpu_params_per_rank": split.device_numel,
-            "host_params_per_rank": split.host_numel,
-        },
-        "host_total_bytes_per_rank": plan.host_bytes,
-        "host_training_bytes_per_rank": plan.host_training,
-        "host_start_up_bytes_per_rank": plan.host_start_up,
-        "host_resume_bytes_per_rank": plan.host_resume,
-        "host_save_bytes_rank0": plan.host_save,
-        "host_peak": plan.host_peak_phase,
-        "host_total_bytes_per_host": plan.host_bytes_per_host,
-        "host_bytes_per_param": plan.host_bytes_per_param,
-        "gpu_need_bytes": verdict.gpu_need,
-        "host_need_bytes": verdict.host_need,
-        "fits": verdict.fits,
-        "reasons": verdict.reasons,
-        "suggestions": suggestions,
-        "notes": notes,
-    }
