@@ -8,7 +8,9 @@
 #   bash dev/recipe_run.sh qwen3-30b-a3b 4 [steps]     # repo root, `.whl` carried
 #
 # Env: OUT (default ./results), DEADLINE_S (default 570), MODES (default "superoffload zerooffload"),
-# EXTRA (script arguments for the superoffload mode, e.g. "--superoffload_moments compact").
+# EXTRA (script arguments for the superoffload mode, e.g. "--superoffload_moments compact"),
+# PLAN (finetune's options for the superoffload mode's RATIO=auto plan, e.g. "--cpu-mem 500":
+# the device hosts' MemTotal reads low until their memory is used).
 set -u
 MODEL=${1:?model}
 GPUS=${2:?gpus}
@@ -17,6 +19,7 @@ OUT="${OUT:-results}"
 DEADLINE_S=${DEADLINE_S:-570}
 MODES=${MODES:-superoffload zerooffload}
 EXTRA=${EXTRA:-}
+PLAN=${PLAN:-}
 BEGAN=$(date +%s)
 mkdir -p "$OUT"
 source dev/gpu_env.sh || exit 1
@@ -31,7 +34,7 @@ for mode in $MODES; do
   runs=/tmp/recipe_runs/$mode
   rm -rf "$runs"
   python -m hf_superoffload finetune "$MODEL" "$mode" --gpus "$GPUS" --random-init \
-    --runs-dir "$runs" --dry-run -- --max_steps "$STEPS" --logging_steps 1 \
+    --runs-dir "$runs" --dry-run $([ "$mode" = superoffload ] && echo "$PLAN") -- --max_steps "$STEPS" --logging_steps 1 \
     --save_strategy no --save_model false --require_loss_decrease false \
     $([ "$mode" = superoffload ] && echo "$EXTRA") > "$OUT/$mode.prepare.log" 2>&1 || { cat "$OUT/$mode.prepare.log"; continue; }
   dir=$(ls -d "$runs"/*/)
