@@ -3,7 +3,8 @@
 # seq 4096 and batch 4 per GPU, a few steps, no model saved; then DeepSpeed ZeRO-Offload through
 # the same launcher in the time left. Per run: s/step, tokens/s and TFLOPS per GPU (the
 # trainer's own log, steps after the first two), GPU and host peaks (process tree), host bytes
-# per param, and the memory plan's prediction.
+# per param, torch's allocated GPU peak per rank (dev/gpu_peak_sitecustomize), and the memory
+# plan's prediction.
 #
 #   bash dev/recipe_run.sh qwen3-30b-a3b 4 [steps]     # repo root, `.whl` carried
 #
@@ -40,7 +41,9 @@ for mode in $MODES; do
   dir=$(ls -d "$runs"/*/)
   cp "$dir"/plan.json "$OUT/$mode.plan.json" 2>/dev/null
   echo "$mode: $(cat "$dir/command.sh" | tail -1 | cut -c1-200) (limit ${left} s)"
-  timeout "$left" python dev/process_tree_peak.py "$OUT/$mode.peak.json" -- bash "$dir/command.sh" \
+  rm -rf "$OUT/$mode.gpu_peak"
+  GPU_PEAK_DIR="$OUT/$mode.gpu_peak" PYTHONPATH="$PWD/dev/gpu_peak_sitecustomize:${PYTHONPATH:-}" \
+    timeout "$left" python dev/process_tree_peak.py "$OUT/$mode.peak.json" -- bash "$dir/command.sh" \
     > "$OUT/$mode.log" 2>&1
   echo "$mode: rc $? after $(($(date +%s) - BEGAN)) s"
   cp "$dir"/output/log_history.jsonl "$OUT/$mode.log_history.jsonl" 2>/dev/null
@@ -49,7 +52,7 @@ done
 dmesg 2>/dev/null | grep -iE "killed process|out of memory" | tail -3 > "$OUT/dmesg.txt"
 
 python - "$OUT" "$MODEL" "$GPUS" <<'PY'
-import json, os, statistics, sys
+import glob, json, os, statistics, sys
 out, model, gpus = sys.argv[1], sys.argv[2], int(sys.argv[3])
 gib = 2**30
 for mode in ("superoffload", "zerooffload"):
@@ -61,7 +64,13 @@ for mode in ("superoffload", "zerooffload"):
     if os.path.exists(f"{out}/{mode}.log_history.jsonl"):
         rows = [json.loads(x) for x in open(f"{out}/{mode}.log_history.jsonl")]
     steps = [r for r in rows if "tokens_per_second" in r and r["step"] > 2]
-    line = f"{mode}: rc {peak['returncode']}, host peak {peak['anon_shmem_gib']} GiB (all ranks), GPU {peak['gpu_used_gib']} GiB"
+    line = f"{mode}: rc {peak['returncode']}, host peak {peak['anon_shmem_gib']} GiB (all ranks), GPU {peak['gpu_used_gib']} GiB (nvidia-smi)"
+    allocated = sorted(
+        (int(r["rank"] or 0), r["max_allocated_bytes"] / gib)
+        for r in map(lambda f: json.load(open(f)), glob.glob(f"{out}/{mode}.gpu_peak/*.json"))
+    )
+    if allocated:
+        line += f", torch allocated peak per rank {[round(a, 2) for _, a in allocated]} GiB"
     if steps:
         tps = statistics.median(r["tokens_per_second"] for r in steps)
         tflops = statistics.median(r["tflops"] for r in steps)

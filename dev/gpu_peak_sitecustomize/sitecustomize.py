@@ -5,7 +5,9 @@ PYTHONPATH, the ranks ``accelerate launch`` starts among them. With ``GPU_PEAK_D
 process that used CUDA writes ``GPU_PEAK_DIR/rank<RANK>_<pid>.json`` as it exits normally:
 ``torch.cuda.max_memory_allocated`` and ``max_memory_reserved`` of its device, in bytes (what
 the memory plan predicts is the allocated peak; nvidia-smi shows the reserved one plus the CUDA
-context). A rank that is killed (out of memory in the host, a time cap) writes nothing.
+context). The file is also rewritten every 10 s while the process runs, so a rank ended by a
+signal (a time cap, the launcher tearing down after the last step, the host's OOM killer) leaves
+the peaks it had reached by then.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import importlib.util
 import json
 import os
 import sys
+import threading
 
 
 def _run_the_one_shadowed() -> None:
@@ -34,7 +37,13 @@ def _write_peak(folder: str) -> None:
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_initialized():
         return  # the launcher, or a process that never touched the GPU
-    device = torch.cuda.current_device()
+    # The writer thread's current device is its own (0): a rank's is its LOCAL_RANK's.
+    local = os.environ.get("LOCAL_RANK")
+    device = (
+        int(local)
+        if local is not None and torch.cuda.device_count() > int(local)
+        else torch.cuda.current_device()
+    )
     record = {
         "rank": os.environ.get("RANK"),
         "pid": os.getpid(),
@@ -43,12 +52,23 @@ def _write_peak(folder: str) -> None:
         "max_reserved_bytes": torch.cuda.max_memory_reserved(device),
     }
     name = f"rank{record['rank']}_{record['pid']}.json"
-    with open(os.path.join(folder, name), "w") as f:
+    path = os.path.join(folder, name)
+    with open(path + ".tmp", "w") as f:  # a reader never sees half a file
         json.dump(record, f)
+    os.replace(path + ".tmp", path)
+
+
+def _write_every(folder: str, seconds: float) -> None:
+    while True:
+        threading.Event().wait(seconds)
+        _write_peak(folder)
 
 
 if os.environ.get("GPU_PEAK_DIR"):
     os.makedirs(os.environ["GPU_PEAK_DIR"], exist_ok=True)
     atexit.register(_write_peak, os.environ["GPU_PEAK_DIR"])
+    threading.Thread(
+        target=_write_every, args=(os.environ["GPU_PEAK_DIR"], 10.0), daemon=True
+    ).start()
 
 _run_the_one_shadowed()
