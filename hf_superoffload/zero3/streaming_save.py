@@ -6,7 +6,7 @@ accelerate's ``get_state_dict``) gathers the whole model into rank 0's host memo
 its optimizer state. Here every rank gathers one param at a time; rank 0 copies it to host
 memory and appends it to the shard it fills, and a shard that reaches ``max_shard_bytes`` is
 written and dropped. Rank 0 never holds more than one shard and one param
-(``streamed_save_host_bytes``); the other ranks hold nothing beyond the gathered param.
+(``save_memory.streamed_save_host_bytes``); the other ranks hold nothing beyond the gathered param.
 
 What is written is what ``save_pretrained`` writes from DeepSpeed's gathered state dict: the same
 params and persistent buffers, in the dtype ZeRO-3 holds them (the 16-bit params), under the same
@@ -30,20 +30,9 @@ from transformers.core_model_loading import PrefixChange, WeightConverter, rever
 from transformers.modeling_utils import remove_tied_weights_from_state_dict
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
-# The shard size of the streamed save: what rank 0 holds of the model at most (with one more
-# param). transformers' default (50 GB) would be most of a big model.
-STREAMED_SHARD_BYTES = 5 * 10**9
+from .save_memory import STREAMED_SHARD_BYTES
+
 _PARTIAL = ".streaming-{:05d}.safetensors.partial"  # a shard written before the count is known
-
-
-def streamed_save_host_bytes(largest_param_bytes: int, max_shard_bytes: int) -> int:
-    """The most host bytes rank 0 holds beyond training's while the model is saved: the shard
-    being filled, which a param that would not fit beside it closes first (so at most
-    ``max_shard_bytes``, or one param larger than that alone), and one more copy of the largest
-    param: the gathered param itself where the accelerator is the host (on a GPU it is in device
-    memory), or the output of a weight conversion beside its source. The plan
-    (``memory_plan.save_extra_host_bytes``) and the save's own accounting use this figure."""
-    return max(max_shard_bytes, largest_param_bytes) + largest_param_bytes
 
 
 class ShardWriter:
@@ -197,7 +186,10 @@ def _weight_conversions(model) -> list | None:
     return conversions
 
 
-def _check_saveable(engine, model) -> None:
+def check_streamable(engine) -> list | None:
+    """Refuses, before anything is written, what the streamed save cannot write; returns the
+    weight conversions it reverts (None: none)."""
+    model = engine.module
     if not engine.zero_optimization_partition_weights():
         raise ValueError("the streamed save reads ZeRO-3 partitions; this engine is not ZeRO-3")
     if engine.autotp_size() > 1:
@@ -214,6 +206,7 @@ def _check_saveable(engine, model) -> None:
             "the streamed ZeRO-3 save writes a full, unquantized model; a PEFT adapter or a "
             "quantized model is saved by the Trainer's own ZeRO-3 path."
         )
+    return _weight_conversions(model)
 
 
 def _param_bytes(tensor: torch.Tensor) -> int:
@@ -241,8 +234,7 @@ def write_streamed_weights(
     import deepspeed
 
     model = engine.module
-    _check_saveable(engine, model)
-    conversions = _weight_conversions(model)
+    conversions = check_streamable(engine)
     to_save = names_to_save(model)
     writer = ShardWriter(output_dir, max_shard_bytes) if is_main_process else None
     # ZeRO-3's own save partitions every param before it gathers them (and gathers the
