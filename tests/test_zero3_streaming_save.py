@@ -1,0 +1,235 @@
+"""The streamed ZeRO-3 model save (hf_superoffload/zero3/streaming_save.py) writes, a param at a
+time, the tensors DeepSpeed's gathering save writes (``_zero3_consolidated_16bit_state_dict``
+and ``save_pretrained``, as the Trainer saves under ZeRO-3): same names, dtypes and values,
+tied weights once, loadable with ``from_pretrained``; in shards of at most ``max_shard_bytes``,
+holding no more than ``save_memory.streamed_save_host_bytes`` says.
+
+The engine runs are spawned ranks (DeepSpeed's CPU accelerator, gloo, bf16 params as on a GPU):
+a tiny Llama (untied and tied embeddings) trained a step, then saved both ways on the same
+engine. The ShardWriter's cut and the memory plan's figure are checked without DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+import torch
+from ranks import spawn_ranks
+from safetensors.torch import load_file
+from zero3_reference import Zero3Case, build_model, free_port, init_rank, make_engine, train
+
+from hf_superoffload.zero3.save_memory import STREAMED_SHARD_BYTES, streamed_save_host_bytes
+from hf_superoffload.zero3.streaming_save import ShardWriter
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+CASE = Zero3Case(steps=1, bf16=True)
+SHARD_BYTES = 20_000  # the tiny model (45 KB in bf16) makes 3 shards
+TINY_SHARD_BYTES = 100  # below every matrix: each gets a shard of its own
+
+
+def _save_both_ways(rank: int, world: int, out: str, name: str, tied: bool) -> None:
+    from hf_superoffload.zero3.streaming_save import largest_param_bytes, write_streamed_weights
+
+    def builder(seed):
+        return build_model(seed, tie_word_embeddings=tied)
+
+    engine, _ = make_engine(CASE, True, world, model_builder=builder)
+    train(engine, CASE, rank, range(CASE.steps))
+    writer = write_streamed_weights(engine, f"{out}/{name}/stream", rank == 0, SHARD_BYTES)
+    tiny = write_streamed_weights(engine, f"{out}/{name}/tiny", rank == 0, TINY_SHARD_BYTES)
+    gathered = engine._zero3_consolidated_16bit_state_dict()  # what the Trainer saves today
+    if rank == 0:
+        engine.module.save_pretrained(f"{out}/{name}/gather", state_dict=gathered)
+        facts = {
+            "peak_held": writer.peak_held_bytes,
+            "tiny_peak_held": tiny.peak_held_bytes,
+            "largest": largest_param_bytes(engine.module),
+        }
+        with open(f"{out}/{name}/facts.json", "w") as f:
+            json.dump(facts, f)
+    else:
+        assert writer is None and tiny is None  # the other ranks write (and hold) nothing
+    engine.destroy()
+
+
+def _ranks_body(rank: int, world: int, port: int, out: str) -> None:
+    init_rank(rank, world, port)
+    torch.set_num_threads(1)
+    import hf_superoffload  # noqa: F401  (activates "super_offload": true)
+
+    _save_both_ways(rank, world, out, "untied", tied=False)
+    _save_both_ways(rank, world, out, "tied", tied=True)
+
+
+def _saved(directory) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for path in sorted(glob.glob(os.path.join(directory, "*.safetensors"))):
+        for key, tensor in load_file(path).items():
+            assert key not in tensors, f"{key} saved twice"
+            tensors[key] = tensor
+    return tensors
+
+
+def _shard_sizes(directory) -> list[int]:
+    sizes = []
+    for path in sorted(glob.glob(os.path.join(directory, "*.safetensors"))):
+        sizes.append(sum(tensor.nbytes for tensor in load_file(path).values()))
+    return sizes
+
+
+def _run(tmp_path_factory, world: int):
+    out = tmp_path_factory.mktemp(f"streaming_save_{world}")
+    spawn_ranks(_ranks_body, (world, free_port(), str(out)), world=world, timeout=300)
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    return _run(tmp_path_factory, 1)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return _run(tmp_path_factory, 2)
+
+
+def _assert_same_files(out, name: str) -> None:
+    stream, gather = _saved(out / name / "stream"), _saved(out / name / "gather")
+    assert sorted(stream) == sorted(gather)
+    for key, want in gather.items():
+        got = stream[key]
+        assert got.dtype == want.dtype == torch.bfloat16, key
+        assert torch.equal(got, want), key
+    # Trained: the values are the step's, not the initial weights.
+    initial = build_model(0, tie_word_embeddings=name == "tied").state_dict()
+    moved = [k for k in gather if not torch.equal(gather[k], initial[k].to(torch.bfloat16))]
+    assert len(moved) > len(gather) // 2
+    # The cut: 3 shards of at most SHARD_BYTES and their index, naming every tensor once.
+    sizes = _shard_sizes(out / name / "stream")
+    assert len(sizes) == 3 and max(sizes) <= SHARD_BYTES
+    with open(out / name / "stream" / "model.safetensors.index.json") as f:
+        index = json.load(f)
+    assert sorted(index["weight_map"]) == sorted(gather)
+    assert sorted(set(index["weight_map"].values())) == [
+        f"model-{i:05d}-of-00003.safetensors" for i in (1, 2, 3)
+    ]
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in gather.values())
+    assert not os.path.exists(out / name / "stream" / "model.safetensors")
+    # A shard size below one param: each matrix gets a shard of its own (save_pretrained's rule).
+    tiny = _saved(out / name / "tiny")
+    assert all(torch.equal(tiny[k], gather[k]) for k in gather) and sorted(tiny) == sorted(gather)
+    tiny_sizes = _shard_sizes(out / name / "tiny")
+    matrices = sum(1 for t in gather.values() if t.nbytes > TINY_SHARD_BYTES)
+    assert len(tiny_sizes) >= matrices and max(tiny_sizes) == max(t.nbytes for t in gather.values())
+
+
+def _assert_within_the_figure(out, name: str) -> None:
+    with open(out / name / "facts.json") as f:
+        facts = json.load(f)
+    largest = facts["largest"]
+    assert largest == 64 * 32 * 2  # the embedding (and lm_head), bf16
+    # The writer held at most one shard (a param that would overflow it closes it first) ...
+    assert SHARD_BYTES // 2 < facts["peak_held"] <= SHARD_BYTES
+    # ... or, with shards smaller than a param, one param.
+    assert facts["tiny_peak_held"] == largest
+    # The figure adds the gathered param itself (host memory on DeepSpeed's CPU accelerator).
+    for peak, bound in ((facts["peak_held"], SHARD_BYTES), (facts["tiny_peak_held"], 100)):
+        assert peak + largest <= streamed_save_host_bytes(largest, bound)
+
+
+def test_one_rank_streams_what_the_gathering_save_writes(one_rank):
+    _assert_same_files(one_rank, "untied")
+    _assert_within_the_figure(one_rank, "untied")
+
+
+def test_one_rank_saves_tied_embeddings_once_as_save_pretrained_does(one_rank):
+    gather = _saved(one_rank / "tied" / "gather")
+    assert "model.embed_tokens.weight" in gather and "lm_head.weight" not in gather
+    _assert_same_files(one_rank, "tied")
+
+
+def test_streamed_files_load_with_from_pretrained(one_rank):
+    from transformers import AutoModelForCausalLM
+
+    for name in ("untied", "tied"):
+        directory = one_rank / name / "stream"
+        gather = _saved(one_rank / name / "gather")
+        # The config is save_pretrained's, written beside the gathered weights.
+        for config_file in ("config.json", "generation_config.json"):
+            (directory / config_file).write_bytes(
+                (one_rank / name / "gather" / config_file).read_bytes()
+            )
+        model = AutoModelForCausalLM.from_pretrained(directory)
+        loaded = model.state_dict()
+        assert model.config.tie_word_embeddings == (name == "tied")
+        for key, want in gather.items():
+            assert loaded[key].dtype == want.dtype and torch.equal(loaded[key], want), key
+        if name == "tied":
+            assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+def test_two_ranks_stream_what_the_gathering_save_writes(two_ranks):
+    for name in ("untied", "tied"):
+        _assert_same_files(two_ranks, name)
+        _assert_within_the_figure(two_ranks, name)
+
+
+def test_shard_writer_cuts_before_a_param_that_would_overflow(tmp_path):
+    writer = ShardWriter(str(tmp_path), 1000)
+    sizes = [300, 300, 300, 300, 2500, 100]  # fp32 elements x 4 bytes: 1200 ... bytes
+    for i, numel in enumerate(sizes):
+        nbytes = numel * 4 // 4  # uint8: one byte an element
+        writer.reserve(nbytes)
+        writer.add({f"t{i}": torch.full((nbytes,), i, dtype=torch.uint8)}, reserved=nbytes)
+    names = writer.finish(total_parameters=sum(sizes))
+    assert names == [f"model-{i:05d}-of-00004.safetensors" for i in range(1, 5)]
+    contents = []
+    for name in names:
+        contents.append(sorted(load_file(tmp_path / name)))
+    # 300+300+300 fit 1000; the fourth closes the shard; 2500 alone; 100 after it.
+    assert contents == [["t0", "t1", "t2"], ["t3"], ["t4"], ["t5"]]
+    assert writer.peak_held_bytes == 2500
+    with open(tmp_path / "model.safetensors.index.json") as f:
+        index = json.load(f)
+    assert index["metadata"] == {"total_parameters": sum(sizes), "total_size": sum(sizes)}
+    assert not list(tmp_path.glob("*.partial"))
+
+
+def test_one_shard_is_model_safetensors_and_replaces_an_earlier_index(tmp_path):
+    (tmp_path / "model.safetensors.index.json").write_text("{}")
+    writer = ShardWriter(str(tmp_path), 10_000)
+    writer.reserve(16)
+    writer.add({"w": torch.arange(4, dtype=torch.float32)}, reserved=16)
+    assert writer.finish(total_parameters=4) == ["model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "5GB"])
+def test_a_shard_size_that_is_not_a_positive_byte_count_is_refused(tmp_path, bad):
+    with pytest.raises(ValueError, match="max_shard_size must be a positive number of bytes"):
+        ShardWriter(str(tmp_path), bad)
+
+
+def test_the_plan_counts_the_streamed_save():
+    from transformers import AutoConfig
+
+    from hf_superoffload.zero3.memory_plan import Zero3Run, zero3_memory_plan
+    from hf_superoffload.zero3.model_shape import ModelShape
+
+    config_path = os.path.join(
+        os.path.dirname(__file__), "..", "hf_superoffload", "model_configs", "llama-3.3-70b.json"
+    )
+    with open(config_path) as f:
+        values = json.load(f)
+    config = AutoConfig.for_model(values.pop("model_type"), **values)
+    shape = ModelShape.of(config)
+    plan = zero3_memory_plan(config, Zero3Run(seq=4096, batch=4, ranks=4), shape)
+    embedding = 2 * 128256 * 8192  # the largest param, bf16
+    assert 2 * shape.largest_param == embedding
+    assert plan.host_save - plan.host_training == STREAMED_SHARD_BYTES + embedding
+    # Not the whole model's 16 bits (141 GB) that DeepSpeed's gathering save holds.
+    assert plan.host_save - plan.host_training < 2 * shape.params / 10
