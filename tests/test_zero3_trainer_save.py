@@ -1,0 +1,118 @@
+"""SuperOffloadSFTTrainer on DeepSpeed ZeRO-3 with ``"super_offload": true`` saves through the
+streamed save (hf_superoffload/zero3/streaming_save.py): ``save_model`` and the checkpoints of
+``save_strategy`` write the files the Trainer's own ZeRO-3 save writes (DeepSpeed's gathered
+16-bit state dict through ``save_pretrained``, the config, the tokenizer, the training
+arguments), the same tensors, even with ``stage3_gather_16bit_weights_on_model_save`` off (the
+Trainer's own save then writes no weights at all, only DeepSpeed's checkpoint).
+
+One spawned process (DeepSpeed's CPU accelerator, gloo, fp32), the toy model and the bundled SFT
+data, 2 steps with a checkpoint at step 2.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from cpu_trainer_args import cpu_training_args
+from ranks import set_rank_env, spawn_ranks
+from safetensors.torch import load_file
+from test_zero3_trainer import ZERO3_CPU_OFFLOAD, _rows
+from zero3_reference import free_port
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+STEPS = 2
+
+
+def _config(gather_on_save: bool) -> dict:
+    config = copy.deepcopy(ZERO3_CPU_OFFLOAD)
+    config["zero_optimization"]["offload_optimizer"]["super_offload"] = True
+    config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = gather_on_save
+    return config
+
+
+def _train_and_save(rank: int, port: int, out: str) -> None:
+    set_rank_env(rank, 1, port)
+    torch.set_num_threads(1)
+    from datasets import Dataset
+    from transformers import Trainer
+
+    from hf_superoffload import SuperOffloadSFTConfig, SuperOffloadSFTTrainer
+    from hf_superoffload.toy import build_tiny_llama, make_char_tokenizer
+
+    args = SuperOffloadSFTConfig(
+        **cpu_training_args(
+            f"{out}/run",
+            max_steps=STEPS,
+            per_device_train_batch_size=8,
+            learning_rate=1e-3,
+            max_length=64,
+            save_strategy="steps",
+            save_steps=STEPS,
+            deepspeed=_config(gather_on_save=False),  # a user config that turns it off
+        )
+    )
+    trainer = SuperOffloadSFTTrainer(
+        model=build_tiny_llama(seed=0),
+        args=args,
+        train_dataset=Dataset.from_list(_rows(64)),
+        processing_class=make_char_tokenizer(),
+    )
+    trainer.train()
+    trainer.save_model(f"{out}/final")
+    # What the Trainer's own save writes (it needs DeepSpeed's gather on).
+    trainer.deepspeed._config.zero_config.gather_16bit_weights_on_model_save = True
+    Trainer.save_model(trainer, f"{out}/gathered")
+    trainer.deepspeed.destroy()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("zero3_trainer_save")
+    spawn_ranks(_train_and_save, (free_port(), str(out)), world=1, timeout=300)
+    return out
+
+
+def _files(directory: Path) -> set[str]:
+    return {p.name for p in directory.iterdir() if p.is_file()}
+
+
+def test_save_model_writes_the_trainers_files_and_tensors(saved):
+    final, gathered = saved / "final", saved / "gathered"
+    assert _files(final) == _files(gathered)
+    assert {"model.safetensors", "config.json", "training_args.bin"} <= _files(final)
+    for name in _files(final) - {"model.safetensors", "training_args.bin"}:
+        assert (final / name).read_bytes() == (gathered / name).read_bytes(), name
+    got, want = load_file(final / "model.safetensors"), load_file(gathered / "model.safetensors")
+    assert sorted(got) == sorted(want)
+    for key, tensor in want.items():
+        assert got[key].dtype == tensor.dtype and torch.equal(got[key], tensor), key
+
+
+def test_a_checkpoint_holds_the_streamed_weights_beside_deepspeeds_state(saved):
+    checkpoint = saved / "run" / f"checkpoint-{STEPS}"
+    assert (checkpoint / f"global_step{STEPS}").is_dir()  # the optimizer state, as before
+    assert (checkpoint / "trainer_state.json").is_file()
+    got = load_file(checkpoint / "model.safetensors")
+    want = load_file(saved / "final" / "model.safetensors")  # no step since
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[key], want[key]) for key in want)
+
+
+def test_the_saved_model_loads_with_from_pretrained(saved):
+    from transformers import AutoModelForCausalLM
+
+    from hf_superoffload.toy import build_tiny_llama
+
+    model = AutoModelForCausalLM.from_pretrained(saved / "final")
+    want = load_file(saved / "gathered" / "model.safetensors")
+    loaded = model.state_dict()
+    for key, tensor in want.items():
+        assert torch.equal(loaded[key], tensor), key
+    initial = build_tiny_llama(seed=0).state_dict()
+    assert any(not torch.equal(initial[key], tensor) for key, tensor in want.items())  # trained
