@@ -43,7 +43,6 @@ from .. import upstream
 from ..engine import SuperOffloadOptimizer
 from ..engine.state_io import save_atomically
 from ..zero3.config import export_zero3_options, require_super_offload
-from ..zero3.streaming_save import check_streamable, write_streamed_weights
 from .accelerate_prepare import prepare_in_place, prepare_without_ddp
 from .arguments import resolve_save_dtype
 from .checks import DATA_PARALLEL, check_optimizer_arguments, check_supported
@@ -296,6 +295,8 @@ class SuperOffloadTrainerMixin:
         engine = self._streamed_save_engine()
         if engine is None:
             return super().save_model(output_dir, _internal_call=_internal_call)
+        from ..zero3.streaming_save import check_streamable, write_streamed_weights
+
         output_dir = self.args.output_dir if output_dir is None else output_dir
         check_streamable(engine)  # before anything is written
         # Config, generation config, tokenizer and training arguments as the Trainer writes

@@ -198,9 +198,9 @@ def check_streamable(engine) -> list | None:
             "AutoTP (tensor parallelism) set stage3_gather_16bit_weights_on_model_save and save "
             "through DeepSpeed."
         )
-    raise_for_expert_parallel = getattr(engine, "_raise_if_autoep_zero3_consolidated_export", None)
-    if raise_for_expert_parallel is not None:
-        raise_for_expert_parallel("the streamed ZeRO-3 save")
+    # DeepSpeed's own refusal of expert-parallel (AutoEP) partitions, which a data-parallel
+    # gather would leave incomplete.
+    engine._raise_if_autoep_zero3_consolidated_export("the streamed ZeRO-3 save")
     if getattr(model, "_hf_peft_config_loaded", False) or getattr(model, "hf_quantizer", None):
         raise NotImplementedError(
             "the streamed ZeRO-3 save writes a full, unquantized model; a PEFT adapter or a "
