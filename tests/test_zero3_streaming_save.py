@@ -12,6 +12,7 @@ engine. The ShardWriter's cut and the memory plan's figure are checked without D
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 import os
 
@@ -29,15 +30,23 @@ pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 CASE = Zero3Case(steps=1, bf16=True)
 SHARD_BYTES = 20_000  # the tiny model (45 KB in bf16) makes 3 shards
 TINY_SHARD_BYTES = 100  # below every matrix: each gets a shard of its own
+# The tiny Llama with its own lm_head, with it tied to the embedding, and a tiny Qwen3-MoE
+# (whose fused experts save_pretrained writes unfused, one tensor an expert).
+MODELS = ("untied", "tied", "moe")
 
 
-def _save_both_ways(rank: int, world: int, out: str, name: str, tied: bool) -> None:
+def _builder(name: str):
+    if name == "moe":
+        from test_zero3_moe import build_moe_model
+
+        return build_moe_model
+    return lambda seed: build_model(seed, tie_word_embeddings=name == "tied")
+
+
+def _save_both_ways(rank: int, world: int, out: str, name: str) -> None:
     from hf_superoffload.zero3.streaming_save import largest_param_bytes, write_streamed_weights
 
-    def builder(seed):
-        return build_model(seed, tie_word_embeddings=tied)
-
-    engine, _ = make_engine(CASE, True, world, model_builder=builder)
+    engine, _ = make_engine(CASE, True, world, model_builder=_builder(name))
     train(engine, CASE, rank, range(CASE.steps))
     writer = write_streamed_weights(engine, f"{out}/{name}/stream", rank == 0, SHARD_BYTES)
     tiny = write_streamed_weights(engine, f"{out}/{name}/tiny", rank == 0, TINY_SHARD_BYTES)
@@ -61,8 +70,8 @@ def _ranks_body(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     import hf_superoffload  # noqa: F401  (activates "super_offload": true)
 
-    _save_both_ways(rank, world, out, "untied", tied=False)
-    _save_both_ways(rank, world, out, "tied", tied=True)
+    for name in MODELS:
+        _save_both_ways(rank, world, out, name)
 
 
 def _saved(directory) -> dict[str, torch.Tensor]:
@@ -105,17 +114,20 @@ def _assert_same_files(out, name: str) -> None:
         assert got.dtype == want.dtype == torch.bfloat16, key
         assert torch.equal(got, want), key
     # Trained: the values are the step's, not the initial weights.
-    initial = build_model(0, tie_word_embeddings=name == "tied").state_dict()
-    moved = [k for k in gather if not torch.equal(gather[k], initial[k].to(torch.bfloat16))]
-    assert len(moved) > len(gather) // 2
-    # The cut: 3 shards of at most SHARD_BYTES and their index, naming every tensor once.
+    if name != "moe":  # (the MoE model's checkpoint names are not its params' names)
+        initial = _builder(name)(0).state_dict()
+        moved = [k for k in gather if not torch.equal(gather[k], initial[k].to(torch.bfloat16))]
+        assert len(moved) > len(gather) // 2
+    # The cut: shards of at most SHARD_BYTES and their index, naming every tensor once.
     sizes = _shard_sizes(out / name / "stream")
-    assert len(sizes) == 3 and max(sizes) <= SHARD_BYTES
+    assert len(sizes) >= 3 and max(sizes) <= SHARD_BYTES
+    # A shard closes only when the next tensor would not fit beside it.
+    assert all(a + b > SHARD_BYTES for a, b in itertools.pairwise(sizes))
     with open(out / name / "stream" / "model.safetensors.index.json") as f:
         index = json.load(f)
     assert sorted(index["weight_map"]) == sorted(gather)
     assert sorted(set(index["weight_map"].values())) == [
-        f"model-{i:05d}-of-00003.safetensors" for i in (1, 2, 3)
+        f"model-{i:05d}-of-{len(sizes):05d}.safetensors" for i in range(1, len(sizes) + 1)
     ]
     assert index["metadata"]["total_size"] == sum(t.nbytes for t in gather.values())
     assert not os.path.exists(out / name / "stream" / "model.safetensors")
@@ -123,15 +135,19 @@ def _assert_same_files(out, name: str) -> None:
     tiny = _saved(out / name / "tiny")
     assert all(torch.equal(tiny[k], gather[k]) for k in gather) and sorted(tiny) == sorted(gather)
     tiny_sizes = _shard_sizes(out / name / "tiny")
-    matrices = sum(1 for t in gather.values() if t.nbytes > TINY_SHARD_BYTES)
-    assert len(tiny_sizes) >= matrices and max(tiny_sizes) == max(t.nbytes for t in gather.values())
+    if name != "moe":  # (there a param becomes many tensors, which share its shard)
+        matrices = sum(1 for t in gather.values() if t.nbytes > TINY_SHARD_BYTES)
+        assert len(tiny_sizes) >= matrices
+    with open(out / name / "facts.json") as f:
+        assert max(tiny_sizes) == json.load(f)["largest"]
 
 
 def _assert_within_the_figure(out, name: str) -> None:
     with open(out / name / "facts.json") as f:
         facts = json.load(f)
     largest = facts["largest"]
-    assert largest == 64 * 32 * 2  # the embedding (and lm_head), bf16
+    # The embedding (and lm_head), bf16; in the MoE model its 8 experts' fused gate_up_proj.
+    assert largest == (8 * 32 * 32 * 2 if name == "moe" else 64 * 32 * 2)
     # The writer held at most one shard (a param that would overflow it closes it first) ...
     assert SHARD_BYTES // 2 < facts["peak_held"] <= SHARD_BYTES
     # ... or, with shards smaller than a param, one param.
@@ -155,25 +171,32 @@ def test_one_rank_saves_tied_embeddings_once_as_save_pretrained_does(one_rank):
 def test_streamed_files_load_with_from_pretrained(one_rank):
     from transformers import AutoModelForCausalLM
 
-    for name in ("untied", "tied"):
-        directory = one_rank / name / "stream"
-        gather = _saved(one_rank / name / "gather")
+    for name in MODELS:
+        directory, gathered = one_rank / name / "stream", one_rank / name / "gather"
         # The config is save_pretrained's, written beside the gathered weights.
         for config_file in ("config.json", "generation_config.json"):
-            (directory / config_file).write_bytes(
-                (one_rank / name / "gather" / config_file).read_bytes()
-            )
+            (directory / config_file).write_bytes((gathered / config_file).read_bytes())
         model = AutoModelForCausalLM.from_pretrained(directory)
+        want = AutoModelForCausalLM.from_pretrained(gathered).state_dict()
         loaded = model.state_dict()
-        assert model.config.tie_word_embeddings == (name == "tied")
-        for key, want in gather.items():
-            assert loaded[key].dtype == want.dtype and torch.equal(loaded[key], want), key
+        assert sorted(loaded) == sorted(want)
+        for key, tensor in want.items():
+            assert loaded[key].dtype == tensor.dtype == torch.bfloat16, key
+            assert torch.equal(loaded[key], tensor), key
         if name == "tied":
             assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
 
 
+def test_one_rank_saves_a_moe_models_experts_unfused_as_save_pretrained_does(one_rank):
+    gather = _saved(one_rank / "moe" / "gather")
+    assert "model.layers.0.mlp.experts.7.down_proj.weight" in gather
+    assert not any(key.endswith("gate_up_proj") for key in gather)
+    _assert_same_files(one_rank, "moe")
+    _assert_within_the_figure(one_rank, "moe")
+
+
 def test_two_ranks_stream_what_the_gathering_save_writes(two_ranks):
-    for name in ("untied", "tied"):
+    for name in MODELS:
         _assert_same_files(two_ranks, name)
         _assert_within_the_figure(two_ranks, name)
 
