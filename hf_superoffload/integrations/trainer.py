@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 from accelerate.utils import DistributedType
-from transformers import PreTrainedModel, Trainer, TrainerCallback
+from transformers import Trainer, TrainerCallback
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 from transformers.trainer_pt_utils import reissue_pt_warnings
 
@@ -60,6 +60,7 @@ from .save import (
     with_empty_groups_of,
 )
 from .zero3_callback import Zero3MetricsCallback
+from .zero3_save import save_model_streamed, streamed_save_engine
 
 # The Trainer methods the mixin overrides, and the other names it relies on (upstream.py).
 upstream.check("transformers")
@@ -287,39 +288,14 @@ class SuperOffloadTrainerMixin:
         return optimizer.clip_grad_norm_(None)  # max_grad_norm 0: only the norm, for logging
 
     def save_model(self, output_dir=None, _internal_call=False):
-        """Under DeepSpeed ZeRO-3 the weights are streamed (zero3/streaming_save.py): gathered a
-        param at a time into shards of bounded size on rank 0, never the whole 16-bit model
-        (DeepSpeed's ``stage3_gather_16bit_weights_on_model_save``, which this save does not
-        need). The same tensors, names, config and tokenizer as the Trainer's own save."""
+        """Under DeepSpeed ZeRO-3 the weights are streamed (zero3_save.py): gathered a param at
+        a time into shards of bounded size on rank 0, never the whole 16-bit model; the same
+        files and tensors as the Trainer's own save."""
         self._superoffload_synchronize()
-        engine = self._streamed_save_engine()
+        engine = streamed_save_engine(self)
         if engine is None:
             return super().save_model(output_dir, _internal_call=_internal_call)
-        from ..zero3.streaming_save import check_streamable, write_streamed_weights
-
-        output_dir = self.args.output_dir if output_dir is None else output_dir
-        check_streamable(engine)  # before anything is written
-        # Config, generation config, tokenizer and training arguments as the Trainer writes
-        # them, with an empty weights file that the streamed weights replace.
-        self._save(output_dir, state_dict={})
-        write_streamed_weights(engine, output_dir, is_main_process=self.args.should_save)
-        if self.args.push_to_hub and not _internal_call:
-            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
-
-    def _streamed_save_engine(self):
-        """The DeepSpeed engine whose ZeRO-3 weights ``save_model`` streams, or None where the
-        Trainer's own save runs: not on DeepSpeed (or before ``train()`` built the engine), not
-        ZeRO-3, or a model that is not a full transformers model (a PEFT adapter, whose
-        trainable weights alone the Trainer gathers)."""
-        engine = getattr(self, "deepspeed", None) if self._on_deepspeed else None
-        if engine is None or not engine.zero_optimization_partition_weights():
-            return None
-        model = self.accelerator.unwrap_model(self.model)
-        if not isinstance(model, PreTrainedModel) or getattr(
-            model, "_hf_peft_config_loaded", False
-        ):
-            return None
-        return engine
+        return save_model_streamed(self, engine, output_dir, _internal_call)
 
     def _save(self, output_dir=None, state_dict=None):
         """Writes the optimizer's fp32 master weights (``superoffload_save_dtype``), not the

@@ -237,6 +237,9 @@ def write_streamed_weights(
     conversions = check_streamable(engine)
     to_save = names_to_save(model)
     writer = ShardWriter(output_dir, max_shard_bytes) if is_main_process else None
+    synchronize = getattr(engine.optimizer, "synchronize", None)
+    if synchronize is not None:  # hf_superoffload's updates in flight land in the partitions
+        synchronize()
     # ZeRO-3's own save partitions every param before it gathers them (and gathers the
     # persistent ones again after): the same state around this one.
     if hasattr(engine.optimizer, "checkpoint_event_prologue"):
