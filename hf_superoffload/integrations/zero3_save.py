@@ -19,13 +19,15 @@ from .zero3_callback import our_zero3_optimizer
 def streamed_save_engine(trainer, only_ours: bool = False):
     """The DeepSpeed engine whose weights ``trainer.save_model`` streams, or None where the
     Trainer's own save runs: not on DeepSpeed (or before ``train()`` built the engine), not
-    ZeRO-3, or a model that is not a full transformers model (a PEFT adapter, whose trainable
+    ZeRO-3, with DeepSpeed's AutoTP tensor parallelism, or a model that is not a full transformers model (a PEFT adapter, whose trainable
     weights alone the Trainer gathers). ``only_ours``: also None unless the engine's optimizer
     is hf_superoffload's."""
     if not getattr(trainer, "is_deepspeed_enabled", False):
         return None
     engine = getattr(trainer, "deepspeed", None)
     if engine is None or not engine.zero_optimization_partition_weights():
+        return None
+    if engine.autotp_size() > 1:  # tensor-parallel shards: DeepSpeed's gather joins them
         return None
     # The engine's optimizer, as accelerate's wrapper (trainer.optimizer) holds it.
     if only_ours and our_zero3_optimizer(getattr(trainer, "optimizer", None)) is None:
