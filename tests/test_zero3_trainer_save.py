@@ -78,19 +78,27 @@ def _train_and_save(out: str, ours: bool) -> None:
     trainer.deepspeed.destroy()
 
 
-def _both_trainers(rank: int, port: int, out: str) -> None:
-    set_rank_env(rank, 1, port)
+def _both_trainers(rank: int, world: int, port: int, out: str) -> None:
+    set_rank_env(rank, world, port)
     torch.set_num_threads(1)
     import hf_superoffload  # noqa: F401  (activates "super_offload": true)
 
     _train_and_save(f"{out}/ours", ours=True)
-    _train_and_save(f"{out}/trl", ours=False)  # a plain trainer given the flag
+    if world == 1:
+        _train_and_save(f"{out}/trl", ours=False)  # a plain trainer given the flag
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("zero3_trainer_save")
-    spawn_ranks(_both_trainers, (free_port(), str(out)), world=1, timeout=300)
+    spawn_ranks(_both_trainers, (1, free_port(), str(out)), world=1, timeout=300)
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved_by_two_ranks(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("zero3_trainer_save_two_ranks")
+    spawn_ranks(_both_trainers, (2, free_port(), str(out)), world=2, timeout=300)
     return out
 
 
@@ -100,7 +108,19 @@ def _files(directory: Path) -> set[str]:
 
 @pytest.mark.parametrize("trainer", ["ours", "trl"])
 def test_save_model_writes_the_trainers_files_and_tensors(saved, trainer):
-    final, gathered = saved / trainer / "final", saved / trainer / "gathered"
+    _assert_same_save(saved / trainer)
+
+
+def test_two_ranks_save_the_trainers_files_and_tensors(saved_by_two_ranks):
+    _assert_same_save(saved_by_two_ranks / "ours")
+    checkpoint = saved_by_two_ranks / "ours" / "run" / f"checkpoint-{STEPS}"
+    got = load_file(checkpoint / "model.safetensors")
+    want = load_file(saved_by_two_ranks / "ours" / "final" / "model.safetensors")
+    assert all(torch.equal(got[key], want[key]) for key in want)
+
+
+def _assert_same_save(saved: Path) -> None:
+    final, gathered = saved / "final", saved / "gathered"
     assert _files(final) == _files(gathered)
     assert {"model.safetensors", "config.json", "training_args.bin"} <= _files(final)
     for name in _files(final) - {"model.safetensors", "training_args.bin"}:
