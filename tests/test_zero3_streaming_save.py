@@ -30,7 +30,8 @@ pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 CASE = Zero3Case(steps=1, bf16=True)
 SHARD_BYTES = 20_000  # the tiny model (45 KB in bf16) makes 3 shards
 TINY_SHARD_BYTES = 100  # below every matrix: each gets a shard of its own
-# The tiny Llama with its own lm_head, with it tied to the embedding, and a tiny Qwen3-MoE
+# The tiny Llama with its own lm_head (and a persistent buffer), with it tied to the embedding,
+# and a tiny Qwen3-MoE
 # (whose fused experts save_pretrained writes unfused, one tensor an expert).
 MODELS = ("untied", "tied", "moe")
 
@@ -40,7 +41,15 @@ def _builder(name: str):
         from test_zero3_moe import build_moe_model
 
         return build_moe_model
-    return lambda seed: build_model(seed, tie_word_embeddings=name == "tied")
+    if name == "tied":
+        return lambda seed: build_model(seed, tie_word_embeddings=True)
+
+    def with_a_persistent_buffer(seed):  # saved beside the params, as DeepSpeed's save does
+        model = build_model(seed)
+        model.model.register_buffer("probe", torch.arange(6.0).reshape(2, 3))
+        return model
+
+    return with_a_persistent_buffer
 
 
 def _save_both_ways(rank: int, world: int, out: str, name: str) -> None:
@@ -111,7 +120,8 @@ def _assert_same_files(out, name: str) -> None:
     assert sorted(stream) == sorted(gather)
     for key, want in gather.items():
         got = stream[key]
-        assert got.dtype == want.dtype == torch.bfloat16, key
+        assert got.dtype == want.dtype, key
+        assert want.dtype == (torch.float32 if key == "model.probe" else torch.bfloat16), key
         assert torch.equal(got, want), key
     # Trained: the values are the step's, not the initial weights.
     if name != "moe":  # (the MoE model's checkpoint names are not its params' names)
@@ -158,6 +168,7 @@ def _assert_within_the_figure(out, name: str) -> None:
 
 
 def test_one_rank_streams_what_the_gathering_save_writes(one_rank):
+    assert "model.probe" in _saved(one_rank / "untied" / "gather")
     _assert_same_files(one_rank, "untied")
     _assert_within_the_figure(one_rank, "untied")
 

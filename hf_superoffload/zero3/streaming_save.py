@@ -14,7 +14,9 @@ names: ``_keys_to_ignore_on_save`` left out, a tied weight saved once under the 
 ``save_pretrained`` keeps (its own ``remove_tied_weights_from_state_dict``, on shapes only), and
 the model's weight conversions reverted (MoE experts saved unfused, as a checkpoint holds them).
 Only the cut into shard files differs: ``model.safetensors`` when everything fits one shard,
-else ``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json``.
+else ``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json``, whose
+``total_parameters`` counts the whole model (``save_pretrained`` under ZeRO-3 counts only the
+params a rank holds whole, as ``num_parameters`` sees the partitioned ones empty).
 """
 
 from __future__ import annotations
@@ -248,8 +250,7 @@ def write_streamed_weights(
         nbytes = _param_bytes(tensor)
         if writer is not None:
             writer.reserve(nbytes)
-        is_zero3_param = isinstance(tensor, torch.nn.Parameter) and hasattr(tensor, "ds_id")
-        with deepspeed.zero.GatheredParameters([tensor], enabled=is_zero3_param):
+        with deepspeed.zero.GatheredParameters([tensor]):  # a no-op for a buffer
             host = tensor.detach().to("cpu", copy=True) if writer is not None else None
         if writer is None:
             continue
