@@ -267,3 +267,25 @@ def test_the_plan_counts_the_streamed_save():
     assert plan.host_save - plan.host_training == STREAMED_SHARD_BYTES + embedding
     # Not the whole model's 16 bits (141 GB) that DeepSpeed's gathering save holds.
     assert plan.host_save - plan.host_training < 2 * shape.params / 10
+
+
+def test_a_checkpoint_format_made_from_several_params_is_refused_before_anything_is_written():
+    """A model whose checkpoint splits one tensor into several params on load (here one fused
+    "qkv" into q, k and v) saves them joined again: a param at a time cannot, so it is refused,
+    naming what to do, before any file is written (and, under the Trainer, before training)."""
+    from transformers.core_model_loading import Chunk, WeightConverter
+
+    from hf_superoffload.zero3.streaming_save import _weight_conversions
+
+    model = build_model(0)
+    model._weight_conversions = [
+        WeightConverter(
+            source_patterns="self_attn.qkv.weight",
+            target_patterns=["self_attn.q.weight", "self_attn.k.weight", "self_attn.v.weight"],
+            operations=[Chunk(dim=0)],
+        )
+    ]
+    with pytest.raises(NotImplementedError, match="--save_model false --save_strategy no"):
+        _weight_conversions(model)
+    model._weight_conversions = []  # loaded without any conversion: nothing to revert
+    assert _weight_conversions(model) is None

@@ -359,6 +359,11 @@ class _SuperOffloadCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.trainer._throughput.reset()  # throughput counts from here, not from __init__
+        engine = streamed_save_engine(self.trainer)
+        if engine is not None and args.save_strategy != "no":
+            from ..zero3.streaming_save import check_streamable
+
+            check_streamable(engine)  # checkpoints it could not write: refused before a step
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         optimizer = self.trainer.superoffload_optimizer
