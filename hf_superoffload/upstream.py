@@ -79,6 +79,7 @@ SURFACE: tuple[Name, ...] = (
     Name(_ENGINE, "_get_all_zero_checkpoint_state_dicts", "wraps (memory-mapped checkpoints)"),
     Name(_ENGINE, "_config", "reads", kind="attribute"),
     Name(_ENGINE, "_autoep_folding_spec", "reads (checkpoint layout)", kind="attribute"),
+    Name(_ENGINE, "_raise_if_autoep_zero3_consolidated_export", "calls (the streamed save)"),
     Name(
         "deepspeed.runtime.config:DeepSpeedConfig",
         "zero_force_ds_cpu_optimizer",
@@ -155,6 +156,13 @@ SURFACE: tuple[Name, ...] = (
         )
     ),
     Name("transformers.trainer", "DEFAULT_CALLBACKS", "adds Zero3MetricsCallback to"),
+    # transformers: what save_pretrained does to a state dict, which the streamed ZeRO-3 save
+    # (zero3/streaming_save.py) does too.
+    Name("transformers.modeling_utils", "remove_tied_weights_from_state_dict", "calls"),
+    Name("transformers.core_model_loading", "revert_weight_conversion", "calls"),
+    Name("transformers.core_model_loading", "PrefixChange", "reads"),
+    Name("transformers.core_model_loading", "WeightConverter", "reads"),
+    Name("transformers.conversion_mapping", "get_model_conversion_mapping", "calls"),
     Name("transformers.trainer", "OPTIMIZER_NAME", "reads"),
     Name("transformers.trainer", "SCHEDULER_NAME", "reads"),
     Name("transformers.trainer_pt_utils", "reissue_pt_warnings", "calls"),

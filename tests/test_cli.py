@@ -180,20 +180,26 @@ def test_llama_8b_trains_on_one_h100_and_one_h200(capsys):
 
 
 def test_a_save_or_resume_that_does_not_fit_the_host_is_a_shortfall(capsys):
-    # The same run on a host that holds training but not its save (the whole 16-bit model
-    # gathered on rank 0) or its resume (saved sub groups mapped beside the live state).
-    _, plan = plan_json(capsys, "llama-3.1-8b", "--hardware", "h100", "--cpu-mem", "1000")
-    training = plan["host_training_bytes_per_rank"] * (1 + HOST_HEADROOM) / 2**30
-    peak_bytes = max(plan["host_resume_bytes_per_rank"], plan["host_save_bytes_rank0"])
-    assert plan["host_total_bytes_per_rank"] == peak_bytes
-    peak = peak_bytes * (1 + HOST_HEADROOM) / 2**30
-    assert peak > training + 1
-    code, short = plan_json(
-        capsys, "llama-3.1-8b", "--hardware", "h100", "--cpu-mem", f"{(training + peak) / 2:.1f}"
+    # The same run on a host that holds training but not its save (rank 0's shard of the
+    # 16-bit model) or its resume (saved sub groups mapped beside the live state). On one
+    # rank a host the resume is the peak; on four (1 per host) the partition is small beside
+    # the save's 5 GB shard, and the save is.
+    phases = (
+        ("1", "resume", "while a checkpoint is loaded"),
+        ("4", "save", "while the model is saved"),
     )
-    assert code == 1 and short["host_peak"] == plan["host_peak"] == "save"
-    (reason,) = short["reasons"]
-    assert reason.startswith("host: needs") and "while the model is saved" in reason
+    for gpus, phase, why in phases:
+        run = ("llama-3.1-8b", "--hardware", "h100", "--gpus", gpus)
+        _, plan = plan_json(capsys, *run, "--cpu-mem", "1000")
+        training = plan["host_training_bytes_per_rank"] * (1 + HOST_HEADROOM) / 2**30
+        peak_bytes = max(plan["host_resume_bytes_per_rank"], plan["host_save_bytes_rank0"])
+        assert plan["host_total_bytes_per_rank"] == peak_bytes
+        peak = peak_bytes * (1 + HOST_HEADROOM) / 2**30
+        assert peak > training + 1
+        code, short = plan_json(capsys, *run, "--cpu-mem", f"{(training + peak) / 2:.1f}")
+        assert code == 1 and short["host_peak"] == plan["host_peak"] == phase
+        (reason,) = short["reasons"]
+        assert reason.startswith("host: needs") and why in reason
 
 
 def test_a_run_that_does_not_fit_says_why_and_what_to_change(capsys):
@@ -316,15 +322,17 @@ def test_an_eight_gpu_node_plans_what_one_gpu_vm_cannot(capsys):
 
 
 def test_no_save_leaves_out_the_save_and_is_suggested_where_it_fits(capsys):
-    run = ("llama-3.3-70b", "--hardware", "gb200", "--gpus", "4", "--batch", "2")
-    code, saved = plan_json(capsys, *run, "--ratio", "0.8")
+    # Four ranks, one a host: rank 0's save (a 5 GB shard and one param) is the host's peak,
+    # and a 28 GiB host holds training and a resume but not it.
+    run = ("llama-3.1-8b", "--hardware", "h100", "--gpus", "4")
+    code, saved = plan_json(capsys, *run, "--ratio", "0.8", "--cpu-mem", "28")
     assert code == 1 and saved["host_peak"] == "save"
     assert any(s.startswith("--no-save fits") for s in saved["suggestions"]), saved
-    code, unsaved = plan_json(capsys, *run, "--ratio", "0.8", "--no-save")
+    code, unsaved = plan_json(capsys, *run, "--ratio", "0.8", "--cpu-mem", "28", "--no-save")
     assert code == 0 and unsaved["host_save_bytes_rank0"] == 0
     assert unsaved["host_training_bytes_per_rank"] == saved["host_training_bytes_per_rank"]
-    _, auto = plan_json(capsys, *run, "--ratio", "auto")
-    assert "--no-save: --ratio auto chooses 0.65 (a run that saves nothing" in " ".join(
+    _, auto = plan_json(capsys, *run, "--ratio", "auto", "--cpu-mem", "21")
+    assert "--no-save: --ratio auto chooses 0.5 (a run that saves nothing" in " ".join(
         auto["suggestions"]
     )
 

@@ -222,16 +222,17 @@ def test_a_dry_run_without_a_gpu_or_a_machine_writes_ratio_1(capsys, tmp_path, m
 
 
 def test_a_run_that_saves_nothing_is_planned_without_the_save(capsys, tmp_path):
-    """Llama-3.3-70B at batch 2 on a GB200 node fits only when nothing is saved (the save
-    gathers the 16-bit model into rank 0's host): the refusal says so, and --save_model false
-    (the recipe's save_strategy is no) plans without it."""
-    args = ("llama-3.3-70b", "superoffload", "--dry-run", "--batch", "2", "--hardware", "gb200")
+    """Llama-3.1-8B on 4 GPUs with 21 GiB of host each fits only when nothing is saved (the
+    save holds a 5 GB shard of the 16-bit model on rank 0's host): the refusal says so, and
+    --save_model false (the recipe's save_strategy is no) plans without it."""
+    args = ("llama-3.1-8b", "superoffload", "--dry-run", "--gpus", "4", "--hardware", "h100")
+    args = (*args, "--cpu-mem", "21")
     code, _, err = finetune_cli(capsys, tmp_path, *args)
     assert code == 1 and "while the model is saved" in err, err
-    assert "change: --no-save: --ratio auto chooses 0.65" in err
+    assert "change: --no-save: --ratio auto chooses 0.5" in err
     assert "saves nothing when given --save_model false" in err
     code, out, _ = finetune_cli(capsys, tmp_path, *args, "--", "--save_model", "false")
-    assert code == 0 and "RATIO=auto: ratio 0.65" in out
+    assert code == 0 and "RATIO=auto: ratio 0.5" in out
     plan = json.loads((_run_dir(tmp_path) / "plan.json").read_text())
     assert plan["run"]["saves_model"] is False and plan["host_save_bytes_rank0"] == 0
     assert _command(_run_dir(tmp_path))[-2:] == ["--save_model", "false"]

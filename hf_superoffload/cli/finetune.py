@@ -178,7 +178,7 @@ def _last_value(script_args: list[str], flag: str, default) -> str:
 
 def _never_saves(settings: dict, script_args: list[str]) -> bool:
     """Whether the run saves nothing (``--save_model false``, ``save_strategy`` no), so the plan
-    leaves out the save's gather of the 16-bit model into rank 0's host memory."""
+    leaves out the save's shard of the 16-bit model in rank 0's host memory."""
     saves = _last_value(script_args, "--save_model", settings.get("save_model", True))
     strategy = _last_value(script_args, "--save_strategy", settings.get("save_strategy", "steps"))
     return saves in ("false", "0", "no") and strategy == "no"

@@ -116,8 +116,8 @@ def add_parser(commands) -> None:
         "--no-save",
         action="store_true",
         help="a run that never saves the model (examples/sft.py --save_model false with "
-        "--save_strategy no): rank 0's host does not hold the 16-bit model DeepSpeed gathers "
-        "for a save",
+        "--save_strategy no): rank 0's host does not hold the save's shard of the 16-bit model "
+        "(one shard of 5 GB and one param)",
     )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.set_defaults(run=run)

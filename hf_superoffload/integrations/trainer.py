@@ -60,6 +60,7 @@ from .save import (
     with_empty_groups_of,
 )
 from .zero3_callback import Zero3MetricsCallback
+from .zero3_save import save_model_streamed, streamed_save_engine
 
 # The Trainer methods the mixin overrides, and the other names it relies on (upstream.py).
 upstream.check("transformers")
@@ -287,8 +288,14 @@ class SuperOffloadTrainerMixin:
         return optimizer.clip_grad_norm_(None)  # max_grad_norm 0: only the norm, for logging
 
     def save_model(self, output_dir=None, _internal_call=False):
+        """Under DeepSpeed ZeRO-3 the weights are streamed (zero3_save.py): gathered a param at
+        a time into shards of bounded size on rank 0, never the whole 16-bit model; the same
+        files and tensors as the Trainer's own save."""
         self._superoffload_synchronize()
-        return super().save_model(output_dir, _internal_call=_internal_call)
+        engine = streamed_save_engine(self)
+        if engine is None:
+            return super().save_model(output_dir, _internal_call=_internal_call)
+        return save_model_streamed(self, engine, output_dir, _internal_call)
 
     def _save(self, output_dir=None, state_dict=None):
         """Writes the optimizer's fp32 master weights (``superoffload_save_dtype``), not the
@@ -352,6 +359,11 @@ class _SuperOffloadCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.trainer._throughput.reset()  # throughput counts from here, not from __init__
+        engine = streamed_save_engine(self.trainer)
+        if engine is not None and args.save_strategy != "no":
+            from ..zero3.streaming_save import check_streamable
+
+            check_streamable(engine)  # checkpoints it could not write: refused before a step
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         optimizer = self.trainer.superoffload_optimizer

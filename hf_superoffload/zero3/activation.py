@@ -89,11 +89,16 @@ def _patches(engine: bool) -> dict:
         ENGINE_MODULE: _patch_engine,
         ZERO_UTILS_MODULE: patches.accept_host_adam_state,
         ACCELERATE_MODULE: patches.map_client_optimizer,
-        TRAINER_MODULE: patches.log_zero3_metrics,
+        TRAINER_MODULE: _patch_trainer,
     }
 
 
 _active: dict = {}
+
+
+def _patch_trainer(module) -> None:
+    patches.log_zero3_metrics(module)
+    patches.stream_zero3_saves(module)
 
 
 def _patch_engine(module) -> None:

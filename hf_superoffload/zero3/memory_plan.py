@@ -41,6 +41,7 @@ from ..engine.copy_out import COPY_OUT_PIECE, COPY_OUT_SLOTS
 from . import checkpoint_memory
 from .loss_memory import loss_bytes
 from .model_shape import ModelShape
+from .save_memory import STREAMED_SHARD_BYTES, streamed_save_host_bytes
 from .sub_group_cut import (
     Param,
     SubGroupSplit,
@@ -79,8 +80,8 @@ class Zero3Run:
     # The base optimizer's param groups: the Trainer's decay and no-decay groups, or one
     # group of model.parameters() (a plain DeepSpeed script, benchmarks/suite.py).
     decay_groups: bool = True
-    # False: a run that never saves the model (no checkpoints, no final save), so DeepSpeed
-    # never gathers the 16-bit model into rank 0's host memory.
+    # False: a run that never saves the model (no checkpoints, no final save), so rank 0 never
+    # holds a shard of the 16-bit model (save_extra_host_bytes).
     saves_model: bool = True
     # The loss: None, the model's own (a batch's full logits); "liger" or "trl", a fused loss
     # that holds a chunk of them (FUSED_CROSS_ENTROPY says which runs use each).
@@ -102,7 +103,7 @@ class MemoryPlan:
     host_resume: int = 0
     split: SubGroupSplit | None = None  # the optimizer's sub groups and ratio's cut of them
     # Rank 0, while the model is saved (a checkpoint or the final save): training's state and
-    # the whole 16-bit model DeepSpeed gathers there (save_extra_host_bytes).
+    # the streamed save's shard of the 16-bit model (save_extra_host_bytes).
     host_save: int = 0
 
     @property
@@ -174,8 +175,8 @@ class MemoryPlan:
                 "start-up": " while the optimizer is built",
                 "resume": " while a checkpoint is loaded (a resume maps the optimizer file "
                 "and copies it in a sub group at a time, beside the live state)",
-                "save": " while the model is saved (DeepSpeed gathers the whole 16-bit model "
-                "into rank 0's host memory)",
+                "save": " while the model is saved (rank 0 holds a shard of the 16-bit model "
+                "beside its state)",
             }[phase]
             reasons.append(
                 f"host: needs {host_need / 2**30:.1f} GiB (with the system's share) for "
@@ -290,11 +291,12 @@ def resume_extra_host_bytes(split: SubGroupSplit, compact: bool = False) -> int:
 
 
 def save_extra_host_bytes(shape: ModelShape, run: Zero3Run) -> int:
-    """Host bytes rank 0 holds beyond training's while the model is saved: DeepSpeed gathers
-    the whole model in 16 bits into its memory (``stage3_gather_16bit_weights_on_model_save``,
-    which the shipped configs set, for the Trainer's checkpoints and final save). Measured: the
-    Llama-3.1-8B launcher's runs peaked 15 GiB above training, each at a save."""
-    return run.dtype_bytes * shape.params
+    """Host bytes rank 0 holds beyond training's while the model is saved (the Trainer's
+    checkpoints and final save): the streamed ZeRO-3 save (``streaming_save.py``) gathers one
+    param at a time and holds at most one shard of ``STREAMED_SHARD_BYTES`` in 16 bits and one
+    more param (``streamed_save_host_bytes``, the figure the save's own accounting is tested
+    against)."""
+    return streamed_save_host_bytes(run.dtype_bytes * shape.largest_param, STREAMED_SHARD_BYTES)
 
 
 def zero3_memory_plan(config, run: Zero3Run, shape: ModelShape | None = None) -> MemoryPlan:

@@ -12,6 +12,8 @@ Engine patches (off with ``HF_SUPEROFFLOAD_DEEPSPEED=0``):
   gives HostAdamState instead when the config runs SuperOffload.
 - ``log_zero3_metrics``: every Trainer gets ``Zero3MetricsCallback``, which logs tokens/s and
   the ``stv/`` counters when the optimizer that trains is ours (and does nothing otherwise).
+- ``stream_zero3_saves``: ``Trainer.save_model`` streams the weights (integrations/zero3_save.py)
+  when the optimizer that trains is ours, instead of gathering the whole 16-bit model.
 
 Always:
 - ``read_our_engine_value``: ``"super_offload": "hf_superoffload"`` (the shipped configs'
@@ -155,6 +157,21 @@ def log_zero3_metrics(module) -> None:
 
     if Zero3MetricsCallback not in module.DEFAULT_CALLBACKS:
         module.DEFAULT_CALLBACKS.append(Zero3MetricsCallback)
+
+
+def stream_zero3_saves(module) -> None:
+    def make(original):
+        def save_model(self, output_dir=None, _internal_call=False):
+            from ..integrations.zero3_save import save_model_streamed, streamed_save_engine
+
+            engine = streamed_save_engine(self, only_ours=True)
+            if engine is None:
+                return original(self, output_dir, _internal_call)
+            return save_model_streamed(self, engine, output_dir, _internal_call)
+
+        return save_model
+
+    _wrap(module.Trainer, "save_model", make)
 
 
 def read_our_engine_value(module) -> None:

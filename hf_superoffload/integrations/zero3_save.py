@@ -1,0 +1,54 @@
+"""A Trainer's model save on DeepSpeed ZeRO-3, streamed (zero3/streaming_save.py): the files of
+the Trainer's own save (weights, config, generation config, tokenizer, training arguments), with
+the weights gathered a param at a time instead of the whole 16-bit model on rank 0
+(``stage3_gather_16bit_weights_on_model_save``, which this save does not need).
+
+SuperOffloadTrainerMixin saves this way under any ZeRO-3 engine; a plain Trainer (or TRL
+trainer) does when the optimizer DeepSpeed built is hf_superoffload's (``zero3/patches.py``
+wraps ``Trainer.save_model``). Checkpoints of ``save_strategy`` go through ``save_model`` too;
+their optimizer state is DeepSpeed's ``save_checkpoint``, as before.
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedModel
+
+from .zero3_callback import our_zero3_optimizer
+
+
+def streamed_save_engine(trainer, only_ours: bool = False):
+    """The DeepSpeed engine whose weights ``trainer.save_model`` streams, or None where the
+    Trainer's own save runs: not on DeepSpeed (or before ``train()`` built the engine), not
+    ZeRO-3, with DeepSpeed's AutoTP tensor parallelism, or a model that is not a full transformers model (a PEFT adapter, whose trainable
+    weights alone the Trainer gathers). ``only_ours``: also None unless the engine's optimizer
+    is hf_superoffload's."""
+    if not getattr(trainer, "is_deepspeed_enabled", False):
+        return None
+    engine = getattr(trainer, "deepspeed", None)
+    if engine is None or not engine.zero_optimization_partition_weights():
+        return None
+    if engine.autotp_size() > 1:  # tensor-parallel shards: DeepSpeed's gather joins them
+        return None
+    # The engine's optimizer, as accelerate's wrapper (trainer.optimizer) holds it.
+    if only_ours and our_zero3_optimizer(getattr(trainer, "optimizer", None)) is None:
+        return None
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if not isinstance(model, PreTrainedModel) or getattr(model, "_hf_peft_config_loaded", False):
+        return None
+    return engine
+
+
+def save_model_streamed(trainer, engine, output_dir: str | None, internal_call: bool) -> None:
+    """``Trainer.save_model`` under ZeRO-3 with the weights streamed; every rank calls it."""
+    from ..zero3.streaming_save import check_streamable, write_streamed_weights
+
+    output_dir = trainer.args.output_dir if output_dir is None else output_dir
+    check_streamable(engine)  # before anything is written
+    # Config, generation config, tokenizer and training arguments as the Trainer writes them
+    # (rank 0), with an empty weights file that the streamed weights replace.
+    trainer._save(output_dir, state_dict={})
+    write_streamed_weights(engine, output_dir, is_main_process=trainer.args.should_save)
+    if trainer.args.push_to_hub and not internal_call:  # as Trainer.save_model pushes
+        revision = getattr(trainer.args, "hub_revision", None)
+        extra = {} if revision is None else {"revision": revision}
+        trainer.push_to_hub(commit_message="Model save", **extra)

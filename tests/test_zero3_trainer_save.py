@@ -1,0 +1,157 @@
+"""SuperOffloadSFTTrainer, and TRL's plain SFTTrainer, on DeepSpeed ZeRO-3 with
+``"super_offload": true`` save through the streamed save (hf_superoffload/zero3/streaming_save.py): ``save_model`` and the checkpoints of
+``save_strategy`` write the files the Trainer's own ZeRO-3 save writes (DeepSpeed's gathered
+16-bit state dict through ``save_pretrained``, the config, the tokenizer, the training
+arguments), the same tensors, even with ``stage3_gather_16bit_weights_on_model_save`` off (the
+Trainer's own save then writes no weights at all, only DeepSpeed's checkpoint).
+
+One spawned process (DeepSpeed's CPU accelerator, gloo, fp32), the toy model and the bundled SFT
+data, 2 steps with a checkpoint at step 2, for each trainer. The reference is what
+``Trainer.save_model`` saves with the gather on: accelerate's ``get_state_dict`` (DeepSpeed's
+``_zero3_consolidated_16bit_state_dict``) through the Trainer's ``_save``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from cpu_trainer_args import cpu_training_args
+from ranks import set_rank_env, spawn_ranks
+from safetensors.torch import load_file
+from test_zero3_trainer import ZERO3_CPU_OFFLOAD, _rows
+from zero3_reference import free_port
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+STEPS = 2
+
+
+def _config(gather_on_save: bool) -> dict:
+    config = copy.deepcopy(ZERO3_CPU_OFFLOAD)
+    config["zero_optimization"]["offload_optimizer"]["super_offload"] = True
+    config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = gather_on_save
+    return config
+
+
+def _train_and_save(out: str, ours: bool) -> None:
+    from datasets import Dataset
+    from transformers import Trainer
+    from trl import SFTConfig, SFTTrainer
+
+    from hf_superoffload import SuperOffloadSFTConfig, SuperOffloadSFTTrainer
+    from hf_superoffload.toy import build_tiny_llama, make_char_tokenizer
+
+    config_class, trainer_class = (
+        (SuperOffloadSFTConfig, SuperOffloadSFTTrainer) if ours else (SFTConfig, SFTTrainer)
+    )
+    args = config_class(
+        **cpu_training_args(
+            f"{out}/run",
+            max_steps=STEPS,
+            per_device_train_batch_size=8,
+            learning_rate=1e-3,
+            max_length=64,
+            save_strategy="steps",
+            save_steps=STEPS,
+            deepspeed=_config(gather_on_save=False),  # a user config that turns it off
+        )
+    )
+    trainer = trainer_class(
+        model=build_tiny_llama(seed=0),
+        args=args,
+        train_dataset=Dataset.from_list(_rows(64)),
+        processing_class=make_char_tokenizer(),
+    )
+    trainer.train()
+    assert type(trainer.deepspeed.optimizer).__name__ == "SuperOffloadZero3Optimizer"
+    trainer.save_model(f"{out}/final")
+    # What the Trainer's own save writes (it needs DeepSpeed's gather on).
+    trainer.deepspeed._config.zero_config.gather_16bit_weights_on_model_save = True
+    trainer.deepspeed.optimizer.synchronize()
+    gathered = trainer.accelerator.get_state_dict(trainer.deepspeed)
+    Trainer._save(trainer, f"{out}/gathered", state_dict=gathered)
+    trainer.deepspeed.destroy()
+
+
+def _both_trainers(rank: int, world: int, port: int, out: str) -> None:
+    set_rank_env(rank, world, port)
+    torch.set_num_threads(1)
+    import hf_superoffload  # noqa: F401  (activates "super_offload": true)
+
+    _train_and_save(f"{out}/ours", ours=True)
+    if world == 1:
+        _train_and_save(f"{out}/trl", ours=False)  # a plain trainer given the flag
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("zero3_trainer_save")
+    spawn_ranks(_both_trainers, (1, free_port(), str(out)), world=1, timeout=300)
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved_by_two_ranks(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("zero3_trainer_save_two_ranks")
+    spawn_ranks(_both_trainers, (2, free_port(), str(out)), world=2, timeout=300)
+    return out
+
+
+def _files(directory: Path) -> set[str]:
+    return {p.name for p in directory.iterdir() if p.is_file()}
+
+
+@pytest.mark.parametrize("trainer", ["ours", "trl"])
+def test_save_model_writes_the_trainers_files_and_tensors(saved, trainer):
+    _assert_same_save(saved / trainer)
+
+
+def test_two_ranks_save_the_trainers_files_and_tensors(saved_by_two_ranks):
+    _assert_same_save(saved_by_two_ranks / "ours")
+    checkpoint = saved_by_two_ranks / "ours" / "run" / f"checkpoint-{STEPS}"
+    got = load_file(checkpoint / "model.safetensors")
+    want = load_file(saved_by_two_ranks / "ours" / "final" / "model.safetensors")
+    assert all(torch.equal(got[key], want[key]) for key in want)
+
+
+def _assert_same_save(saved: Path) -> None:
+    final, gathered = saved / "final", saved / "gathered"
+    assert _files(final) == _files(gathered)
+    assert {"model.safetensors", "config.json", "training_args.bin"} <= _files(final)
+    for name in _files(final) - {"model.safetensors", "training_args.bin"}:
+        assert (final / name).read_bytes() == (gathered / name).read_bytes(), name
+    got, want = load_file(final / "model.safetensors"), load_file(gathered / "model.safetensors")
+    assert sorted(got) == sorted(want)
+    for key, tensor in want.items():
+        assert got[key].dtype == tensor.dtype and torch.equal(got[key], tensor), key
+
+
+@pytest.mark.parametrize("trainer", ["ours", "trl"])
+def test_a_checkpoint_holds_the_streamed_weights_beside_deepspeeds_state(saved, trainer):
+    saved = saved / trainer
+    checkpoint = saved / "run" / f"checkpoint-{STEPS}"
+    assert (checkpoint / f"global_step{STEPS}").is_dir()  # the optimizer state, as before
+    assert (checkpoint / "trainer_state.json").is_file()
+    got = load_file(checkpoint / "model.safetensors")
+    want = load_file(saved / "final" / "model.safetensors")  # no step since
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[key], want[key]) for key in want)
+
+
+def test_the_saved_model_loads_with_from_pretrained(saved):
+    from transformers import AutoModelForCausalLM
+
+    from hf_superoffload.toy import build_tiny_llama
+
+    model = AutoModelForCausalLM.from_pretrained(saved / "ours" / "final")
+    want = load_file(saved / "ours" / "gathered" / "model.safetensors")
+    loaded = model.state_dict()
+    for key, tensor in want.items():
+        assert torch.equal(loaded[key], tensor), key
+    initial = build_tiny_llama(seed=0).state_dict()
+    assert any(not torch.equal(initial[key], tensor) for key, tensor in want.items())  # trained
