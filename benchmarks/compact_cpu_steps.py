@@ -26,7 +26,8 @@ import torch
 # Run from a checkout without installing: the package is the folder above this one.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-COUNTED = ("cpu_step_seconds", "commit_seconds", "replay_seconds", "exposed_cpu_seconds")
+COUNTED = ("cpu_step_seconds", "commit_seconds", "replay_seconds", "exposed_cpu_seconds",
+           "slot_wait_seconds")  # fmt: skip
 
 
 def build(args):
@@ -122,7 +123,7 @@ def main() -> None:
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     after = dict(stats())
     close()
-    per_step = {k: round((after[k] - before[k]) / args.steps, 4) for k in COUNTED}
+    per_step = {k: round((after.get(k, 0) - before.get(k, 0)) / args.steps, 4) for k in COUNTED}
     print(json.dumps({
         "engine": args.engine, "moments": args.moments, "params": params,
         "s_per_step": round(elapsed / args.steps, 4),

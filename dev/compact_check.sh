@@ -47,5 +47,6 @@ for row in csv.DictReader(open(sys.argv[1])):
     n = s["steps"] or 1
     print(f"{row['system']:<28} clip {row['clip']:<4} s/step {row['s_per_step']:<7} "
           f"cpu_step {s['cpu_step_seconds'] / n:.3f} commit {s['commit_seconds'] / n:.3f} "
-          f"exposed {s['exposed_cpu_seconds'] / n:.3f} fused/step {s.get('commits_fused', 0) / n:.1f}")
+          f"exposed {s['exposed_cpu_seconds'] / n:.3f} (slots {s.get('slot_wait_seconds', 0) / n:.3f}) "
+          f"fused/step {s.get('commits_fused', 0) / n:.1f}")
 PY

@@ -19,6 +19,7 @@ DeepSpeed's accessors, tail moves, checkpoints, ``close``).
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -95,7 +96,9 @@ class DeferredCommits:
             holder = self.slots.handed_holder()
             if holder is None:  # every slot waits for gradients still to come
                 return None
+            began = time.perf_counter()
             self._wait([holder])  # its task releases its slot
+            self.host.stats.slot_wait_seconds += time.perf_counter() - began
 
     def land(self, part: HostPartition, event=None) -> None:
         """Queue the write of ``part``'s pending update and the move of gradients in its slot

@@ -113,6 +113,9 @@ class StvStats:
     # Compact moments: partition passes that wrote a validated update and speculated the next
     # one in one sweep (their time is in cpu_step_seconds).
     commits_fused: int = 0
+    # Of exposed_cpu_seconds: gradients waited for a free gradient slot (the worker was more
+    # partitions behind backward than there are slots).
+    slot_wait_seconds: float = 0.0
     exposed_cpu_seconds: float = 0.0
     accumulate_seconds: float = 0.0  # summing accumulated gradients on the host
     tail_moves: int = 0  # gpu_tail="auto" (or the cap) moved buckets to or from the device
