@@ -8,7 +8,7 @@
 #
 # Run from the repo root on a GPU machine with `.whl` carried (dev/gpu_env.sh). Writes under
 # $OUT (default ./results): pytest_gpu.log, pytest_kernel.log, suite.csv and the suite's logs;
-# prints the suite's ratio table last.
+# prints the suite's ratio table and each system's CPU pass seconds per step last.
 set -u
 OUT="${OUT:-results}"
 RATIO="${RATIO:-1.0}"
@@ -21,8 +21,8 @@ lscpu | grep -E "Model name|^CPU\(s\)|Flags" | cut -c1-300 > "$OUT/cpu.txt"
 if [ "$TESTS" = 1 ]; then
     timeout 150 python -m pytest -q -x -m gpu tests/test_compact_gpu.py > "$OUT/pytest_gpu.log" 2>&1
     echo "gpu tests rc=$? $(tail -n 1 "$OUT/pytest_gpu.log")"
-    timeout 120 python -m pytest -q -x tests/test_compact_kernel.py tests/test_compact_engine.py \
-        > "$OUT/pytest_kernel.log" 2>&1
+    timeout 150 python -m pytest -q -x tests/test_compact_kernel.py tests/test_compact_engine.py \
+        tests/test_compact_deferred.py > "$OUT/pytest_kernel.log" 2>&1
     echo "kernel and engine tests rc=$? $(tail -n 1 "$OUT/pytest_kernel.log")"
     timeout 60 python benchmarks/compact_kernel_speed.py --numel 67108864 --threads 1,15 \
         --repeats 3 > "$OUT/kernel_speed.log" 2>&1
@@ -36,3 +36,17 @@ for clip in $CLIPS; do
     echo "suite clip $clip rc=$?"
     tail -n 4 "$OUT/suite_clip$clip.log"
 done
+# Per step (warm-up included): the CPU passes before and after validation, the compact
+# commits written by a pass of their own, and the partitions whose commit ran fused.
+python - "$OUT/suite.csv" <<'PY'
+import csv, json, sys
+for row in csv.DictReader(open(sys.argv[1])):
+    if not row.get("stats"):
+        continue
+    s = json.loads(row["stats"])
+    n = s["steps"] or 1
+    print(f"{row['system']:<28} clip {row['clip']:<4} s/step {row['s_per_step']:<7} "
+          f"cpu_step {s['cpu_step_seconds'] / n:.3f} commit {s['commit_seconds'] / n:.3f} "
+          f"exposed {s['exposed_cpu_seconds'] / n:.3f} (slots {s.get('slot_wait_seconds', 0) / n:.3f}) "
+          f"fused/step {s.get('commits_fused', 0) / n:.1f}")
+PY

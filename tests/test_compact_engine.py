@@ -176,14 +176,14 @@ def test_unknown_moments_are_refused_with_the_choices():
 @pytest.mark.parametrize("moments", ["fp32", "compact"])
 def test_host_memory_check_counts_what_the_engine_allocates(moments):
     """The figures ``lay_out`` checks before allocating (host_memory.standalone_host_parts) are
-    the bytes the buckets and the copy-out ring hold: 8 B/param and 8 B a block of 256 with
-    compact moments and bf16 gradients."""
+    the bytes the buckets, the copy-out ring and the gradient slots hold: 8 B/param and 8 B a
+    block of 256 with compact moments and bf16 gradients."""
     from hf_superoffload.engine.compact_moments import blocks_of
     from hf_superoffload.engine.host_memory import standalone_host_parts
 
     model = build_model(CFG).to(torch.bfloat16)
     with make_engine(model, CFG, moments=moments, gpu_tail=0, cast="cpu") as opt:
-        buckets, ring = opt._buckets, opt._stv.host.copy_out
+        buckets, ring, slots = opt._buckets, opt._stv.host.copy_out, opt._stv.deferred.slots
         compact = moments == "compact"
         numel = sum(b.numel for b in buckets)
         blocks = sum(blocks_of(p.numel()) for p in model.parameters()) if compact else None
@@ -198,10 +198,13 @@ def test_host_memory_check_counts_what_the_engine_allocates(moments):
             "gradients": sum(b.host_grad.nbytes for b in buckets),
             "param_copy_out": sum(t.nbytes for t in ring.buffers) if ring else 0,
             "accumulation": 0,
+            "grad_slots": sum(t.nbytes for t in slots.buffers) if slots else 0,
         }
         if compact:
             assert sum(b.compact.exp_avg_scale.numel() for b in buckets) == blocks
     assert held == planned
+    # Compact moments: three bf16 gradient slots of the largest bucket (deferred_commits.py).
+    assert held["grad_slots"] == (3 * largest * 2 if compact else 0)
     per_param = 8 if compact else 14
     assert held["master"] + held["moments"] + held["gradients"] == per_param * numel + (
         8 * blocks if compact else 0

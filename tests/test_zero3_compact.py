@@ -113,6 +113,7 @@ def _on_rank(rank, world, port, case, out_dir) -> None:
             record["stats"] = optimizer.stats
             record["host_bytes"] = optimizer.host_bytes()
             record["params"] = sum(p.ds_tensor.numel() for p in engine.module.parameters())
+            record["largest_host_sub_group"] = max(p.numel for p in optimizer._host_parts)
         results[name] = record
         engine.destroy()
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -161,6 +162,9 @@ def test_compact_moments_on_zero3_equal_the_flat_compact_reference(world, ratio,
                 assert plan.host[key] == host[key], key
             assert 2 * params < host["moments"] < 2.1 * params
             assert plan.host["param_copy_out"] >= host["param_copy_out"] > 0
+            # Three bf16 gradient slots of the largest host sub group (grad_slots.py).
+            assert host["grad_slots"] == 3 * 2 * ours["largest_host_sub_group"] > 0
+            assert plan.host["grad_slots"] >= host["grad_slots"]
 
 
 def _resume_on_rank(rank, world, port, case, out_dir) -> None:

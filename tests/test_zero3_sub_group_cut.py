@@ -29,7 +29,9 @@ from hf_superoffload.zero3.memory_plan import Zero3Run, zero3_memory_plan
 SUB_GROUP_SIZE = 1500  # the embedding (256 x 32 = 8192 elements, 4096 a rank on 2) is larger
 PERSISTENCE = 100  # the norms (32 elements) persist: sub groups of their own
 RATIOS = (0.7, 0.4)
-TRAINING_PARTS = ("master", "moments", "gradients", "param_copy_out", "accumulation")
+TRAINING_PARTS = (
+    "master", "moments", "gradients", "param_copy_out", "accumulation", "grad_slots"
+)  # fmt: skip
 
 
 # The output layer is the embedding (tied): no large last param.

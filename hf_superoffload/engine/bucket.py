@@ -16,15 +16,20 @@ from .link import Link
 from .partition import HostPartition
 
 
+def host_grad_dtype(model_dtype: torch.dtype, cast: CastPlan) -> torch.dtype:
+    """The dtype host buckets' gradients land in; the kernel reads them as they are: model
+    dtype when they cross uncast (the kernel upcasts in its own pass), else fp32."""
+    lowp = model_dtype != torch.float32 and not cast.grads_on_device
+    return model_dtype if lowp else torch.float32
+
+
 def host_grad_buffer(
     link: Link, numel: int, model_dtype: torch.dtype, cast: CastPlan
 ) -> torch.Tensor:
-    """The host buffer a host bucket's gradients land in; the kernel reads them as they are:
-    model dtype when they cross uncast (the kernel upcasts in its own pass), else fp32. (When
-    params cross in the model dtype, the kernel writes them into the optimizer's shared
-    CopyOutRing, not into a buffer of the bucket's own.)"""
-    lowp = model_dtype != torch.float32 and not cast.grads_on_device
-    return link.host_empty(numel, model_dtype if lowp else torch.float32)
+    """The host buffer a host bucket's gradients land in (``host_grad_dtype``). (When params
+    cross in the model dtype, the kernel writes them into the optimizer's shared CopyOutRing,
+    not into a buffer of the bucket's own.)"""
+    return link.host_empty(numel, host_grad_dtype(model_dtype, cast))
 
 
 class Bucket(HostPartition):

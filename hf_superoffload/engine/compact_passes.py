@@ -17,8 +17,18 @@ from typing import TYPE_CHECKING
 from .. import ops
 
 if TYPE_CHECKING:
+    import torch
+
+    from .deferred_commits import Pending
     from .host_steps import HostSteps
     from .partition import HostPartition
+
+_HYPER = ("lr", "beta1", "beta2", "eps", "weight_decay")
+
+
+def _half(hyper: dict, step: int, scale: float) -> dict:
+    """One half's hyperparameters for ``ops.compact_adam_commit_speculate``."""
+    return {"step": step, **{k: hyper[k] for k in _HYPER}, "grad_scale": scale}
 
 
 class CompactPasses:
@@ -59,6 +69,57 @@ class CompactPasses:
                     host.send_params(part, low, at, n)
         if seconds == "cpu_step_seconds":  # as the exact path counts its steps, for the tuner
             host.elements_stepped += sum(numel for _, numel, _ in runs)
+
+    def fused(
+        self,
+        part: HostPartition,
+        pending: Pending,
+        hyper: dict,
+        scale: float,
+        runs,
+        incoming: torch.Tensor,
+        grad: torch.Tensor,
+    ) -> None:
+        """Write ``pending`` (its gradients in ``grad``) into master and moments and send the
+        speculative update of ``runs`` (the same elements, one update later) from the
+        gradients in ``incoming``, which are copied into ``grad`` as each piece is done."""
+        host, moments = self.host, part.compact
+        host.link.host_waits_for(part.last_h2d)
+        stats = host.stats
+        for (offset, numel, step), (_, _, committed) in zip(runs, pending.runs, strict=True):
+            for segment, start, n in moments.pieces(offset, numel, self._most()):
+                at = segment.offset + start
+                low = host.take_copy_out(part, at, n)
+                began = time.perf_counter()
+                ops.compact_adam_commit_speculate(
+                    part.master.narrow(0, at, n), grad.narrow(0, at, n),
+                    incoming.narrow(0, at, n), *moments.piece_moments(segment, start, n),
+                    commit=_half(pending.hyper, committed, pending.scale),
+                    speculate=_half(hyper, step, scale), salt=segment.salt,
+                    element_offset=start, out_lowp=low,
+                )  # fmt: skip
+                stats.cpu_step_seconds += time.perf_counter() - began
+                host.send_params(part, low, at, n)
+        host.elements_stepped += sum(numel for _, numel, _ in runs)
+        stats.commits_fused += 1
+
+    def carry(
+        self, part: HostPartition, incoming: torch.Tensor, grad: torch.Tensor, outside=None
+    ) -> None:
+        """Copy the gradients of every param of the partition from the slot ``incoming``
+        into ``grad`` (with ``outside``, of those no run of it covers): what a later pass,
+        a rollback's sum or DeepSpeed's gradient readers take from ``grad``."""
+        spans: list[list[int]] = []  # neighbouring params in one copy
+        for segment in part.compact.segments:
+            lo, hi = segment.offset, segment.offset + segment.numel
+            if outside is not None and any(o <= lo and hi <= o + n for o, n, _ in outside):
+                continue
+            if spans and spans[-1][1] == lo:
+                spans[-1][1] = hi
+            else:
+                spans.append([lo, hi])
+        for lo, hi in spans:
+            grad[lo:hi].copy_(incoming[lo:hi])
 
     def restore(self, part: HostPartition, runs) -> None:
         """Send the (unchanged) master of ``runs`` back: the device's params speculated on

@@ -35,7 +35,7 @@ from .cast_policy import CastPlan
 from .checks import check_dense_grad
 from .link import Link
 from .replicas import Replicas
-from .stv import Stv, task_keys
+from .stv import Stv
 
 
 class ForwardWatch(Protocol):
@@ -209,7 +209,7 @@ class GradArrival:
     def _stage(self, bucket: Bucket, i: int, grad: torch.Tensor | None) -> None:
         """Copy (first arrival into this staging buffer) or add one param's gradient; a
         missing gradient stages zeros, so norms and sums stay right."""
-        if bucket.staging is None:
+        if bucket.staging is None or self._host_staged(bucket):
             bucket.staging = self._staging_buffer(bucket)
         target = bucket.views(bucket.staging, i)
         adding = bucket.present[i] if not self._sums_on_host(bucket) else bucket.staged[i]
@@ -233,10 +233,20 @@ class GradArrival:
             dtype = torch.float32 if fp32 else bucket.flat_param.dtype
             with self._link.d2h():
                 return torch.empty(bucket.plan.numel, dtype=dtype, device=self._link.device)
-        # On CPU the host buffer is the staging buffer; the worker may still read it (the
-        # last step's replay, this step's sum), so wait for that first.
+        # On CPU the host buffer is the staging buffer, or a gradient slot while the host
+        # buffer keeps a pending update's gradients (deferred_commits.py); the worker may
+        # still read the host buffer (the last step's replay, this step's sum): wait for that.
+        slot = self._stv.deferred.landing(bucket)
+        if slot is not None:
+            return slot
         self._stv.wait_for_tasks([bucket.index])
         return bucket.host_grad
+
+    def _host_staged(self, bucket: Bucket) -> bool:
+        """Whether the bucket stages straight into host memory (no GPU): then where it stages
+        is asked again at every use, since a flush of deferred updates (a state reader
+        between backward and step) moves a gradient slot's content to the host buffer."""
+        return not self._link.is_cuda and not bucket.on_device
 
     def _accumulating_on_device(self) -> bool:
         """Replicas sum arrivals in the device staging buffer: in fp32 when they expect more
@@ -267,6 +277,8 @@ class GradArrival:
         taken (on the device, or on the host for a host sum) and, with ``hand_over``, the STV
         core gets the bucket; otherwise (a host sum only) the round just adds to the sum.
         Returns the event of the gradients' landing."""
+        if self._host_staged(bucket):
+            bucket.staging = self._staging_buffer(bucket)
         staging, summing = bucket.staging, bucket.summing or not last
         with self._link.d2h():
             if last:
@@ -278,9 +290,14 @@ class GradArrival:
                 host_sq_norm = self._stv.host_sq_norms[i : i + 1]
                 host_sq_norm.copy_(self._sq_norms[i : i + 1], non_blocking=True)
             if self._link.is_cuda and not bucket.on_device:
-                # The host buffer is free again: no task (a compact commit neither) reads it.
-                self._stv.worker.wait(task_keys(bucket.index))
-                bucket.host_grad.copy_(staging, non_blocking=True)
+                # Into a gradient slot while the host buffer keeps a pending update's
+                # gradients (deferred_commits.py), else into the host buffer once no task
+                # reads it.
+                target = self._stv.deferred.landing(bucket)
+                if target is None:
+                    self._stv.worker.wait([bucket.index])
+                    target = bucket.host_grad
+                target.copy_(staging, non_blocking=True)
                 self._link.keep_alive_on_d2h(staging)
                 self._stv.stats.bytes_d2h += staging.numel() * staging.element_size()
             event = self._link.record()

@@ -233,11 +233,13 @@ def standalone_host_parts(
     most ``COPY_OUT_PIECE`` elements, not a copy per bucket), and the fp32 gradient sum kept
     while micro-batches accumulate. Without a GPU, tail buckets live in host memory too: count
     them. ``compact_blocks``: the moments are compact, in that many blocks (compact_moments.py),
-    and the copy-out ring is always there (a speculative pass leaves the master as it was).
+    and the copy-out ring is always there (a speculative pass leaves the master as it was), as
+    are the gradient slots (grad_slots.py: a few gradient buffers of the largest bucket).
     ``largest_bucket``: the elements of the largest bucket, host or device (the ring's buffers
     hold one, up to ``COPY_OUT_PIECE``); unknown, the host elements bound it."""
     from .compact_moments import compact_moment_bytes  # here: compact_moments -> ops
     from .copy_out import COPY_OUT_PIECE, COPY_OUT_SLOTS  # here: copy_out -> link -> this
+    from .grad_slots import grad_slots_bytes
     from .layout import copy_out_dtype
 
     low = model_dtype.itemsize if model_dtype != torch.float32 else 0
@@ -253,6 +255,7 @@ def standalone_host_parts(
         "gradients": grad_bytes * host_numel,
         "param_copy_out": COPY_OUT_SLOTS * min(largest, COPY_OUT_PIECE) * ring_bytes,
         "accumulation": 4 * host_numel if accumulating else 0,
+        "grad_slots": grad_slots_bytes(largest, grad_bytes) if compact else 0,
     }
 
 

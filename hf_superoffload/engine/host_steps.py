@@ -16,7 +16,14 @@ from .link import Link
 from .partition import HostPartition
 
 if TYPE_CHECKING:
+    from .deferred_commits import Pending
+    from .grad_slots import GradSlots
     from .stv import StvStats
+
+
+def same_runs(a: list[tuple[int, int, int]], b: list[tuple[int, int, int]]) -> bool:
+    """Whether two steps' runs update the same elements (at whatever update numbers)."""
+    return [run[:2] for run in a] == [run[:2] for run in b]
 
 
 class SpeculationRound:
@@ -71,17 +78,8 @@ class HostSteps:
           loss spike after unclipped steps: exp_avg_sq keeps (1 - beta2) * g^2 of a gradient
           the clip shrinks 400x, and ended 1.4e-3 off AdamW's)."""
         self.link.host_waits_for(d2h_event)  # gradients and their norm are on the host
-        part.speculation_applied = False
-        sq_norm = float(self.host_sq_norms[part.index])
-        if round_.poisoned or not math.isfinite(sq_norm):
-            round_.poisoned = True
+        if not self._admit(part, scale, round_, clip_threshold):
             return
-        round_.sq_norm_seen += sq_norm
-        if clip_threshold and math.sqrt(round_.sq_norm_seen) * scale > clip_threshold:
-            self.stats.speculations_withheld += 1
-            return
-        part.speculation_applied = True
-        self.stats.speculations_applied += 1
         if part.compact is not None:  # the update goes to the model only (compact_passes.py)
             self.compact.run(
                 part, hyper, scale, runs, grad, commit=False, send=True, seconds="cpu_step_seconds"
@@ -89,20 +87,102 @@ class HostSteps:
             return
         self.step(part, hyper, scale, None, runs, grad)
 
+    def _admit(
+        self, part: HostPartition, scale: float, round_: SpeculationRound, clip_threshold
+    ) -> bool:
+        """Whether ``speculate`` may step the partition now (``speculation_applied``)."""
+        part.speculation_applied = False
+        sq_norm = float(self.host_sq_norms[part.index])
+        if round_.poisoned or not math.isfinite(sq_norm):
+            round_.poisoned = True
+            return False
+        round_.sq_norm_seen += sq_norm
+        if clip_threshold and math.sqrt(round_.sq_norm_seen) * scale > clip_threshold:
+            self.stats.speculations_withheld += 1
+            return False
+        part.speculation_applied = True
+        self.stats.speculations_applied += 1
+        return True
+
+    def speculate_after(
+        self,
+        part: HostPartition,
+        pending: Pending | None,
+        incoming: torch.Tensor | None,
+        hyper: dict,
+        scale: float,
+        d2h_event,
+        round_: SpeculationRound,
+        runs,
+        grad,
+        clip_threshold: float | None,
+        slots: GradSlots,
+    ) -> None:
+        """``speculate`` on a compact partition with a pending update (deferred_commits.py)
+        whose new gradients are in the slot ``incoming`` (or already in ``grad``): the
+        pending update is written and the new one speculated in one pass when they update
+        the same runs, else one pass after the other; either way ``grad`` ends up holding
+        the new gradients and the slot is released."""
+        self.link.host_waits_for(d2h_event)
+        applied = self._admit(part, scale, round_, clip_threshold)
+        if (
+            applied
+            and incoming is not None
+            and part.state_behind
+            and pending.grad is grad
+            and same_runs(pending.runs, runs)
+        ):
+            self.compact.fused(part, pending, hyper, scale, runs, incoming, grad)
+            part.state_behind = False
+            self.compact.carry(part, incoming, grad, outside=runs)
+        else:
+            self.commit_pending(part, pending)
+            if incoming is not None:
+                self.compact.carry(part, incoming, grad)
+            if applied:
+                self.compact.run(
+                    part, hyper, scale, runs, grad, commit=False, send=True,
+                    seconds="cpu_step_seconds",
+                )  # fmt: skip
+        if incoming is not None:
+            slots.release(incoming)
+
     def complete(self, part: HostPartition, hyper: dict, scale: float, runs, grad) -> None:
         """The step validated with the speculated scale: nothing to do, unless the speculation
-        was withheld (``speculate``); then it steps now. (Compact moments take a speculated
-        update in ``commit_state``, a task the next forward does not wait for.)"""
+        was withheld (``speculate``); then it steps now. A compact partition's speculated
+        update is written into its host state later (deferred_commits.py): until then its
+        state is behind."""
         if not part.speculation_applied:
             self.step(part, hyper, scale, None, runs, grad)
+        elif part.compact is not None:
+            part.state_behind = True
 
-    def commit_state(self, part: HostPartition, hyper: dict, scale: float, runs, grad) -> None:
+    def commit_pending(self, part: HostPartition, pending: Pending | None) -> None:
         """Compact moments: a validated speculation's update into master and moments (the
-        model has it already)."""
-        if part.speculation_applied:
+        model has it already), unless the state has it (its speculation was withheld)."""
+        if pending is not None and part.state_behind:
             self.compact.run(
-                part, hyper, scale, runs, grad, commit=True, send=False, seconds="commit_seconds"
-            )
+                part, pending.hyper, pending.scale, pending.runs, pending.grad, commit=True,
+                send=False, seconds="commit_seconds",
+            )  # fmt: skip
+        part.state_behind = False
+
+    def land(
+        self,
+        part: HostPartition,
+        pending: Pending | None,
+        incoming: torch.Tensor | None,
+        event,
+        home: torch.Tensor,
+        slots: GradSlots | None,
+    ) -> None:
+        """Write the pending update, then move gradients that landed in the slot
+        ``incoming`` (once ``event`` completes) into the gradient buffer ``home``."""
+        self.commit_pending(part, pending)
+        if incoming is not None:
+            self.link.host_waits_for(event)
+            self.compact.carry(part, incoming, home)
+            slots.release(incoming)
 
     def redo(
         self, part: HostPartition, spec: dict, current: dict, scale: float, coef: float, runs, grad

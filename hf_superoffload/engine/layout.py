@@ -9,11 +9,12 @@ import dataclasses
 
 import torch
 
-from .bucket import Bucket
+from .bucket import Bucket, host_grad_dtype
 from .buckets import BucketPlan, plan_buckets
 from .cast_policy import CastPlan
 from .compact_moments import blocks_of
 from .copy_out import CopyOutRing
+from .grad_slots import GradSlots
 from .host_memory import STANDALONE_REMEDIES, check_host_memory, standalone_host_parts
 from .link import Link
 from .placement import choose_device_buckets
@@ -25,6 +26,9 @@ class Layout:
     buckets: list[Bucket]  # in gradient arrival order; the last ``gpu_tail_buckets`` on the device
     slot: dict[int, tuple[Bucket, int]]  # id(param) -> its bucket and its index there
     copy_out: CopyOutRing | None  # where the kernel writes rounded params (see copy_out.py)
+    # Compact moments: where the next gradients land while a bucket's deferred update keeps
+    # its gradient buffer (grad_slots.py); None otherwise.
+    grad_slots: GradSlots | None
 
 
 def lay_out(
@@ -59,7 +63,9 @@ def lay_out(
     salts = {plan.index: [salt[id(p)] for p in plan.params] if compact else None for plan in plans}
     buckets = [Bucket(p, link, p.index >= first_device, cast, salts[p.index]) for p in plans]
     slot = {id(p): (bucket, i) for bucket in buckets for i, p in enumerate(bucket.plan.params)}
-    return Layout(buckets, slot, _copy_out_ring(link, plans, dtype, cast, compact))
+    # Of the largest bucket, host or device ("auto" moves them): what standalone_host_parts counts.
+    grad_slots = GradSlots(link, largest, host_grad_dtype(dtype, cast)) if compact else None
+    return Layout(buckets, slot, _copy_out_ring(link, plans, dtype, cast, compact), grad_slots)
 
 
 def _copy_out_ring(

@@ -156,6 +156,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             speculate=speculate,
             speculate_after_clip=speculate_after_clip,
             copy_out=layout.copy_out,
+            grad_slots=layout.grad_slots,
         )
         self._stv.clip_threshold = self.max_grad_norm
         self._stv.worker.publish = self._replicas.publish_failure  # this optimizer's failure
@@ -282,13 +283,15 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             self._tail.step(result.clip_coef)
         self._arrival.end_step()
         if not self._waits.per_module:
-            self.synchronize()
+            self._stv.synchronize(self._buckets)
         self._tail.after_step()
         return loss
 
     @ownership.in_use
     def synchronize(self) -> None:
-        """Wait for all CPU work in flight; afterwards the model params hold the new values."""
+        """Wait for all CPU work in flight; afterwards the model params and the optimizer's
+        state hold the new values (compact moments' deferred writes are done too)."""
+        self._stv.flush()
         self._stv.synchronize(self._buckets)
 
     @ownership.in_use
@@ -311,7 +314,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         copy the value there too (as ``load_state_dict`` does), and write between steps only,
         never between backward() and step(), while a speculative update may be in it."""
         bucket, i = self._slot_of(param)
-        self._stv.wait_for_tasks([bucket.index])
+        self._stv.settle_state([bucket])
         self._link.host_waits_for(bucket.last_h2d)  # no transfer still reads it
         return bucket.views(bucket.master, i)
 

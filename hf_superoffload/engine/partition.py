@@ -41,6 +41,19 @@ class HostPartition:
         self.speculation_applied = False  # written and read on the worker thread only
         # Compact moments (compact_moments.py) in place of fp32 exp_avg / exp_avg_sq (None).
         self.compact = None
+        # A validated update whose write into master and moments is deferred to the next
+        # step's pass (deferred_commits.Pending), and the gradient slot this step's gradients
+        # land in meanwhile (grad_slots.py); both the training thread's.
+        self.pending = None
+        self.incoming: torch.Tensor | None = None
+        # The worker's: the host state lacks the pending update (its speculation ran).
+        self.state_behind = False
+        # (offset, numel) ranges no gradient is ever written to (ZeRO-3's padding of a param's
+        # last partition): zeroed in a gradient slot when it is taken.
+        self.padding: list[tuple[int, int]] = []
+        # This step's gradients were handed to a task in a gradient slot: until it has run,
+        # the gradient buffer still holds the last step's (reset when the step concludes).
+        self.grad_moving = False
         self.reset_speculation()
 
     @property

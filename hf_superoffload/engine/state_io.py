@@ -80,7 +80,7 @@ def held_bytes(opt: SuperOffloadOptimizer, on_device: bool) -> dict[str, int]:
         b.compact.nbytes() if b.compact is not None else nbytes([b.exp_avg, b.exp_avg_sq])
         for b in buckets
     )
-    ring = opt._stv.host.copy_out
+    ring, slots = opt._stv.host.copy_out, opt._stv.deferred.slots
     held = {"master": nbytes(b.master for b in buckets), "moments": moments}
     if on_device:
         return {**held, "gradients": nbytes(b.grad for b in buckets)}
@@ -89,6 +89,7 @@ def held_bytes(opt: SuperOffloadOptimizer, on_device: bool) -> dict[str, int]:
         "gradients": nbytes(b.host_grad for b in buckets),
         "param_copy_out": nbytes(ring.buffers) if ring is not None else 0,
         "accumulation": nbytes(b.grad_sum for b in buckets),
+        "grad_slots": nbytes(slots.buffers) if slots is not None else 0,
     }
 
 

@@ -10,6 +10,8 @@ Per step:
    keeps the speculated updates; CLIP replays them with the clip coefficient (rollback + step in
    one pass); SKIP (non-finite) rolls them back. A partition that did not speculate steps now.
 3. ``synchronize(parts)``: wait for the worker; afterwards the params hold the new values.
+   With compact moments a validated speculation's write into the host state is deferred to
+   the next step's pass (deferred_commits.py); ``flush`` writes it for readers of the state.
 
 The engines say how gradients arrive, where updated params go (``HostPartition.flat_param``),
 how the global norm is reduced and which clip rule applies; nothing here depends on that.
@@ -27,6 +29,8 @@ from collections.abc import Callable, Iterable
 import torch
 
 from .copy_out import CopyOutRing
+from .deferred_commits import DeferredCommits, Pending
+from .grad_slots import GradSlots
 from .host_steps import HostSteps, SpeculationRound
 from .link import Link
 from .partition import HostPartition
@@ -101,8 +105,17 @@ class StvStats:
     # discarded them, or DeepSpeed's accessors read or wrote the partition (ZeRO-3).
     rollbacks_accumulation: int = 0
     replay_seconds: float = 0.0
+    # CPU passes before and after validation (a fused pass of compact moments counts here).
     cpu_step_seconds: float = 0.0
-    commit_seconds: float = 0.0  # compact moments: validated updates into the host state
+    # Compact moments: validated updates written into the host state by a pass of their own
+    # (not fused with the next step's speculation: deferred_commits.py says when).
+    commit_seconds: float = 0.0
+    # Compact moments: partition passes that wrote a validated update and speculated the next
+    # one in one sweep (their time is in cpu_step_seconds).
+    commits_fused: int = 0
+    # Of exposed_cpu_seconds: gradients waited for a free gradient slot (the worker was more
+    # partitions behind backward than there are slots).
+    slot_wait_seconds: float = 0.0
     exposed_cpu_seconds: float = 0.0
     accumulate_seconds: float = 0.0  # summing accumulated gradients on the host
     tail_moves: int = 0  # gpu_tail="auto" (or the cap) moved buckets to or from the device
@@ -129,19 +142,6 @@ class StepUndos:
             setattr(self.stats, cause, getattr(self.stats, cause) + 1)
 
 
-def state_key(index: int) -> tuple[str, int]:
-    """The worker key of a partition's tasks that write its host state and send nothing (the
-    commit of compact moments): the next forward does not wait for them, the next gradients
-    into the partition's buffer do."""
-    return ("state", index)
-
-
-def task_keys(index: int) -> tuple:
-    """Every worker key of a partition's tasks: those that send params and those that only
-    write its host state (``state_key``); waiting for both frees its buffers."""
-    return (index, state_key(index))
-
-
 def adam_hyper(group: dict, step: int) -> dict:
     """The kernel's keyword arguments for update number ``step`` of a param group."""
     beta1, beta2 = group["betas"]
@@ -165,6 +165,7 @@ class Stv:
         speculate: bool = True,
         speculate_after_clip: bool = False,
         copy_out: CopyOutRing | None = None,
+        grad_slots: GradSlots | None = None,
     ):
         self.link = link
         self.stats = StvStats()
@@ -184,6 +185,8 @@ class Stv:
         self.host_sq_norms = link.host_empty(n_partitions, torch.float32)
         self.host = HostSteps(link, self.stats, self.host_sq_norms, copy_out)
         self.worker = Worker()
+        # Compact moments' deferred writes, and the slots the next gradients land in meanwhile.
+        self.deferred = DeferredCommits(self.worker, self.host, grad_slots, self.wait_for_tasks)
         self._round = SpeculationRound()
 
     # --------------------------------------------------------------------- backward side
@@ -198,26 +201,38 @@ class Stv:
     def launch(self, part: HostPartition, d2h_event, speculate: bool = True) -> None:
         """The partition's gradients (and its squared norm in ``host_sq_norms``) are on their
         way to the host, landed once ``d2h_event`` completes: speculate on it if the policy
-        allows, else it steps in ``conclude``."""
+        allows, else it steps in ``conclude``. A pending update of compact moments is written
+        first, in one pass with the speculation where it can be (deferred_commits.py)."""
         part.d2h_event = d2h_event
         if not (speculate and self.speculating):
+            self.deferred.land(part, d2h_event)
             return
         hyper, scale, round_ = self.hyper(part, part.step + 1), self.predicted_coef, self._round
         runs, grad, threshold = part.update_runs(), part.grad_for_kernel(), self.clip_threshold
         part.speculated_with, part.speculated_scale = hyper, scale
         part.speculated_runs, part.speculated_grad = runs, grad
-        self.worker.submit(
-            [part.index],
-            lambda: self.host.speculate(
-                part, hyper, scale, d2h_event, round_, runs, grad, threshold
-            ),
-        )
+        host, slots = self.host, self.deferred.slots
+        pending, incoming = self.deferred.hand_to_speculation(part)
+
+        def task():
+            if pending is None and incoming is None:
+                host.speculate(part, hyper, scale, d2h_event, round_, runs, grad, threshold)
+            else:
+                host.speculate_after(
+                    part, pending, incoming, hyper, scale, d2h_event, round_, runs, grad,
+                    threshold, slots,
+                )  # fmt: skip
+
+        self.worker.submit([part.index], task)
 
     def accumulate(
         self, part: HostPartition, total: torch.Tensor, d2h_event, first: bool, last: bool
     ) -> None:
         """Queue the sum of the gradients that land with ``d2h_event`` into ``total`` (see
-        ``HostSteps.accumulate``); with ``last`` the sum's squared norm follows."""
+        ``HostSteps.accumulate``); with ``last`` the sum's squared norm follows. A pending
+        update is written first (its gradients may be the sum's), and gradients that landed in
+        a slot move to the gradient buffer, which the sum reads."""
+        self.deferred.land(part, d2h_event)
         self.worker.submit(
             [part.index], lambda: self.host.accumulate(part, total, d2h_event, first, last)
         )
@@ -238,6 +253,7 @@ class Stv:
         speculated on them; the next arrivals start a fresh round."""
         for part in parts:
             self.retract(part)
+            self.deferred.drop_incoming(part)
             part.reset_speculation()
         self._round = SpeculationRound()
 
@@ -263,19 +279,13 @@ class Stv:
             self.predicted_coef = result.clip_coef
             self.clip_threshold = result.max_grad_norm
         undos = StepUndos(stats)
-        state_tasks: list = []
         for part in parts:
-            self._settle(part, result.verdict, result.clip_coef, undos, state_tasks)
+            self._settle(part, result.verdict, result.clip_coef, undos)
             part.reset_speculation()
-        # After every task that sends params: the next forward waits for those, not for these.
-        # Last partition first: the next backward's gradients land in those buffers first.
-        for part, task in reversed(state_tasks):
-            self.worker.submit([state_key(part.index)], task)
+            part.grad_moving = False  # the next step's gradients are the next to move
         self._round = SpeculationRound()
 
-    def _settle(
-        self, part: HostPartition, verdict: Verdict, coef: float, undos, state_tasks: list
-    ) -> None:
+    def _settle(self, part: HostPartition, verdict: Verdict, coef: float, undos) -> None:
         spec, submit, host = part.speculated_with, self.worker.submit, self.host
         if spec is None:
             if verdict is not Verdict.SKIP:
@@ -305,20 +315,16 @@ class Stv:
             submit([part.index], replay)
         else:
             submit([part.index], lambda: host.complete(part, spec, scale, runs, grad))
-            if part.compact is not None:
-                task = lambda: host.commit_state(part, spec, scale, runs, grad)  # noqa: E731
-                state_tasks.append((part, task))
+            if part.compact is not None:  # written by the next step's pass, or a flush
+                self.deferred.defer(part, Pending(spec, scale, runs, grad))
         part.commit_update()
 
     # --------------------------------------------------------------------- waiting
 
-    def wait_for_tasks(self, keys: Iterable[int], params_only: bool = False) -> None:
+    def wait_for_tasks(self, keys: Iterable[int]) -> None:
         """Wait for the worker's tasks on these partitions (by index), counted as exposed CPU
-        time when there were any (e.g. backward needs a host buffer a task still reads); with
-        ``params_only`` for those that send params only (``state_key``'s tasks need not end)."""
+        time when there were any (e.g. backward needs a host buffer a task still reads)."""
         keys = list(keys)
-        if not params_only:
-            keys += [state_key(k) for k in keys]
         if self.worker.busy(keys):
             start = time.perf_counter()
             self.worker.wait(keys)
@@ -330,11 +336,12 @@ class Stv:
         ``consume`` the event is dropped (one reader); else later readers on other streams
         wait for it too."""
         parts = list(parts)
-        self.wait_for_tasks((p.index for p in parts), params_only=True)
+        self.wait_for_tasks(p.index for p in parts)
         self._order_after_returns(parts, consume)
 
     def synchronize(self, parts: Iterable[HostPartition]) -> None:
-        """Wait for all CPU work in flight; afterwards the params hold the new values."""
+        """Wait for all CPU work in flight; afterwards the params hold the new values (the
+        host state of compact moments may still lack the last update: ``flush``)."""
         start = time.perf_counter()
         self.worker.wait()
         self._order_after_returns(parts, consume=True)
@@ -347,5 +354,20 @@ class Stv:
             if consume:
                 part.h2d_event = None
 
+    def flush(self, parts: Iterable[HostPartition] | None = None) -> None:
+        """Queue the write of deferred updates (of these partitions; default all) into the
+        host state: for whatever reads or moves it next, after a wait for the worker."""
+        self.deferred.flush(parts)
+
+    def settle_state(self, parts: Iterable[HostPartition]) -> None:
+        """These partitions' host state holds every validated update, and no task uses their
+        buffers: ``flush``, then wait for their tasks."""
+        parts = list(parts)
+        self.flush(parts)
+        self.wait_for_tasks(p.index for p in parts)
+
     def close(self) -> None:
+        """Write the deferred updates (the state stays readable), then stop the worker."""
+        if self.deferred.any and self.worker.healthy:
+            self.flush()
         self.worker.close()

@@ -28,7 +28,7 @@ from .placement import (
     lean_tail_elements,
 )
 from .replicas import Replicas
-from .stv import Stv, task_keys
+from .stv import Stv
 from .tail_tuner import TailTuner
 
 logger = logging.getLogger("hf_superoffload")
@@ -197,8 +197,9 @@ class TailMoves:
         """Between steps: turn host buckets into tail buckets or back, state and all."""
         if not buckets:
             return
-        # Their settled updates are done, the commits of compact moments too (state_key).
-        self._stv.worker.wait([k for b in buckets for k in task_keys(b.index)])
+        # Their settled updates are done, the deferred writes of compact moments too.
+        self._stv.flush(buckets)
+        self._stv.worker.wait([b.index for b in buckets])
         for bucket in buckets:
             if to_device:
                 bucket.move_to_device(self._link)

@@ -81,6 +81,12 @@ class Worker:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def healthy(self) -> bool:
+        """Whether tasks submitted now would run: not closed, no task failed."""
+        with self._cond:
+            return not self._closed and self._error is None and self._thread.is_alive()
+
     def _raise_if_failed(self) -> None:
         if isinstance(self._error, KeyboardInterrupt):
             # An interrupt stays an interrupt (a notebook's stop button, a Trainer's handler).

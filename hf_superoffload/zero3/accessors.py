@@ -21,8 +21,6 @@ from __future__ import annotations
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from ..engine.stv import task_keys
-
 
 class HostGradientAccessors:
     """Mixed in before DeepSpeedZeroOptimizer_Stage3 (``super()`` is DeepSpeed's)."""
@@ -32,20 +30,28 @@ class HostGradientAccessors:
         on_device = self._device_part_at.get(i)
         if on_device is not None:  # fp32 on the device, cleared when the step is taken
             return on_device.grad.narrow(0, offset, numel), i
-        part = self._host_part_at[i]
+        self._gradients_landed()
+        # In a gradient slot while the sub group's buffer keeps a deferred update's gradients.
+        grads = self._stv.deferred.current_grad(self._host_part_at[i])
+        return grads.narrow(0, offset, numel), i
+
+    def _gradients_landed(self) -> None:
+        """The copies of gradient partitions into host memory (queued on DeepSpeed's reduce
+        stream) have landed."""
         if not get_accelerator().resolves_data_dependency():
-            self.reduce_and_partition_stream.synchronize()  # the copies into it have landed
-        return part.host_grad.narrow(0, offset, numel), i
+            self.reduce_and_partition_stream.synchronize()
 
     def _settle_for_access(self, sub_group: int) -> None:
-        """Undo a speculation on this host sub group (it then steps after validation) and
-        wait for its worker tasks."""
+        """Undo a speculation on this host sub group (it then steps after validation), write
+        its deferred update and move this step's gradients into its gradient buffer
+        (engine/deferred_commits.py), and wait for its worker tasks."""
         part = self._host_part_at.get(sub_group)
         if part is None:
             return
         if part.speculated_with is not None:
             self._stv.retract(part)
-        self._stv.worker.wait(task_keys(sub_group))  # a compact commit's too
+        self._gradients_landed()
+        self._stv.settle_state([part])
 
     def set_fp32_grad_for_param(self, value, param):
         if not param.requires_grad:

@@ -100,7 +100,7 @@ def zero3_host_parts(init_optimizer, kwargs: dict, compact: bool = False) -> dic
     accumulating = kwargs.get("gradient_accumulation_steps", 1) > 1
     parts = optimizer_host_parts(
         split.partition, split.host_numel, grad, copy_out, accumulating,
-        split.host_blocks if compact else None,
+        split.host_blocks if compact else None, split.largest_host_sub_group,
     )  # fmt: skip
     start_up = start_up_host_bytes(split.partition, grad) - sum(parts.values())
     resume = resume_extra_host_bytes(split, compact)

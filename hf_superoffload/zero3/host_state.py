@@ -77,21 +77,29 @@ class HostState:
         numel = param.partition_numel()
         return max(0, min(numel, param.ds_numel - self._get_param_partition_rank(param) * numel))
 
+    def _padding(self, i: int) -> list[tuple[int, int]]:
+        """(offset, numel) of the padding in sub group ``i``'s flat partition, which no
+        gradient partition writes (its gradients there stay zero)."""
+        ranges = []
+        for param in self.fp16_groups[i]:
+            _, offset, numel = self.grad_position[self.get_param_id(param)]
+            real = self._real_numel(param)
+            if real < numel:
+                ranges.append((offset + real, numel - real))
+        return ranges
+
     @torch.no_grad()
     def _zero_padding(self) -> None:
         """The padding that ends the last ranks' partitions of a param holds whatever memory
         DeepSpeed's partitioning left there (``torch.empty``): zero it in the fp32 masters and
         the 16-bit partitions, so that stepping it (zero gradients, zero moments) keeps it at
         zero and checkpoints are deterministic."""
-        for i, group in enumerate(self.fp16_groups):
+        for i in range(len(self.fp16_groups)):
             master, low = self.fp32_partitioned_groups_flat[i], self.fp16_partitioned_groups_flat[i]
-            for param in group:
-                _, offset, numel = self.grad_position[self.get_param_id(param)]
-                real = self._real_numel(param)
-                if real < numel:
-                    master.narrow(0, offset + real, numel - real).zero_()
-                    if low is not None:
-                        low.narrow(0, offset + real, numel - real).zero_()
+            for offset, numel in self._padding(i):
+                master.narrow(0, offset, numel).zero_()
+                if low is not None:
+                    low.narrow(0, offset, numel).zero_()
 
     def _build_host_partitions(self, params_on_device: bool) -> list[HostPartition]:
         """One HostPartition per CPU sub group, over DeepSpeed's fp32 master, with our own
@@ -118,6 +126,7 @@ class HostState:
             group = self.sub_group_to_group_id[i]
             part = HostSubGroup(i, group, master, exp_avg, exp_avg_sq, host_grad, None, flat_param)
             part.compact = compact
+            part.padding = self._padding(i)
             part.init_param_steps(self._param_spans(i))
             self._register_moments(part, master)
             parts.append(part)
@@ -172,6 +181,7 @@ class HostState:
             ),
             "param_copy_out": nbytes(self._copy_out.buffers if self._copy_out else []),
             "accumulation": nbytes([self.grad_partitions_flat_buffer]),
+            "grad_slots": nbytes(self._grad_slots.buffers if self._grad_slots else []),
         }
 
     def _step_value(self, step: int):

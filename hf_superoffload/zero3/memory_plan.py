@@ -5,8 +5,8 @@ Host, per rank (``SuperOffloadZero3Optimizer.host_bytes`` names the same parts):
 partition of the fp32 master (4 B/param) and both moments (8), its gradients in DeepSpeed's
 accumulation dtype (2 in bf16), DeepSpeed's host accumulation buffer when micro-batches
 accumulate (2), the 16-bit params when ``offload_param`` puts them there (2), the copy-out ring,
-and the process itself (CUDA context, libraries: measured, ``HOST_PROCESS_BYTES``). While the
-optimizer is built, DeepSpeed holds the whole partition's fp32 masters and its accumulation
+with compact moments a few gradient slots of the largest host sub group, and the process
+itself (CUDA context, libraries: measured, ``HOST_PROCESS_BYTES``). While the optimizer is built, DeepSpeed holds the whole partition's fp32 masters and its accumulation
 buffer (6 B/param in bf16) before the GPU tail's masters move: below a ``ratio`` of about 0.4
 that start-up is the host's peak (measured at 0.6 before its fp32 gradient buffers were
 dropped too: 33.0 GiB at start-up against 28.3 while training, 3.37B params).
@@ -38,6 +38,7 @@ import math
 
 from ..engine.compact_moments import compact_moment_bytes
 from ..engine.copy_out import COPY_OUT_PIECE, COPY_OUT_SLOTS
+from ..engine.grad_slots import grad_slots_bytes
 from . import checkpoint_memory
 from .loss_memory import loss_bytes
 from .model_shape import ModelShape
@@ -252,19 +253,23 @@ def optimizer_host_parts(
     copy_out: int,
     accumulating: bool,
     compact_blocks: int | None = None,
+    largest_host_sub_group: int = 0,
 ) -> dict[str, int]:
     """The optimizer's host bytes per rank while training, by what holds them (the names of
     ``SuperOffloadZero3Optimizer.host_bytes``): the plan's and the start-up check's.
-    ``compact_blocks``: the moments are compact, in that many blocks."""
-    moments = (
-        8 * on_host if compact_blocks is None else compact_moment_bytes(on_host, compact_blocks)
-    )
+    ``compact_blocks``: the moments are compact, in that many blocks, and the next gradients
+    of a sub group whose update is deferred land in a few gradient slots of the largest host
+    sub group (engine/grad_slots.py)."""
+    compact = compact_blocks is not None
+    moments = compact_moment_bytes(on_host, compact_blocks) if compact else 8 * on_host
+    slots = grad_slots_bytes(largest_host_sub_group, grad_bytes) if compact and on_host else 0
     return {
         "master": 4 * on_host,
         "moments": moments,
         "gradients": grad_bytes * on_host,
         "param_copy_out": copy_out if on_host else 0,
         "accumulation": grad_bytes * partition if accumulating else 0,
+        "grad_slots": slots,
     }
 
 
@@ -320,6 +325,7 @@ def zero3_memory_plan(config, run: Zero3Run, shape: ModelShape | None = None) ->
             copy_out,
             run.gradient_accumulation > 1,
             split.host_blocks if compact else None,
+            split.largest_host_sub_group,
         ),
         "offloaded_params": low * partition if run.offload_param else 0,
         "process": HOST_PROCESS_BYTES,
