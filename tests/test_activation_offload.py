@@ -27,7 +27,7 @@ from hf_superoffload.integrations.activation_offload import (
     CheckpointInputOffload,
     check_arguments,
 )
-from hf_superoffload.recipes import run
+from hf_superoffload.recipes import report, run
 from hf_superoffload.toy import build_tiny_llama, tiny_llama_config
 from hf_superoffload.zero3.activation_memory import (
     layer_input_bytes,
@@ -139,6 +139,11 @@ def test_recipe_run_installs_the_offload_and_trains(tmp_path):
     assert callback.offload.layers == model.config.num_hidden_layers
     assert tally.packed == 2 * model.config.num_hidden_layers  # 2 steps, one micro batch each
     assert tally.live_bytes == 0 and tally.peak_live_bytes > 0
+    summary = report.summarize(trainer, model, "sft", {})
+    assert summary["activation_checkpoint_offload"] == {
+        "layers": 2, "inputs_moved": 4, "host_peak_bytes": tally.peak_live_bytes, "pinned": False
+    }  # fmt: skip
+    assert "the inputs of 2 layers waited in host memory" in report.format_summary(summary)
 
 
 # --- the memory plan ---
