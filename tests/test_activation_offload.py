@@ -216,8 +216,12 @@ def test_gpu_memory_drops_by_the_layer_inputs_and_gradients_stay_bit_identical()
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         return torch.cuda.max_memory_allocated() - start, grads
 
-    peak_and_grads()  # warm-up: the allocator's and cuBLAS's first allocations
+    _, first = peak_and_grads()  # warm-up: the allocator's and cuBLAS's first allocations
     on_gpu, reference = peak_and_grads()
+    for name, grad in reference.items():  # else bit-identity could not be asked of the offload
+        assert torch.equal(first[name], grad), (
+            f"the run without offload is not deterministic: {name}"
+        )
     offload = CheckpointInputOffload()
     offload.install(model)
     peak_and_grads()  # the pinned blocks' first allocation
@@ -235,3 +239,17 @@ def test_gpu_memory_drops_by_the_layer_inputs_and_gradients_stay_bit_identical()
     assert drop >= 0.9 * planned_drop, (drop / 2**20, planned_drop / 2**20)
     print(f"peak {on_gpu / 2**20:.0f} MiB -> {offloaded / 2**20:.0f} MiB, planned drop "
           f"{planned_drop / 2**20:.0f} MiB")  # fmt: skip
+
+
+def test_the_launcher_plans_the_offload_the_script_is_given(capsys, tmp_path):
+    """hf-superoffload finetune passes --activation_checkpoint_offload true to examples/sft.py
+    and plans it: the layer inputs on the host, one left on the GPU."""
+    args = ["llama-3.1-8b", "superoffload", "--dry-run", "--hardware", "h100", "--ratio", "auto"]
+    for given, offload in ((["--", "--activation_checkpoint_offload", "true"], True), ([], False)):
+        out_dir = tmp_path / str(offload)
+        code = cli_main(["finetune", "--runs-dir", str(out_dir), *args, *given])
+        assert code == 0, capsys.readouterr().err
+        (run_dir,) = out_dir.iterdir()
+        plan = json.loads((run_dir / "plan.json").read_text())
+        assert plan["run"]["activation_offload"] is offload
+        assert (plan["host_bytes_per_rank"]["offloaded_layer_inputs"] > 0) is offload
