@@ -95,9 +95,9 @@ class CheckpointInputOffload:
         self.layers = 0
 
     def install(self, model: torch.nn.Module) -> int:
-        """Wrap the checkpoint function of every module transformers checkpoints (again
-        after the Trainer re-enables checkpointing, not twice); return the checkpointed decoder
-        layers. ValueError when none is checkpointed."""
+        """Wrap the checkpoint function of every module transformers checkpoints (once: a
+        wrapper installed before is replaced); return the checkpointed decoder layers.
+        ValueError when none is checkpointed."""
         from transformers.modeling_layers import GradientCheckpointingLayer
 
         layers = 0
@@ -105,8 +105,9 @@ class CheckpointInputOffload:
             function = getattr(module, "_gradient_checkpointing_func", None)
             if not getattr(module, "gradient_checkpointing", False) or function is None:
                 continue
-            if not isinstance(function, _OffloadedCheckpoint):
-                module._gradient_checkpointing_func = _OffloadedCheckpoint(function, self._hooks)
+            if isinstance(function, _OffloadedCheckpoint):  # installed before: by us, or another
+                function = function.checkpoint
+            module._gradient_checkpointing_func = _OffloadedCheckpoint(function, self._hooks)
             layers += isinstance(module, GradientCheckpointingLayer)
         if not layers:
             raise ValueError(
