@@ -79,6 +79,9 @@ def test_gradients_are_bit_identical_and_exactly_the_layer_inputs_move(use_reent
     assert tally.packed == config.num_hidden_layers, "one tensor a layer: its input"
     assert tally.packed_bytes == config.num_hidden_layers * each
     assert tally.peak_live_bytes == config.num_hidden_layers * each, "all held at once"
+    # What the memory plan counts on the GPU without the offload for this model and batch.
+    planned = zero3_memory_plan(config, Zero3Run(seq=SEQ, batch=BATCH, dtype_bytes=4))
+    assert tally.peak_live_bytes == planned.gpu["layer_inputs"]
     assert tally.live_bytes == 0, "backward released every host copy"
     assert tally.sources == {"cpu"} and tally.pinned == 0  # pinned memory needs a GPU
 
