@@ -28,6 +28,7 @@ from hf_superoffload.integrations.activation_offload import (
     check_arguments,
 )
 from hf_superoffload.recipes import report, run
+from hf_superoffload.recipes.arguments import KINDS, checkpointing_name
 from hf_superoffload.toy import build_tiny_llama, tiny_llama_config
 from hf_superoffload.zero3.activation_memory import (
     layer_input_bytes,
@@ -41,6 +42,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 VOCAB, BATCH, SEQ = 40, 3, 24
+CHECKPOINTING = checkpointing_name(KINDS["sft"])  # the name this transformers gives it
 
 
 def _checkpointed(model, use_reentrant: bool):
@@ -130,7 +132,7 @@ def test_recipe_run_installs_the_offload_and_trains(tmp_path):
     """The demo with checkpointing on and the flag: the callback is the recipe's, the inputs of
     both layers moved each step."""
     argv = [
-        "--output_dir", str(tmp_path), "--max_steps", "2", "--activation_checkpointing", "true",
+        "--output_dir", str(tmp_path), "--max_steps", "2", f"--{CHECKPOINTING}", "true",
         "--activation_checkpoint_offload", "true", "--save_model", "false", "--loss_plot",
         "false", "--require_loss_decrease", "false", "--disable_tqdm", "true",
     ]  # fmt: skip

@@ -21,12 +21,14 @@ import torch
 from ranks import set_rank_env, spawn_ranks
 from zero3_reference import free_port
 
+from hf_superoffload.recipes.arguments import KINDS, checkpointing_name
 from hf_superoffload.zero3.activation_memory import layer_input_bytes
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+CHECKPOINTING = checkpointing_name(KINDS["sft"])  # the name this transformers gives it
 STEPS, BATCH, PAD = 2, 4, 64  # every batch padded to 64 tokens (gloo gathers equal shapes)
 ZERO3 = {
     "train_micro_batch_size_per_gpu": "auto",
@@ -54,7 +56,7 @@ def _argv(out_dir: str, ds_path: str, optimizer: str, *extra: str) -> list[str]:
         "--learning_rate", "1e-3", "--lr_scheduler_type", "constant", "--warmup_steps", "0",
         "--optim", "adamw_torch", "--data_seed", "0", "--disable_tqdm", "true",
         "--save_model", "false", "--loss_plot", "false", "--require_loss_decrease", "false",
-        "--pad_to_multiple_of", str(PAD), "--activation_checkpointing", "true",
+        "--pad_to_multiple_of", str(PAD), f"--{CHECKPOINTING}", "true",
         "--optimizer", optimizer, *extra,
     ]  # fmt: skip
 
