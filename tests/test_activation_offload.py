@@ -84,6 +84,7 @@ def test_gradients_are_bit_identical_and_exactly_the_layer_inputs_move(use_reent
     # What the memory plan counts on the GPU without the offload for this model and batch.
     planned = zero3_memory_plan(config, Zero3Run(seq=SEQ, batch=BATCH, dtype_bytes=4))
     assert tally.peak_live_bytes == planned.gpu["layer_inputs"]
+    assert tally.peak_held_bytes == tally.peak_live_bytes  # not pinned here: their own bytes
     assert tally.live_bytes == 0, "backward released every host copy"
     assert tally.sources == {"cpu"} and tally.pinned == 0  # pinned memory needs a GPU
 
@@ -147,7 +148,7 @@ def test_recipe_run_installs_the_offload_and_trains(tmp_path):
     assert tally.live_bytes == 0 and tally.peak_live_bytes > 0
     summary = report.summarize(trainer, model, "sft", {})
     assert summary["activation_checkpoint_offload"] == {
-        "layers": 2, "inputs_moved": 4, "host_peak_bytes": tally.peak_live_bytes, "pinned": False
+        "layers": 2, "inputs_moved": 4, "host_peak_bytes": tally.peak_held_bytes, "pinned": False
     }  # fmt: skip
     assert "the inputs of 2 layers waited in host memory" in report.format_summary(summary)
 
@@ -238,6 +239,8 @@ def test_gpu_memory_drops_by_the_layer_inputs_and_gradients_stay_bit_identical()
     tally = offload.tally
     assert tally.packed == 2 * layers and tally.pinned == tally.packed
     assert tally.sources == {"cuda:0"} and tally.live_bytes == 0
+    # The pinned blocks the copies held at once: the plan's host figure.
+    assert tally.peak_held_bytes == layer_inputs_host_bytes(layers, batch * seq, hidden, 2, True)
     planned_drop = layer_inputs_gpu_bytes(
         layers, batch * seq, hidden, 2, False
     ) - layer_inputs_gpu_bytes(layers, batch * seq, hidden, 2, True)

@@ -25,6 +25,8 @@ import torch
 from torch.autograd.graph import save_on_cpu
 from transformers import TrainerCallback
 
+from ..zero3.activation_memory import pinned_block_bytes
+
 logger = logging.getLogger("hf_superoffload")
 
 FLAG = "--activation_checkpoint_offload true"
@@ -32,7 +34,9 @@ FLAG = "--activation_checkpoint_offload true"
 
 class OffloadTally:
     """What the offload moved: tensors packed, their bytes, how many landed in pinned memory,
-    the devices they came from, and the bytes of host copies alive now and at most."""
+    the devices they came from, the bytes of host copies alive now and at most, and the host
+    bytes those copies held at most: a pinned copy holds its allocator block
+    (``pinned_block_bytes``, the plan's count), another its own bytes."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # backward releases copies on autograd's device threads
@@ -42,21 +46,28 @@ class OffloadTally:
         self.sources: set[str] = set()
         self.live_bytes = 0
         self.peak_live_bytes = 0
+        self._held = 0
+        self.peak_held_bytes = 0
 
     def add(self, source: torch.Tensor, copy: torch.Tensor) -> None:
         nbytes = copy.numel() * copy.element_size()
+        pinned = copy.is_pinned()
+        held = pinned_block_bytes(nbytes) if pinned else nbytes
         with self._lock:
             self.packed += 1
             self.packed_bytes += nbytes
-            self.pinned += int(copy.is_pinned())
+            self.pinned += int(pinned)
             self.sources.add(str(source.device))
             self.live_bytes += nbytes
             self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
-        weakref.finalize(copy, self._release, nbytes)
+            self._held += held
+            self.peak_held_bytes = max(self.peak_held_bytes, self._held)
+        weakref.finalize(copy, self._release, nbytes, held)
 
-    def _release(self, nbytes: int) -> None:
+    def _release(self, nbytes: int, held: int) -> None:
         with self._lock:
             self.live_bytes -= nbytes
+            self._held -= held
 
 
 class _CountedSaveOnCpu(save_on_cpu):
@@ -140,7 +151,7 @@ class ActivationOffloadCallback(TrainerCallback):
                 "activation checkpoint offload: %d layer inputs moved, at most %.2f GiB on the "
                 "host at once (%d of them in pinned memory)",
                 tally.packed,
-                tally.peak_live_bytes / 2**30,
+                tally.peak_held_bytes / 2**30,
                 tally.pinned,
             )
 

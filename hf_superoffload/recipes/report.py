@@ -115,7 +115,8 @@ def _activation_offload(trainer) -> dict | None:
             return {
                 "layers": offload.layers,
                 "inputs_moved": tally.packed,
-                "host_peak_bytes": tally.peak_live_bytes,  # the copies held at once
+                # The host memory the copies held at once (pinned: whole allocator blocks).
+                "host_peak_bytes": tally.peak_held_bytes,
                 "pinned": tally.packed > 0 and tally.pinned == tally.packed,
             }
     return None
