@@ -24,8 +24,10 @@
 #
 # Env: OUT (default ./results), DEADLINE_S (default 570, inside a 600 s job), START (default
 # 16384), MAX (default 1048576), STEPS (default 5), SYSTEMS (default "superoffload
-# zerooffload"), HF_SUPEROFFLOAD_HOST_MEMORY_GIB (default 240: the H200 hosts' MemAvailable
-# reads low at start).
+# zerooffload"; each with the suffix _actoffload, e.g. superoffload_actoffload, runs the same
+# with --activation_checkpoint_offload true: the checkpointed layer inputs in pinned host
+# memory), HF_SUPEROFFLOAD_HOST_MEMORY_GIB (default 240: the H200 hosts' MemAvailable reads low
+# at start).
 # Writes $OUT/long_sequences.csv (a row per launch or skipped length) and
 # $OUT/long_sequences_logs.tgz; prints a short table last.
 set -u
@@ -84,8 +86,17 @@ yaml.safe_dump(config, open(sys.argv[2], "w"), sort_keys=False)
 PY
 declare -A CONFIG=([superoffload]=$SP_CONFIG [zerooffload]=$WORK/zerooffload_sp2.yaml)
 declare -A OPTIMIZER=([superoffload]=superoffload [zerooffload]=adamw)
+declare -A SYSTEM_ARGS=()
+for base in superoffload zerooffload; do  # the same system, its layer inputs on the host
+  CONFIG[${base}_actoffload]=${CONFIG[$base]}
+  OPTIMIZER[${base}_actoffload]=${OPTIMIZER[$base]}
+  SYSTEM_ARGS[${base}_actoffload]="--activation_checkpoint_offload true"
+done
 declare -A ALIVE LAST_STARTUP LAST_STEP LAST_LEN
-for s in $SYSTEMS; do ALIVE[$s]=1; done
+for s in $SYSTEMS; do
+  [[ -n "${CONFIG[$s]:-}" ]] || { echo "unknown system '$s'; known: ${!CONFIG[*]}"; exit 2; }
+  ALIVE[$s]=1
+done
 
 end_leftovers() {  # a rank a time cap left behind holds GPU memory the next launch needs
   local pids
@@ -122,7 +133,8 @@ launch() {  # sys len cap
     --max_length "$len" --per_device_train_batch_size 1 --gradient_accumulation_steps 1
     --max_steps "$STEPS" --logging_steps 1 --save_strategy no --save_model false
     --require_loss_decrease false --loss_plot false --disable_tqdm true
-    --optimizer "${OPTIMIZER[$sys]}" --output_dir "$dir/output" ${SCRIPT_EXTRA[@]+"${SCRIPT_EXTRA[@]}"})
+    --optimizer "${OPTIMIZER[$sys]}" --output_dir "$dir/output" ${SYSTEM_ARGS[$sys]:-}
+    ${SCRIPT_EXTRA[@]+"${SCRIPT_EXTRA[@]}"})
   printf '%q ' "${cmd[@]}" > "$dir/command.txt"
   note "$sys at $len: up to $cap s"
   # Each logged step's arrival time: the trainer appends a line to log_history.jsonl per step.
@@ -288,9 +300,9 @@ with open(csv_path, "w", newline="") as f:
     writer.writeheader()
     writer.writerows(rows)
 print(f"\nLlama-3.1-8B, Ulysses over 2 GPUs, one sequence a step{' (SMOKE: CPU)' if smoke else ''}")
-print(f"{'system':<13} {'seq':>8} {'s/step':>7} {'tok/s':>8} {'MFU':>6} {'alloc':>6} {'smi':>6} {'host':>6}  status")
+print(f"{'system':<23} {'seq':>8} {'s/step':>7} {'tok/s':>8} {'MFU':>6} {'alloc':>6} {'smi':>6} {'host':>6}  status")
 for r in rows:
-    print(f"{r['system']:<13} {r['seq']:>8} {r.get('s_per_step') or '-':>7} {r.get('tokens_per_s') or '-':>8} "
+    print(f"{r['system']:<23} {r['seq']:>8} {r.get('s_per_step') or '-':>7} {r.get('tokens_per_s') or '-':>8} "
           f"{r.get('mfu') or '-':>6} {r.get('gpu_alloc_peak_gib') or '-':>6} "
           f"{r.get('nvidia_smi_peak_gib') or '-':>6} {r.get('host_peak_gib') or '-':>6}  {r['status']}")
 PY

@@ -194,8 +194,26 @@ def _moments(settings: dict, script_args: list[str]) -> str:
     return _last_value(script_args, "--superoffload_moments", default)
 
 
+def _activation_offload(settings: dict, script_args: list[str]) -> bool:
+    """Whether the run keeps the checkpointed layer inputs on the host
+    (``--activation_checkpoint_offload``), which the plan counts."""
+    value = _last_value(
+        script_args,
+        "--activation_checkpoint_offload",
+        settings.get("activation_checkpoint_offload", False),
+    )
+    return value in ("true", "1", "yes")
+
+
 def _plan_ratio(
-    args, recipe: Path, settings: dict, gpus: int, batch: int, never_saves: bool, moments: str
+    args,
+    recipe: Path,
+    settings: dict,
+    gpus: int,
+    batch: int,
+    never_saves: bool,
+    moments: str,
+    activation_offload: bool = False,
 ):
     """(ratio, plan JSON or None) for ``--ratio auto``; UsageError or a refusal otherwise."""
     import torch
@@ -220,6 +238,8 @@ def _plan_ratio(
     argv += ["--gradient-accumulation-steps", str(accumulation), "--loss", RECIPE_LOSS, *options]
     if never_saves:
         argv.append("--no-save")
+    if activation_offload:
+        argv.append("--activation-checkpoint-offload")
     argv += ["--moments", moments, *_planned_machine(args)]
     where = "the machine given" if _planned_machine(args) else "this machine"
     try:
@@ -290,7 +310,10 @@ def prepare(args: argparse.Namespace) -> tuple[Path, list[str], dict[str, str]]:
     plan = None
     if ratio == "auto":
         never_saves, moments = _never_saves(settings, extra), _moments(settings, extra)
-        ratio, plan = _plan_ratio(args, recipe, settings, gpus, batch, never_saves, moments)
+        offload = _activation_offload(settings, extra)
+        ratio, plan = _plan_ratio(
+            args, recipe, settings, gpus, batch, never_saves, moments, offload
+        )
     elif _planned_machine(args):
         print(
             f"--hardware/--gpu-mem/--cpu-mem (PLAN_HARDWARE) are used by --ratio auto only; "

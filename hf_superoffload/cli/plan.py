@@ -91,6 +91,13 @@ def add_parser(commands) -> None:
         "--offload-param", action="store_true", help="bf16 params on the host too (ZeRO-3)"
     )
     parser.add_argument(
+        "--activation-checkpoint-offload",
+        action="store_true",
+        help="the checkpointed layers' inputs wait in pinned host memory between forward and "
+        "backward (the recipes' --activation_checkpoint_offload true): off the GPU, onto the "
+        "host, a power-of-two block per layer",
+    )
+    parser.add_argument(
         "--moments",
         choices=("fp32", "compact"),
         default="fp32",
@@ -221,6 +228,13 @@ def _suggestions(config, shape: ModelShape, run: Zero3Run, capacity, verdict: Ve
         trial = _judge(config, shape, dataclasses.replace(run, offload_param=True), capacity)
         if trial.fits:
             found.append(f"--offload-param fits: {plan_output.usage(trial)}")
+    if gpu_short and not run.activation_offload:
+        trial = _judge(config, shape, dataclasses.replace(run, activation_offload=True), capacity)
+        if trial.fits:
+            found.append(
+                f"--activation-checkpoint-offload fits: {plan_output.usage(trial)} (the recipes' "
+                "--activation_checkpoint_offload true: the layer inputs wait on the host)"
+            )
     if gpu_short and run.ratio < 1.0:
         trial = _judge(config, shape, dataclasses.replace(run, ratio=1.0), capacity)
         if trial.fits:
@@ -271,6 +285,7 @@ def answer(args: argparse.Namespace) -> Answer:
         saves_model=not args.no_save,
         fused_cross_entropy=LOSSES[args.loss][0],
         compact_moments=args.moments == "compact",
+        activation_offload=args.activation_checkpoint_offload,
     )
     shape = _shape(source.config)
     auto_notes, auto_suggestions = [], []

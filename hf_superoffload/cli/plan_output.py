@@ -76,6 +76,8 @@ def run_line(plan: MemoryPlan) -> str:
     ]
     if run.offload_param:
         extras.append("bf16 params on the host")
+    if run.activation_offload:
+        extras.append("checkpointed layer inputs in pinned host memory")
     if run.gradient_accumulation > 1:
         extras.append(f"gradient accumulation {run.gradient_accumulation}")
     extras.append(f"loss: {loss_label(run.fused_cross_entropy)}")

@@ -64,6 +64,16 @@ class RecipeArguments:
                   "ranks take a step. Default: an accelerate config's parallelism_config_sp_size "
                   "(accelerate_configs/*_sp2.yaml), else 1 (off)."},
     )  # fmt: skip
+    activation_checkpoint_offload: bool = dataclasses.field(
+        default=False,
+        metadata={"help": "Keep the input each checkpointed decoder layer saves for backward "
+                  "in pinned host memory, not on the GPU: frees layers x tokens per rank x "
+                  "hidden x 2 bytes of GPU memory (the long-sequence limit), costs a copy of "
+                  "them to the host and back each step. Needs activation checkpointing (the "
+                  "recipes' default); any optimizer, with or without DeepSpeed and "
+                  "--sequence_parallel_size. Not TRL's --activation_offloading, which moves "
+                  "every saved activation."},
+    )  # fmt: skip
     dataset_name: str | None = dataclasses.field(
         default=None, metadata={"help": "Hub dataset id (load_dataset); needs network or cache."}
     )

@@ -100,8 +100,26 @@ def summarize(trainer, model, kind: str, train_metrics: dict) -> dict:
         "optimizer": type(running_optimizer(trainer)).__name__,
         "superoffload_stats": stats or None,
         "optimizer_state": optimizer_placement(trainer, model),
+        "activation_checkpoint_offload": _activation_offload(trainer),
         "output_dir": str(Path(trainer.args.output_dir).resolve()),
     }
+
+
+def _activation_offload(trainer) -> dict | None:
+    """What ``--activation_checkpoint_offload`` moved on this rank (None: off)."""
+    from ..integrations.activation_offload import ActivationOffloadCallback
+
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, ActivationOffloadCallback):
+            offload, tally = callback.offload, callback.offload.tally
+            return {
+                "layers": offload.layers,
+                "inputs_moved": tally.packed,
+                # The host memory the copies held at once (pinned: whole allocator blocks).
+                "host_peak_bytes": tally.peak_held_bytes,
+                "pinned": tally.packed > 0 and tally.pinned == tally.packed,
+            }
+    return None
 
 
 def _sequence_parallel_size(trainer) -> int:
@@ -130,6 +148,13 @@ def format_summary(summary: dict) -> str:
             f"withheld, {stats['replays']:.0f} replayed)"
         )
     lines.append(f"optimizer state: {describe(summary['optimizer_state'])} (fp32 master + moments)")
+    offload = summary.get("activation_checkpoint_offload")
+    if offload:
+        memory = "pinned host memory" if offload["pinned"] else "host memory (not pinned: no GPU)"
+        lines.append(
+            f"activation checkpoint offload: the inputs of {offload['layers']} layers waited in "
+            f"{memory}, at most {offload['host_peak_bytes'] / 2**30:.2f} GiB at once per rank"
+        )
     written = ", ".join(["model", *summary.get("written", [])])
     lines.append(f"output: {summary['output_dir']} ({written})")
     return "\n".join(lines)

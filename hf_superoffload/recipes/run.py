@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from transformers import set_seed
 
+from ..integrations import activation_offload
 from . import liger, report, sequence_parallel
 from .arguments import parse
 from .data import fill_sequences, load_train_dataset
@@ -45,6 +46,8 @@ def build_trainer(kind: str, argv: list[str] | None = None, prog: str | None = N
     if sp_size > 1:  # refused before anything is built
         sequence_parallel.check_arguments(sp_size, kind, args)
     liger.check_device(args)
+    if recipe.activation_checkpoint_offload:
+        activation_offload.check_arguments(args)
     _pick_threads(recipe)
     set_seed(args.seed)
     tokenizer = load_tokenizer(recipe)
@@ -69,6 +72,8 @@ def build_trainer(kind: str, argv: list[str] | None = None, prog: str | None = N
     )
     if sp_size > 1:
         sequence_parallel.join_deepspeed_comm()
+    if recipe.activation_checkpoint_offload:  # installed when train() has turned checkpointing on
+        trainer.add_callback(activation_offload.ActivationOffloadCallback())
     report.use_loss_bar(trainer)
     trainer.add_callback(report.LogLines())
     return recipe, trainer, model

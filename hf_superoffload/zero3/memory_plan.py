@@ -15,9 +15,10 @@ GPU, per rank, as torch's allocator counts it (``max_memory_allocated``; the CUD
 on top): the 16-bit param partition, the params ZeRO-3 gathers around the layer being computed
 (with more than one rank), the optimizer state of the sub groups ``ratio`` keeps on the GPU
 (fp32 master, moments and gradients: 16 B/param), the reduce bucket, and the activations of a
-checkpointed decoder: each layer's input, one layer recomputed in backward, and the logits with
-the loss's fp32 copies (12 B per logit: bf16 logits, the fp32 upcast, its fp32 gradient and the
-bf16 gradient).
+checkpointed decoder: each layer's input (with activation checkpoint offload only the one being
+recomputed; the rest wait in pinned host memory, a host part), one layer recomputed in backward,
+and the logits with the loss's fp32 copies (12 B per logit: bf16 logits, the fp32 upcast, its
+fp32 gradient and the bf16 gradient).
 
 ``ratio`` is a share of the optimizer's sub groups, as in DeepSpeed: the plan cuts the params
 into sub groups as the optimizer does (``sub_group_cut.py``: the Trainer's decay and no-decay
@@ -40,6 +41,7 @@ from ..engine.compact_moments import compact_moment_bytes
 from ..engine.copy_out import COPY_OUT_PIECE, COPY_OUT_SLOTS
 from ..engine.grad_slots import grad_slots_bytes
 from . import checkpoint_memory
+from .activation_memory import layer_inputs_gpu_bytes, layer_inputs_host_bytes
 from .loss_memory import loss_bytes
 from .model_shape import ModelShape
 from .save_memory import STREAMED_SHARD_BYTES, streamed_save_host_bytes
@@ -89,6 +91,9 @@ class Zero3Run:
     fused_cross_entropy: str | None = None
     # Both Adam moments compact (8 bits a value, engine/compact_moments.py), not fp32.
     compact_moments: bool = False
+    # The checkpointed layers' inputs in pinned host memory between forward and backward
+    # (the recipes' --activation_checkpoint_offload; activation_memory.py).
+    activation_offload: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,6 +333,9 @@ def zero3_memory_plan(config, run: Zero3Run, shape: ModelShape | None = None) ->
             split.largest_host_sub_group,
         ),
         "offloaded_params": low * partition if run.offload_param else 0,
+        "offloaded_layer_inputs": layer_inputs_host_bytes(
+            shape.layers, tokens, shape.hidden, low, run.activation_offload
+        ),
         "process": HOST_PROCESS_BYTES,
     }
     gathered = 0
@@ -346,11 +354,19 @@ def zero3_memory_plan(config, run: Zero3Run, shape: ModelShape | None = None) ->
             else 16 * split.device_numel
         ),
         "reduce_bucket": low * run.reduce_bucket_size,
-        "layer_inputs": low * shape.layers * tokens * shape.hidden,
+        "layer_inputs": layer_inputs_gpu_bytes(
+            shape.layers, tokens, shape.hidden, low, run.activation_offload
+        ),
         "layer_recompute": 3 * low * tokens * shape.active_intermediate,
         "logits_and_loss": loss_bytes(config, shape, run, tokens),
     }
     start_up = start_up_host_bytes(partition, low) + host["offloaded_params"] + host["process"]
-    resume = sum(host.values()) + resume_extra_host_bytes(split, compact)
+    # A resume loads before the first forward, before the offloaded layer inputs take their
+    # pinned blocks.
+    resume = (
+        sum(host.values())
+        - host["offloaded_layer_inputs"]
+        + resume_extra_host_bytes(split, compact)
+    )
     save = sum(host.values()) + save_extra_host_bytes(shape, run) if run.saves_model else 0
     return MemoryPlan(shape, run, gpu, host, start_up, resume, split, save)
