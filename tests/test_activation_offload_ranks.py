@@ -19,7 +19,7 @@ import os
 import pytest
 import torch
 from ranks import set_rank_env, spawn_ranks
-from zero3_reference import free_port
+from zero3_reference import free_port, trainer_zero3_config
 
 from hf_superoffload.recipes.arguments import KINDS, checkpointing_name
 from hf_superoffload.zero3.activation_memory import layer_input_bytes
@@ -30,19 +30,7 @@ if not torch.cuda.is_available():
 
 CHECKPOINTING = checkpointing_name(KINDS["sft"])  # the name this transformers gives it
 STEPS, BATCH, PAD = 1, 4, 64  # every batch padded to 64 tokens (gloo gathers equal shapes)
-ZERO3 = {
-    "train_micro_batch_size_per_gpu": "auto",
-    "gradient_accumulation_steps": "auto",
-    "gradient_clipping": "auto",
-    "bf16": {"enabled": "auto"},
-    "zero_optimization": {
-        "stage": 3,
-        "sub_group_size": 20000,
-        "reduce_bucket_size": 20000,
-        "stage3_param_persistence_threshold": 0,
-        "offload_optimizer": {"device": "cpu", "pin_memory": False},
-    },
-}
+ZERO3 = trainer_zero3_config()
 SYSTEMS = {
     "superoffload": ({"super_offload": "hf_superoffload"}, "superoffload"),
     "zerooffload": ({}, "adamw"),  # DeepSpeed's CPU Adam, the dev/long_sequences.sh baseline

@@ -36,7 +36,7 @@ import torch
 from engine_reference import LOSS_TOL, NORM_TOL
 from launched import SEVERAL_PROCESSES, run_launched
 from ranks import spawn_ranks
-from zero3_reference import free_port
+from zero3_reference import free_port, trainer_zero3_config
 
 from hf_superoffload.integrations.metrics import ThroughputMeter
 from hf_superoffload.recipes import run, sequence_parallel
@@ -49,23 +49,7 @@ if not torch.cuda.is_available():
 
 WORLD = 2
 STEPS = 3
-ZERO3_SUPEROFFLOAD = {
-    "train_micro_batch_size_per_gpu": "auto",
-    "gradient_accumulation_steps": "auto",
-    "gradient_clipping": "auto",
-    "bf16": {"enabled": "auto"},
-    "zero_optimization": {
-        "stage": 3,
-        "sub_group_size": 20000,
-        "reduce_bucket_size": 20000,
-        "stage3_param_persistence_threshold": 0,
-        "offload_optimizer": {
-            "device": "cpu",
-            "pin_memory": False,
-            "super_offload": "hf_superoffload",
-        },
-    },
-}
+ZERO3_SUPEROFFLOAD = trainer_zero3_config(super_offload="hf_superoffload")
 
 
 # gloo gathers equal shapes only, and DeepSpeed's adapter gathers each rank's batch: pad all

@@ -17,25 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 from ranks import set_rank_env, spawn_ranks
-from zero3_reference import free_port
+from zero3_reference import free_port, trainer_zero3_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 DATA_FILE = Path(__file__).resolve().parents[1] / "examples" / "data" / "arithmetic_sft.jsonl"
 STEPS = 6
 
-ZERO3_CPU_OFFLOAD = {
-    "train_micro_batch_size_per_gpu": "auto",
-    "gradient_accumulation_steps": "auto",
-    "gradient_clipping": "auto",
-    "bf16": {"enabled": "auto"},
-    "zero_optimization": {
-        "stage": 3,
-        "sub_group_size": 20000,
-        "reduce_bucket_size": 20000,
-        "stage3_param_persistence_threshold": 0,
-        "offload_optimizer": {"device": "cpu", "pin_memory": False},
-    },
-}
+ZERO3_CPU_OFFLOAD = trainer_zero3_config()
 
 
 def _rows(n: int) -> list[dict[str, str]]:

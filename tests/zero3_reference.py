@@ -54,6 +54,26 @@ class Zero3Case:
         return dataclasses.replace(self, **changes)
 
 
+def trainer_zero3_config(**offload) -> dict:
+    """The DeepSpeed config the Trainer and recipe tests hand to accelerate: ZeRO-3 whose
+    'auto' values come from the training arguments, sub groups and reduce buckets small enough
+    that a tiny model makes many partitions, and DeepSpeed's plain CPU offload updated with
+    ``offload`` (e.g. ``super_offload="hf_superoffload"``)."""
+    return {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "bf16": {"enabled": "auto"},
+        "zero_optimization": {
+            "stage": 3,
+            "sub_group_size": 20000,
+            "reduce_bucket_size": 20000,
+            "stage3_param_persistence_threshold": 0,
+            "offload_optimizer": {"device": "cpu", "pin_memory": False, **offload},
+        },
+    }
+
+
 def init_rank(rank: int, world: int, port: int) -> None:
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
