@@ -13,6 +13,7 @@ _LAZY = {
     "SuperOffloadTrainingArguments": ".arguments",
     "SuperOffloadTrainer": ".trainer",
     "SuperOffloadTrainerMixin": ".trainer",
+    "ActivationOffloadCallback": ".activation_offload",
 }
 
 
