@@ -152,6 +152,26 @@ def test_sequence_parallel_refuses_what_it_cannot_run(monkeypatch, world, kind, 
         sequence_parallel.check_arguments(2, kind, args)
 
 
+@pytest.mark.parametrize(
+    ("version", "refused"),
+    [
+        ("1.10.0", True),
+        ("1.10.0rc1", True),
+        ("1.11.0", False),
+        ("1.16.0", False),
+        ("2.0.0.dev0", False),
+    ],
+)
+def test_sequence_parallel_needs_a_trl_whose_collator_gives_position_ids(version, refused):
+    """TRL 1.10's SFT collator leaves position_ids out, and DeepSpeed's Ulysses loader stops
+    at the first batch without them: refused before the model is built, naming the fix."""
+    if refused:
+        with pytest.raises(ValueError, match=r"needs TRL >= 1\.11.*pip install 'trl>=1\.11'"):
+            sequence_parallel.check_trl(2, version)
+    else:
+        sequence_parallel.check_trl(2, version)
+
+
 def test_sequence_parallel_accepts_a_size_dividing_ranks_and_padding(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     sequence_parallel.check_arguments(2, "sft", _args(pad_to_multiple_of=64))

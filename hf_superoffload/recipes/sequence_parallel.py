@@ -21,6 +21,10 @@ import os
 
 # accelerate's launcher puts an accelerate config's ``parallelism_config`` in the environment.
 LAUNCHER_SP_SIZE = "PARALLELISM_CONFIG_SP_SIZE"
+# The first TRL whose SFT trainer has its collator give every batch the position_ids that
+# DeepSpeed's Ulysses data loader shards by (TRL 1.10's leaves them out: a run stops at its
+# first batch).
+SP_MIN_TRL = (1, 11)
 # What DeepSpeed's Ulysses attention wraps (it has no 4D mask, which eager needs).
 SP_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3")
 
@@ -52,6 +56,7 @@ def check_arguments(size: int, kind: str, args) -> None:
             f"combines the ranks' language-model losses; {kind.upper()} computes its own loss); "
             f"drop the flag"
         )
+    check_trl(size)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world % size:
         raise ValueError(
@@ -79,6 +84,23 @@ def check_arguments(size: int, kind: str, args) -> None:
             f"--pad_to_multiple_of {multiple} is not a multiple of --sequence_parallel_size "
             f"{size}: each padded sequence must split into {size} equal shards; pass a multiple "
             f"of {size}, or leave it unset (the recipe then pads to a multiple of {size})"
+        )
+
+
+def check_trl(size: int, version: str | None = None) -> None:
+    """Refuse a TRL older than ``SP_MIN_TRL`` (``version``: the installed one's, by default)."""
+    from packaging.version import Version
+
+    if version is None:
+        import trl
+
+        version = trl.__version__
+    if Version(version).release[:2] < SP_MIN_TRL:
+        need = ".".join(map(str, SP_MIN_TRL))
+        raise ValueError(
+            f"--sequence_parallel_size {size} needs TRL >= {need}, whose SFT collator gives each "
+            f"batch the position_ids Ulysses shards by; TRL {version} is installed: "
+            f"pip install 'trl>={need}'"
         )
 
 
