@@ -39,15 +39,27 @@ def streamed_save_engine(trainer, only_ours: bool = False):
 
 
 def save_model_streamed(trainer, engine, output_dir: str | None, internal_call: bool) -> None:
-    """``Trainer.save_model`` under ZeRO-3 with the weights streamed; every rank calls it."""
+    """``Trainer.save_model`` under ZeRO-3 with the weights streamed; every rank calls it. The
+    files replace a previous save's in ``output_dir`` only once all are written
+    (zero3/save_staging.py), and a failure on rank 0 raises on every rank."""
+    from ..zero3 import save_memory
     from ..zero3.streaming_save import check_streamable, write_streamed_weights
 
     output_dir = trainer.args.output_dir if output_dir is None else output_dir
     check_streamable(engine)  # before anything is written
-    # Config, generation config, tokenizer and training arguments as the Trainer writes them
-    # (rank 0), with an empty weights file that the streamed weights replace.
-    trainer._save(output_dir, state_dict={})
-    write_streamed_weights(engine, output_dir, is_main_process=trainer.args.should_save)
+
+    def write_the_rest(directory: str) -> None:
+        # Config, generation config, tokenizer and training arguments as the Trainer writes
+        # them (rank 0); with an empty state dict save_pretrained writes no weights file.
+        trainer._save(directory, state_dict={})
+
+    write_streamed_weights(
+        engine,
+        output_dir,
+        is_main_process=trainer.args.should_save,
+        max_shard_bytes=save_memory.STREAMED_SHARD_BYTES,
+        prologue=write_the_rest,
+    )
     if trainer.args.push_to_hub and not internal_call:  # as Trainer.save_model pushes
         revision = getattr(trainer.args, "hub_revision", None)
         extra = {} if revision is None else {"revision": revision}
