@@ -22,6 +22,7 @@ import torch
 from cpu_trainer_args import cpu_training_args
 from ranks import set_rank_env, spawn_ranks
 from safetensors.torch import load_file
+from safetensors.torch import save_file as save_file_of_safetensors
 from test_zero3_trainer import ZERO3_CPU_OFFLOAD, _rows
 from zero3_reference import free_port
 
@@ -155,3 +156,96 @@ def test_the_saved_model_loads_with_from_pretrained(saved):
         assert torch.equal(loaded[key], tensor), key
     initial = build_tiny_llama(seed=0).state_dict()
     assert any(not torch.equal(initial[key], tensor) for key, tensor in want.items())  # trained
+
+
+def _save_over_a_save(rank: int, world: int, port: int, out: str) -> None:
+    """A sharded save, a save over it that fails mid-stream (its second shard's write), then one
+    that succeeds (one file); a copy of the folder after each."""
+    import shutil
+
+    from datasets import Dataset
+
+    import hf_superoffload.zero3.save_memory as save_memory
+    import hf_superoffload.zero3.streaming_save as streaming_save
+    from hf_superoffload import SuperOffloadSFTConfig, SuperOffloadSFTTrainer
+    from hf_superoffload.toy import build_tiny_llama, make_char_tokenizer
+
+    set_rank_env(rank, world, port)
+    torch.set_num_threads(1)
+    args = SuperOffloadSFTConfig(
+        **cpu_training_args(
+            f"{out}/run",
+            max_steps=1,
+            per_device_train_batch_size=8,
+            max_length=64,
+            save_strategy="no",
+            deepspeed=_config(gather_on_save=False),
+        )
+    )
+    trainer = SuperOffloadSFTTrainer(
+        model=build_tiny_llama(seed=0),
+        args=args,
+        train_dataset=Dataset.from_list(_rows(16)),
+        processing_class=make_char_tokenizer(),
+    )
+    trainer.train()
+    target = f"{out}/model"
+    save_memory.STREAMED_SHARD_BYTES = 40_000
+    trainer.save_model(target)
+    shutil.copytree(target, f"{out}/first")
+    writes = []
+
+    def full_on_the_second_shard(tensors, path, **kwargs):
+        writes.append(path)
+        if len(writes) == 2:
+            raise OSError("No space left on device")
+        return save_file_of_safetensors(tensors, path, **kwargs)
+
+    streaming_save.save_file = full_on_the_second_shard
+    save_memory.STREAMED_SHARD_BYTES = 20_000
+    try:
+        trainer.save_model(target)
+        outcome = "returned"
+    except OSError as error:
+        outcome = str(error)
+    (Path(out) / "outcome.txt").write_text(outcome)
+    shutil.copytree(target, f"{out}/after_failure")
+    streaming_save.save_file = save_file_of_safetensors
+    save_memory.STREAMED_SHARD_BYTES = 5 * 10**9
+    trainer.save_model(target)
+    trainer.deepspeed.destroy()
+
+
+@pytest.fixture(scope="module")
+def saved_over(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("zero3_save_over_a_save")
+    spawn_ranks(_save_over_a_save, (1, free_port(), str(out)), world=1, timeout=300)
+    return out
+
+
+def test_a_save_that_fails_midway_leaves_the_previous_save_loadable(saved_over):
+    from transformers import AutoModelForCausalLM
+
+    assert (saved_over / "outcome.txt").read_text() == "No space left on device"
+    first, after = saved_over / "first", saved_over / "after_failure"
+    assert "model.safetensors.index.json" in _files(first)  # the first save is sharded
+    assert sorted(p.name for p in after.iterdir()) == sorted(p.name for p in first.iterdir())
+    for name in _files(first):
+        assert (after / name).read_bytes() == (first / name).read_bytes(), name
+    loaded = AutoModelForCausalLM.from_pretrained(after).state_dict()
+    want = AutoModelForCausalLM.from_pretrained(first).state_dict()
+    assert all(torch.equal(loaded[key], tensor) for key, tensor in want.items())
+
+
+def test_a_save_over_a_sharded_one_leaves_exactly_its_own_files(saved_over):
+    first, model = saved_over / "first", saved_over / "model"
+    weights = {name for name in _files(first) if name.startswith("model")}
+    assert sorted(p.name for p in model.iterdir()) == sorted(
+        (_files(first) - weights) | {"model.safetensors"}
+    )
+    got = load_file(model / "model.safetensors")
+    want = {}
+    for name in weights - {"model.safetensors.index.json"}:
+        want.update(load_file(first / name))
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[key], want[key]) for key in want)
