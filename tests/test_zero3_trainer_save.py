@@ -249,3 +249,29 @@ def test_a_save_over_a_sharded_one_leaves_exactly_its_own_files(saved_over):
         want.update(load_file(first / name))
     assert sorted(got) == sorted(want)
     assert all(torch.equal(got[key], want[key]) for key in want)
+
+
+def test_a_quantized_or_peft_model_is_left_to_the_trainers_own_save():
+    """streamed_save_engine routes a model the streamed save refuses (check_streamable) to
+    the Trainer's own save instead: what Trainer.save_model writes for it is transformers'."""
+    from types import SimpleNamespace
+
+    from hf_superoffload.integrations.zero3_save import streamed_save_engine
+    from hf_superoffload.toy import build_tiny_llama
+
+    model = build_tiny_llama(seed=0)
+    engine = SimpleNamespace(
+        zero_optimization_partition_weights=lambda: True, autotp_size=lambda: 1, module=model
+    )
+    trainer = SimpleNamespace(
+        is_deepspeed_enabled=True,
+        deepspeed=engine,
+        model=model,
+        accelerator=SimpleNamespace(unwrap_model=lambda m: m),
+    )
+    assert streamed_save_engine(trainer) is engine
+    model.hf_quantizer = object()  # as from_pretrained(..., quantization_config=...) sets it
+    assert streamed_save_engine(trainer) is None
+    model.hf_quantizer = None
+    model._hf_peft_config_loaded = True
+    assert streamed_save_engine(trainer) is None

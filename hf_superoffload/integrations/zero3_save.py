@@ -19,9 +19,8 @@ from .zero3_callback import our_zero3_optimizer
 def streamed_save_engine(trainer, only_ours: bool = False):
     """The DeepSpeed engine whose weights ``trainer.save_model`` streams, or None where the
     Trainer's own save runs: not on DeepSpeed (or before ``train()`` built the engine), not
-    ZeRO-3, with DeepSpeed's AutoTP tensor parallelism, or a model that is not a full transformers model (a PEFT adapter, whose trainable
-    weights alone the Trainer gathers). ``only_ours``: also None unless the engine's optimizer
-    is hf_superoffload's."""
+    ZeRO-3, with DeepSpeed's AutoTP tensor parallelism, or a model ``streams_model`` leaves to
+    the Trainer. ``only_ours``: also None unless the engine's optimizer is hf_superoffload's."""
     if not getattr(trainer, "is_deepspeed_enabled", False):
         return None
     engine = getattr(trainer, "deepspeed", None)
@@ -32,10 +31,20 @@ def streamed_save_engine(trainer, only_ours: bool = False):
     # The engine's optimizer, as accelerate's wrapper (trainer.optimizer) holds it.
     if only_ours and our_zero3_optimizer(getattr(trainer, "optimizer", None)) is None:
         return None
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    if not isinstance(model, PreTrainedModel) or getattr(model, "_hf_peft_config_loaded", False):
+    if not streams_model(trainer.accelerator.unwrap_model(trainer.model)):
         return None
     return engine
+
+
+def streams_model(model) -> bool:
+    """Whether the streamed save writes ``model``: a full transformers model, not a PEFT
+    adapter (whose trainable weights alone the Trainer gathers) nor a quantized model (whose
+    quantizer decides what its save writes); those two take the Trainer's own save."""
+    return (
+        isinstance(model, PreTrainedModel)
+        and not getattr(model, "_hf_peft_config_loaded", False)
+        and getattr(model, "hf_quantizer", None) is None
+    )
 
 
 def save_model_streamed(trainer, engine, output_dir: str | None, internal_call: bool) -> None:

@@ -206,8 +206,9 @@ def check_streamable(engine) -> list | None:
     engine._raise_if_autoep_zero3_consolidated_export("the streamed ZeRO-3 save")
     if getattr(model, "_hf_peft_config_loaded", False) or getattr(model, "hf_quantizer", None):
         raise NotImplementedError(
-            "the streamed ZeRO-3 save writes a full, unquantized model; a PEFT adapter or a "
-            "quantized model is saved by the Trainer's own ZeRO-3 path."
+            "the streamed ZeRO-3 save writes a full, unquantized model; save a PEFT adapter or "
+            "a quantized model with Trainer.save_model, which leaves them to the Trainer's own "
+            "save."
         )
     return _weight_conversions(model)
 
