@@ -275,3 +275,60 @@ def test_a_quantized_or_peft_model_is_left_to_the_trainers_own_save():
     model.hf_quantizer = None
     model._hf_peft_config_loaded = True
     assert streamed_save_engine(trainer) is None
+
+
+def _plain_trainer_with_an_unstreamable_model(rank: int, world: int, port: int, out: str):
+    from datasets import Dataset
+    from transformers.core_model_loading import Chunk, WeightConverter
+    from trl import SFTConfig, SFTTrainer
+
+    from hf_superoffload.toy import build_tiny_llama, make_char_tokenizer
+
+    set_rank_env(rank, world, port)
+    torch.set_num_threads(1)
+    import hf_superoffload  # noqa: F401  (activates "super_offload": true)
+
+    model = build_tiny_llama(seed=0)
+    # A checkpoint format that splits one tensor into several params (see
+    # test_zero3_streaming_save): the streamed save cannot write it.
+    model._weight_conversions = [
+        WeightConverter(
+            source_patterns="self_attn.qkv.weight",
+            target_patterns=["self_attn.q.weight", "self_attn.k.weight", "self_attn.v.weight"],
+            operations=[Chunk(dim=0)],
+        )
+    ]
+    args = SFTConfig(
+        **cpu_training_args(
+            f"{out}/run",
+            max_steps=1,
+            per_device_train_batch_size=8,
+            max_length=64,
+            save_strategy="no",  # no checkpoint; the script's final save_model still streams
+            deepspeed=_config(gather_on_save=False),
+        )
+    )
+    trainer = SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_list(_rows(16)),
+        processing_class=make_char_tokenizer(),
+    )
+    try:
+        trainer.train()
+        outcome = "trained"
+    except NotImplementedError as error:
+        outcome = str(error)
+    (Path(out) / "outcome.txt").write_text(outcome)
+    (Path(out) / "steps.txt").write_text(str(trainer.state.global_step))
+
+
+def test_a_plain_trainer_refuses_a_model_it_could_not_save_before_a_step(tmp_path):
+    """TRL's SFTTrainer through our ZeRO-3 optimizer, save_strategy "no": train() refuses the
+    model at its start (not at the final save), telling a plain Trainer's user what to change."""
+    args = (1, free_port(), str(tmp_path))
+    spawn_ranks(_plain_trainer_with_an_unstreamable_model, args, world=1, timeout=300)
+    outcome = (tmp_path / "outcome.txt").read_text()
+    assert "cannot be saved on the ZeRO-3 path" in outcome
+    assert '"super_offload"' in outcome and "--save_model" not in outcome
+    assert (tmp_path / "steps.txt").read_text() == "0"

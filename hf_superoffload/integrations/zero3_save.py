@@ -47,15 +47,29 @@ def streams_model(model) -> bool:
     )
 
 
-def save_model_streamed(trainer, engine, output_dir: str | None, internal_call: bool) -> None:
+def check_plain_trainer_model(model) -> None:
+    """At the start of training by a Trainer that is not a SuperOffload trainer but trains
+    through our ZeRO-3 optimizer: refuses a model whose save (``save_model``, checkpoints, or
+    the script's final save, whatever ``save_strategy``) could not be streamed, before a step."""
+    from ..zero3.streaming_save import TRAINER_REMEDY, _weight_conversions
+
+    model = getattr(model, "module", model)  # the DeepSpeed engine's, were it handed that
+    if streams_model(model):
+        _weight_conversions(model, TRAINER_REMEDY)
+
+
+def save_model_streamed(
+    trainer, engine, output_dir: str | None, internal_call: bool, remedy: str | None = None
+) -> None:
     """``Trainer.save_model`` under ZeRO-3 with the weights streamed; every rank calls it. The
     files replace a previous save's in ``output_dir`` only once all are written
-    (zero3/save_staging.py), and a failure on rank 0 raises on every rank."""
+    (zero3/save_staging.py), and a failure on rank 0 raises on every rank. ``remedy``: what
+    a refusal tells to change (streaming_save's, for the caller's kind of Trainer)."""
     from ..zero3 import save_memory
-    from ..zero3.streaming_save import check_streamable, write_streamed_weights
+    from ..zero3.streaming_save import RECIPE_REMEDY, check_streamable, write_streamed_weights
 
     output_dir = trainer.args.output_dir if output_dir is None else output_dir
-    check_streamable(engine)  # before anything is written
+    check_streamable(engine, remedy or RECIPE_REMEDY)  # before anything is written
 
     def write_the_rest(directory: str) -> None:
         # Config, generation config, tokenizer and training arguments as the Trainer writes

@@ -164,7 +164,19 @@ def names_to_save(model) -> dict[str, torch.Tensor]:
     return {name: entries[name] for name in entries if name in kept}
 
 
-def _weight_conversions(model) -> list | None:
+# What to change when a model cannot be streamed, for each way of training it on this path.
+RECIPE_REMEDY = (
+    "train it with --save_model false --save_strategy no (a SuperOffload trainer in a script: "
+    'save_strategy="no" and no save_model call), or on the standalone engine'
+)
+TRAINER_REMEDY = (
+    'train it without "super_offload" in the DeepSpeed config (the Trainer\'s own ZeRO-3 save, '
+    "with stage3_gather_16bit_weights_on_model_save on, then writes it), or with "
+    "hf_superoffload's SuperOffloadTrainer on its standalone engine (no DeepSpeed config)"
+)
+
+
+def _weight_conversions(model, remedy: str = RECIPE_REMEDY) -> list | None:
     """The conversions save_pretrained reverts (``revert_weight_conversion``'s choice: the
     ones the model was loaded with, else its architecture's, without prefix changes); refused
     when reverting one needs several params at once, which a param-at-a-time save lacks."""
@@ -183,15 +195,15 @@ def _weight_conversions(model) -> list | None:
                 f"{type(model).__name__}'s checkpoint format makes {reverse.target_patterns} "
                 f"from several params at once ({reverse.source_patterns}), and the streamed "
                 f"ZeRO-3 save writes one param at a time: this model cannot be saved on the "
-                f"ZeRO-3 path yet (train it with --save_model false --save_strategy no, or "
-                f"on the standalone engine)."
+                f"ZeRO-3 path yet: {remedy}."
             )
     return conversions
 
 
-def check_streamable(engine) -> list | None:
-    """Refuses, before anything is written, what the streamed save cannot write; returns the
-    weight conversions it reverts (None: none)."""
+def check_streamable(engine, remedy: str = RECIPE_REMEDY) -> list | None:
+    """Refuses, before anything is written, what the streamed save cannot write (``remedy``:
+    what to change instead, for the caller's entry point); returns the weight conversions it
+    reverts (None: none)."""
     model = engine.module
     if not engine.zero_optimization_partition_weights():
         raise ValueError("the streamed save reads ZeRO-3 partitions; this engine is not ZeRO-3")
@@ -210,7 +222,7 @@ def check_streamable(engine) -> list | None:
             "a quantized model with Trainer.save_model, which leaves them to the Trainer's own "
             "save."
         )
-    return _weight_conversions(model)
+    return _weight_conversions(model, remedy)
 
 
 def _param_bytes(tensor: torch.Tensor) -> int:
