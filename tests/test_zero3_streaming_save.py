@@ -20,6 +20,7 @@ import pytest
 import torch
 from ranks import spawn_ranks
 from safetensors.torch import load_file
+from safetensors.torch import save_file as save_file_of_safetensors
 from zero3_reference import Zero3Case, build_model, free_port, init_rank, make_engine, train
 
 from hf_superoffload.zero3.save_memory import STREAMED_SHARD_BYTES, streamed_save_host_bytes
@@ -233,13 +234,28 @@ def test_shard_writer_cuts_before_a_param_that_would_overflow(tmp_path):
     assert not list(tmp_path.glob("*.partial"))
 
 
-def test_one_shard_is_model_safetensors_and_replaces_an_earlier_index(tmp_path):
-    (tmp_path / "model.safetensors.index.json").write_text("{}")
-    writer = ShardWriter(str(tmp_path), 10_000)
+def test_one_shard_is_model_safetensors_and_replaces_an_earlier_sharded_save(tmp_path):
+    from hf_superoffload.zero3.save_staging import publish, start_staging
+
+    for name in ("model.safetensors.index.json", "model-00001-of-00002.safetensors", "x.json"):
+        (tmp_path / name).write_text("old")
+    (tmp_path / ".streaming-00001.safetensors.partial").write_text("left by an interrupted save")
+    staging = start_staging(str(tmp_path))
+    assert not (tmp_path / ".streaming-00001.safetensors.partial").exists()
+    writer = ShardWriter(staging, 10_000)
     writer.reserve(16)
     writer.add({"w": torch.arange(4, dtype=torch.float32)}, reserved=16)
     assert writer.finish(total_parameters=4) == ["model.safetensors"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+    (tmp_path / ".streaming-save" / "config.json").write_text("new")
+    publish(str(tmp_path), ["model.safetensors"])
+    # The previous save's weight files go; other files stay, or are replaced by the new ones.
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "x.json",
+    ]
+    assert (tmp_path / "config.json").read_text() == "new"
+    assert torch.equal(load_file(tmp_path / "model.safetensors")["w"], torch.arange(4.0))
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, "5GB"])
@@ -289,3 +305,49 @@ def test_a_checkpoint_format_made_from_several_params_is_refused_before_anything
         _weight_conversions(model)
     model._weight_conversions = []  # loaded without any conversion: nothing to revert
     assert _weight_conversions(model) is None
+
+
+# A failure on the writing rank mid-save: every rank raises (rank 0 its own error, the others
+# one naming it) instead of the others waiting in the next gather.
+FAILURES = ("shard_write", "prologue")
+
+
+def _fail_on_rank_zero(rank: int, world: int, port: int, out: str) -> None:
+    init_rank(rank, world, port)
+    torch.set_num_threads(1)
+    import hf_superoffload  # noqa: F401
+    import hf_superoffload.zero3.streaming_save as streaming_save
+
+    def disk_full(*args, **kwargs):
+        raise OSError("No space left on device")
+
+    engine, _ = make_engine(CASE, True, world, model_builder=_builder("untied"))
+    for failure in FAILURES:
+        if rank == 0 and failure == "shard_write":
+            streaming_save.save_file = disk_full
+        extra = {}
+        if failure == "prologue":  # rank 0's _save (the Trainer's) fails before any gather
+            extra["prologue"] = disk_full if rank == 0 else (lambda directory: None)
+        try:
+            streaming_save.write_streamed_weights(
+                engine, f"{out}/{failure}", rank == 0, SHARD_BYTES, **extra
+            )
+            outcome = "returned"
+        except Exception as error:  # what each rank raised is what the test checks
+            outcome = f"{type(error).__name__}: {error}"
+        with open(f"{out}/{failure}-rank{rank}.txt", "w") as f:
+            f.write(outcome)
+        streaming_save.save_file = save_file_of_safetensors
+    engine.destroy()
+
+
+def test_a_write_failure_on_rank_zero_raises_on_every_rank(tmp_path):
+    spawn_ranks(_fail_on_rank_zero, (2, free_port(), str(tmp_path)), world=2, timeout=120)
+    for failure in FAILURES:
+        own = (tmp_path / f"{failure}-rank0.txt").read_text()
+        other = (tmp_path / f"{failure}-rank1.txt").read_text()
+        assert own == "OSError: No space left on device", failure
+        assert other.startswith("RuntimeError:"), (failure, other)
+        assert "rank 0" in other and "No space left on device" in other, (failure, other)
+        leftovers = [p.name for p in (tmp_path / failure).iterdir()]
+        assert leftovers == [], (failure, leftovers)  # nothing half-written stays

@@ -22,6 +22,7 @@ import torch
 from cpu_trainer_args import cpu_training_args
 from ranks import set_rank_env, spawn_ranks
 from safetensors.torch import load_file
+from safetensors.torch import save_file as save_file_of_safetensors
 from test_zero3_trainer import ZERO3_CPU_OFFLOAD, _rows
 from zero3_reference import free_port
 
@@ -155,3 +156,179 @@ def test_the_saved_model_loads_with_from_pretrained(saved):
         assert torch.equal(loaded[key], tensor), key
     initial = build_tiny_llama(seed=0).state_dict()
     assert any(not torch.equal(initial[key], tensor) for key, tensor in want.items())  # trained
+
+
+def _save_over_a_save(rank: int, world: int, port: int, out: str) -> None:
+    """A sharded save, a save over it that fails mid-stream (its second shard's write), then one
+    that succeeds (one file); a copy of the folder after each."""
+    import shutil
+
+    from datasets import Dataset
+
+    import hf_superoffload.zero3.save_memory as save_memory
+    import hf_superoffload.zero3.streaming_save as streaming_save
+    from hf_superoffload import SuperOffloadSFTConfig, SuperOffloadSFTTrainer
+    from hf_superoffload.toy import build_tiny_llama, make_char_tokenizer
+
+    set_rank_env(rank, world, port)
+    torch.set_num_threads(1)
+    args = SuperOffloadSFTConfig(
+        **cpu_training_args(
+            f"{out}/run",
+            max_steps=1,
+            per_device_train_batch_size=8,
+            max_length=64,
+            save_strategy="no",
+            deepspeed=_config(gather_on_save=False),
+        )
+    )
+    trainer = SuperOffloadSFTTrainer(
+        model=build_tiny_llama(seed=0),
+        args=args,
+        train_dataset=Dataset.from_list(_rows(16)),
+        processing_class=make_char_tokenizer(),
+    )
+    trainer.train()
+    target = f"{out}/model"
+    save_memory.STREAMED_SHARD_BYTES = 40_000
+    trainer.save_model(target)
+    shutil.copytree(target, f"{out}/first")
+    writes = []
+
+    def full_on_the_second_shard(tensors, path, **kwargs):
+        writes.append(path)
+        if len(writes) == 2:
+            raise OSError("No space left on device")
+        return save_file_of_safetensors(tensors, path, **kwargs)
+
+    streaming_save.save_file = full_on_the_second_shard
+    save_memory.STREAMED_SHARD_BYTES = 20_000
+    try:
+        trainer.save_model(target)
+        outcome = "returned"
+    except OSError as error:
+        outcome = str(error)
+    (Path(out) / "outcome.txt").write_text(outcome)
+    shutil.copytree(target, f"{out}/after_failure")
+    streaming_save.save_file = save_file_of_safetensors
+    save_memory.STREAMED_SHARD_BYTES = 5 * 10**9
+    trainer.save_model(target)
+    trainer.deepspeed.destroy()
+
+
+@pytest.fixture(scope="module")
+def saved_over(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("zero3_save_over_a_save")
+    spawn_ranks(_save_over_a_save, (1, free_port(), str(out)), world=1, timeout=300)
+    return out
+
+
+def test_a_save_that_fails_midway_leaves_the_previous_save_loadable(saved_over):
+    from transformers import AutoModelForCausalLM
+
+    assert (saved_over / "outcome.txt").read_text() == "No space left on device"
+    first, after = saved_over / "first", saved_over / "after_failure"
+    assert "model.safetensors.index.json" in _files(first)  # the first save is sharded
+    assert sorted(p.name for p in after.iterdir()) == sorted(p.name for p in first.iterdir())
+    for name in _files(first):
+        assert (after / name).read_bytes() == (first / name).read_bytes(), name
+    loaded = AutoModelForCausalLM.from_pretrained(after).state_dict()
+    want = AutoModelForCausalLM.from_pretrained(first).state_dict()
+    assert all(torch.equal(loaded[key], tensor) for key, tensor in want.items())
+
+
+def test_a_save_over_a_sharded_one_leaves_exactly_its_own_files(saved_over):
+    first, model = saved_over / "first", saved_over / "model"
+    weights = {name for name in _files(first) if name.startswith("model")}
+    assert sorted(p.name for p in model.iterdir()) == sorted(
+        (_files(first) - weights) | {"model.safetensors"}
+    )
+    got = load_file(model / "model.safetensors")
+    want = {}
+    for name in weights - {"model.safetensors.index.json"}:
+        want.update(load_file(first / name))
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[key], want[key]) for key in want)
+
+
+def test_a_quantized_or_peft_model_is_left_to_the_trainers_own_save():
+    """streamed_save_engine routes a model the streamed save refuses (check_streamable) to
+    the Trainer's own save instead: what Trainer.save_model writes for it is transformers'."""
+    from types import SimpleNamespace
+
+    from hf_superoffload.integrations.zero3_save import streamed_save_engine
+    from hf_superoffload.toy import build_tiny_llama
+
+    model = build_tiny_llama(seed=0)
+    engine = SimpleNamespace(
+        zero_optimization_partition_weights=lambda: True, autotp_size=lambda: 1, module=model
+    )
+    trainer = SimpleNamespace(
+        is_deepspeed_enabled=True,
+        deepspeed=engine,
+        model=model,
+        accelerator=SimpleNamespace(unwrap_model=lambda m: m),
+    )
+    assert streamed_save_engine(trainer) is engine
+    model.hf_quantizer = object()  # as from_pretrained(..., quantization_config=...) sets it
+    assert streamed_save_engine(trainer) is None
+    model.hf_quantizer = None
+    model._hf_peft_config_loaded = True
+    assert streamed_save_engine(trainer) is None
+
+
+def _plain_trainer_with_an_unstreamable_model(rank: int, world: int, port: int, out: str):
+    from datasets import Dataset
+    from transformers.core_model_loading import Chunk, WeightConverter
+    from trl import SFTConfig, SFTTrainer
+
+    from hf_superoffload.toy import build_tiny_llama, make_char_tokenizer
+
+    set_rank_env(rank, world, port)
+    torch.set_num_threads(1)
+    import hf_superoffload  # noqa: F401  (activates "super_offload": true)
+
+    model = build_tiny_llama(seed=0)
+    # A checkpoint format that splits one tensor into several params (see
+    # test_zero3_streaming_save): the streamed save cannot write it.
+    model._weight_conversions = [
+        WeightConverter(
+            source_patterns="self_attn.qkv.weight",
+            target_patterns=["self_attn.q.weight", "self_attn.k.weight", "self_attn.v.weight"],
+            operations=[Chunk(dim=0)],
+        )
+    ]
+    args = SFTConfig(
+        **cpu_training_args(
+            f"{out}/run",
+            max_steps=1,
+            per_device_train_batch_size=8,
+            max_length=64,
+            save_strategy="no",  # no checkpoint; the script's final save_model still streams
+            deepspeed=_config(gather_on_save=False),
+        )
+    )
+    trainer = SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_list(_rows(16)),
+        processing_class=make_char_tokenizer(),
+    )
+    try:
+        trainer.train()
+        outcome = "trained"
+    except NotImplementedError as error:
+        outcome = str(error)
+    (Path(out) / "outcome.txt").write_text(outcome)
+    (Path(out) / "steps.txt").write_text(str(trainer.state.global_step))
+
+
+def test_a_plain_trainer_refuses_a_model_it_could_not_save_before_a_step(tmp_path):
+    """TRL's SFTTrainer through our ZeRO-3 optimizer, save_strategy "no": train() refuses the
+    model at its start (not at the final save), telling a plain Trainer's user what to change."""
+    args = (1, free_port(), str(tmp_path))
+    spawn_ranks(_plain_trainer_with_an_unstreamable_model, args, world=1, timeout=300)
+    outcome = (tmp_path / "outcome.txt").read_text()
+    assert "cannot be saved on the ZeRO-3 path" in outcome
+    assert '"super_offload"' in outcome and "--save_model" not in outcome
+    assert (tmp_path / "steps.txt").read_text() == "0"

@@ -6,7 +6,8 @@ counters themselves (``SuperOffloadTrainerMixin.log``). A plain Trainer does not
 optimizer DeepSpeed built, so ``import hf_superoffload`` adds this callback to the Trainer's
 default callbacks (``zero3/patches.py``); it does nothing unless the optimizer that trains is
 ours, and the SuperOffload trainers remove it. Tokens are counted by a forward pre-hook on the
-model (training forwards only), as the mixin counts the batches it is handed.
+model (training forwards only), as the mixin counts the batches it is handed. At the start of
+training it also refuses a model that the streamed save (``zero3_save.py``) could not write.
 """
 
 from __future__ import annotations
@@ -72,6 +73,11 @@ class Zero3MetricsCallback(TrainerCallback):
         ours = our_zero3_optimizer(optimizer)
         if ours is None or model is None:
             return
+        from .zero3_save import check_plain_trainer_model
+
+        # Its saves stream the weights (zero3/patches.py): a model they could not write is
+        # refused now, not at the first checkpoint or the final save after training.
+        check_plain_trainer_model(model)
         self._optimizer, self._meter = ours, ThroughputMeter()
         self._hook = model.register_forward_pre_hook(self._count, with_kwargs=True)
         logger.info(

@@ -19,9 +19,8 @@ from .zero3_callback import our_zero3_optimizer
 def streamed_save_engine(trainer, only_ours: bool = False):
     """The DeepSpeed engine whose weights ``trainer.save_model`` streams, or None where the
     Trainer's own save runs: not on DeepSpeed (or before ``train()`` built the engine), not
-    ZeRO-3, with DeepSpeed's AutoTP tensor parallelism, or a model that is not a full transformers model (a PEFT adapter, whose trainable
-    weights alone the Trainer gathers). ``only_ours``: also None unless the engine's optimizer
-    is hf_superoffload's."""
+    ZeRO-3, with DeepSpeed's AutoTP tensor parallelism, or a model ``streams_model`` leaves to
+    the Trainer. ``only_ours``: also None unless the engine's optimizer is hf_superoffload's."""
     if not getattr(trainer, "is_deepspeed_enabled", False):
         return None
     engine = getattr(trainer, "deepspeed", None)
@@ -32,22 +31,58 @@ def streamed_save_engine(trainer, only_ours: bool = False):
     # The engine's optimizer, as accelerate's wrapper (trainer.optimizer) holds it.
     if only_ours and our_zero3_optimizer(getattr(trainer, "optimizer", None)) is None:
         return None
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    if not isinstance(model, PreTrainedModel) or getattr(model, "_hf_peft_config_loaded", False):
+    if not streams_model(trainer.accelerator.unwrap_model(trainer.model)):
         return None
     return engine
 
 
-def save_model_streamed(trainer, engine, output_dir: str | None, internal_call: bool) -> None:
-    """``Trainer.save_model`` under ZeRO-3 with the weights streamed; every rank calls it."""
-    from ..zero3.streaming_save import check_streamable, write_streamed_weights
+def streams_model(model) -> bool:
+    """Whether the streamed save writes ``model``: a full transformers model, not a PEFT
+    adapter (whose trainable weights alone the Trainer gathers) nor a quantized model (whose
+    quantizer decides what its save writes); those two take the Trainer's own save."""
+    return (
+        isinstance(model, PreTrainedModel)
+        and not getattr(model, "_hf_peft_config_loaded", False)
+        and getattr(model, "hf_quantizer", None) is None
+    )
+
+
+def check_plain_trainer_model(model) -> None:
+    """At the start of training by a Trainer that is not a SuperOffload trainer but trains
+    through our ZeRO-3 optimizer: refuses a model whose save (``save_model``, checkpoints, or
+    the script's final save, whatever ``save_strategy``) could not be streamed, before a step."""
+    from ..zero3.streaming_save import TRAINER_REMEDY, _weight_conversions
+
+    model = getattr(model, "module", model)  # the DeepSpeed engine's, were it handed that
+    if streams_model(model):
+        _weight_conversions(model, TRAINER_REMEDY)
+
+
+def save_model_streamed(
+    trainer, engine, output_dir: str | None, internal_call: bool, remedy: str | None = None
+) -> None:
+    """``Trainer.save_model`` under ZeRO-3 with the weights streamed; every rank calls it. The
+    files replace a previous save's in ``output_dir`` only once all are written
+    (zero3/save_staging.py), and a failure on rank 0 raises on every rank. ``remedy``: what
+    a refusal tells to change (streaming_save's, for the caller's kind of Trainer)."""
+    from ..zero3 import save_memory
+    from ..zero3.streaming_save import RECIPE_REMEDY, check_streamable, write_streamed_weights
 
     output_dir = trainer.args.output_dir if output_dir is None else output_dir
-    check_streamable(engine)  # before anything is written
-    # Config, generation config, tokenizer and training arguments as the Trainer writes them
-    # (rank 0), with an empty weights file that the streamed weights replace.
-    trainer._save(output_dir, state_dict={})
-    write_streamed_weights(engine, output_dir, is_main_process=trainer.args.should_save)
+    check_streamable(engine, remedy or RECIPE_REMEDY)  # before anything is written
+
+    def write_the_rest(directory: str) -> None:
+        # Config, generation config, tokenizer and training arguments as the Trainer writes
+        # them (rank 0); with an empty state dict save_pretrained writes no weights file.
+        trainer._save(directory, state_dict={})
+
+    write_streamed_weights(
+        engine,
+        output_dir,
+        is_main_process=trainer.args.should_save,
+        max_shard_bytes=save_memory.STREAMED_SHARD_BYTES,
+        prologue=write_the_rest,
+    )
     if trainer.args.push_to_hub and not internal_call:  # as Trainer.save_model pushes
         revision = getattr(trainer.args, "hub_revision", None)
         extra = {} if revision is None else {"revision": revision}

@@ -163,11 +163,12 @@ def stream_zero3_saves(module) -> None:
     def make(original):
         def save_model(self, output_dir=None, _internal_call=False):
             from ..integrations.zero3_save import save_model_streamed, streamed_save_engine
+            from .streaming_save import TRAINER_REMEDY
 
             engine = streamed_save_engine(self, only_ours=True)
             if engine is None:
                 return original(self, output_dir, _internal_call)
-            return save_model_streamed(self, engine, output_dir, _internal_call)
+            return save_model_streamed(self, engine, output_dir, _internal_call, TRAINER_REMEDY)
 
         return save_model
 

@@ -17,22 +17,28 @@ Only the cut into shard files differs: ``model.safetensors`` when everything fit
 else ``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json``, whose
 ``total_parameters`` counts the whole model (``save_pretrained`` under ZeRO-3 counts only the
 params a rank holds whole, as ``num_parameters`` sees the partitioned ones empty).
+
+The files are written to a staging folder and replace a previous save's only once all are
+written (``save_staging.py``); a failure on rank 0 stops its writing but not its part in the
+gathers, and raises on every rank at the end (``save_errors.py``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import save_file
 from transformers.core_model_loading import PrefixChange, WeightConverter, revert_weight_conversion
 from transformers.modeling_utils import remove_tied_weights_from_state_dict
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
+from .save_errors import SaveErrors
 from .save_memory import STREAMED_SHARD_BYTES
+from .save_staging import publish, staging_dir, start_staging
 
 _PARTIAL = ".streaming-{:05d}.safetensors.partial"  # a shard written before the count is known
 
@@ -100,17 +106,12 @@ class ShardWriter:
 
     def finish(self, total_parameters: int) -> list[str]:
         """Write the last shard, give the shards their final names and write the index (when
-        there are several); remove the other layout's files a previous save left. Returns the
-        weight files' names."""
+        there are several). Returns the shards' names."""
         if self._shard or not self._written:
             self._write_shard()
         count = len(self._written)
-        index_path = os.path.join(self.directory, SAFE_WEIGHTS_INDEX_NAME)
-        single_path = os.path.join(self.directory, SAFE_WEIGHTS_NAME)
         if count == 1:
-            os.replace(self._partial(0), single_path)
-            if os.path.isfile(index_path):
-                os.remove(index_path)
+            os.replace(self._partial(0), os.path.join(self.directory, SAFE_WEIGHTS_NAME))
             return [SAFE_WEIGHTS_NAME]
         stem, extension = os.path.splitext(SAFE_WEIGHTS_NAME)
         names = [f"{stem}-{i + 1:05d}-of-{count:05d}{extension}" for i in range(count)]
@@ -122,10 +123,10 @@ class ShardWriter:
             "metadata": {"total_parameters": total_parameters, "total_size": self.total_size},
             "weight_map": weight_map,
         }
-        with open(index_path, "w", encoding="utf-8") as f:
+        with open(
+            os.path.join(self.directory, SAFE_WEIGHTS_INDEX_NAME), "w", encoding="utf-8"
+        ) as f:
             f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        if os.path.isfile(single_path):  # a previous single-file save, or the Trainer's dummy
-            os.remove(single_path)
         return names
 
 
@@ -163,7 +164,19 @@ def names_to_save(model) -> dict[str, torch.Tensor]:
     return {name: entries[name] for name in entries if name in kept}
 
 
-def _weight_conversions(model) -> list | None:
+# What to change when a model cannot be streamed, for each way of training it on this path.
+RECIPE_REMEDY = (
+    "train it with --save_model false --save_strategy no (a SuperOffload trainer in a script: "
+    'save_strategy="no" and no save_model call), or on the standalone engine'
+)
+TRAINER_REMEDY = (
+    'train it without "super_offload" in the DeepSpeed config (the Trainer\'s own ZeRO-3 save, '
+    "with stage3_gather_16bit_weights_on_model_save on, then writes it), or with "
+    "hf_superoffload's SuperOffloadTrainer on its standalone engine (no DeepSpeed config)"
+)
+
+
+def _weight_conversions(model, remedy: str = RECIPE_REMEDY) -> list | None:
     """The conversions save_pretrained reverts (``revert_weight_conversion``'s choice: the
     ones the model was loaded with, else its architecture's, without prefix changes); refused
     when reverting one needs several params at once, which a param-at-a-time save lacks."""
@@ -182,15 +195,15 @@ def _weight_conversions(model) -> list | None:
                 f"{type(model).__name__}'s checkpoint format makes {reverse.target_patterns} "
                 f"from several params at once ({reverse.source_patterns}), and the streamed "
                 f"ZeRO-3 save writes one param at a time: this model cannot be saved on the "
-                f"ZeRO-3 path yet (train it with --save_model false --save_strategy no, or "
-                f"on the standalone engine)."
+                f"ZeRO-3 path yet: {remedy}."
             )
     return conversions
 
 
-def check_streamable(engine) -> list | None:
-    """Refuses, before anything is written, what the streamed save cannot write; returns the
-    weight conversions it reverts (None: none)."""
+def check_streamable(engine, remedy: str = RECIPE_REMEDY) -> list | None:
+    """Refuses, before anything is written, what the streamed save cannot write (``remedy``:
+    what to change instead, for the caller's entry point); returns the weight conversions it
+    reverts (None: none)."""
     model = engine.module
     if not engine.zero_optimization_partition_weights():
         raise ValueError("the streamed save reads ZeRO-3 partitions; this engine is not ZeRO-3")
@@ -205,10 +218,11 @@ def check_streamable(engine) -> list | None:
     engine._raise_if_autoep_zero3_consolidated_export("the streamed ZeRO-3 save")
     if getattr(model, "_hf_peft_config_loaded", False) or getattr(model, "hf_quantizer", None):
         raise NotImplementedError(
-            "the streamed ZeRO-3 save writes a full, unquantized model; a PEFT adapter or a "
-            "quantized model is saved by the Trainer's own ZeRO-3 path."
+            "the streamed ZeRO-3 save writes a full, unquantized model; save a PEFT adapter or "
+            "a quantized model with Trainer.save_model, which leaves them to the Trainer's own "
+            "save."
         )
-    return _weight_conversions(model)
+    return _weight_conversions(model, remedy)
 
 
 def _param_bytes(tensor: torch.Tensor) -> int:
@@ -226,19 +240,44 @@ def write_streamed_weights(
     output_dir: str,
     is_main_process: bool,
     max_shard_bytes: int = STREAMED_SHARD_BYTES,
+    prologue=None,
 ) -> ShardWriter | None:
     """Write ``engine``'s model weights (its ZeRO-3 16-bit params) to ``output_dir`` as
     safetensors shards of at most ``max_shard_bytes`` (a single param larger than that gets a
     shard of its own) with their index. Every rank must call it (each param is gathered from
-    all of them); ``is_main_process`` writes. Returns the writer on the writing rank (its byte
-    counts), None on the others. Config, tokenizer and the rest are the caller's
-    (``save_pretrained`` with an empty state dict writes them)."""
-    import deepspeed
-
+    all of them); ``is_main_process`` writes. ``prologue(directory)``, called on every rank,
+    writes the other files of the save (the Trainer's ``_save`` with an empty state dict:
+    config, tokenizer, training arguments) into the same staging folder (save_staging.py), whose
+    files replace the previous save's only once all are written. A failure on any rank raises on
+    every rank, after the last gather (save_errors.py). Returns the writer on the writing rank
+    (its byte counts), None on the others."""
     model = engine.module
     conversions = check_streamable(engine)
-    to_save = names_to_save(model)
-    writer = ShardWriter(output_dir, max_shard_bytes) if is_main_process else None
+    errors = SaveErrors()
+    staging = staging_dir(output_dir)
+    if is_main_process:
+        errors.attempt(start_staging, output_dir)
+    if prologue is not None:
+        errors.attempt(prologue, staging)
+    writer = None
+    if is_main_process:
+        writer = errors.attempt(ShardWriter, staging, max_shard_bytes)
+    _stream(engine, names_to_save(model), conversions, writer, errors)
+    if is_main_process:
+        total = sum(_full_shape(p).numel() for p in model.parameters())
+        shards = errors.attempt(writer.finish, total) if writer is not None else None
+        errors.attempt(publish, output_dir, shards)
+        if errors.failed:  # the previous save stays; what this one wrote goes
+            shutil.rmtree(staging, ignore_errors=True)  # the save's own error is raised below
+    errors.raise_on_every_rank()
+    return writer
+
+
+def _stream(engine, to_save: dict, conversions, writer: ShardWriter | None, errors) -> None:
+    """Gather each param on every rank; the writer (rank 0's) adds it to its shard. After a
+    failure rank 0 writes no more but goes on joining the gathers."""
+    import deepspeed
+
     synchronize = getattr(engine.optimizer, "synchronize", None)
     if synchronize is not None:  # hf_superoffload's updates in flight land in the partitions
         synchronize()
@@ -248,21 +287,22 @@ def write_streamed_weights(
         engine.optimizer.checkpoint_event_prologue()
     for name, tensor in to_save.items():
         nbytes = _param_bytes(tensor)
-        if writer is not None:
-            writer.reserve(nbytes)
+        writing = writer is not None and not errors.failed
+        if writing:
+            errors.attempt(writer.reserve, nbytes)
         with deepspeed.zero.GatheredParameters([tensor]):  # a no-op for a buffer
-            host = tensor.detach().to("cpu", copy=True) if writer is not None else None
-        if writer is None:
+            host = errors.attempt(_to_host, tensor) if writing else None
+        if host is None:
             continue
         tensors = {name: host}
         if conversions is not None:
-            tensors = revert_weight_conversion(model, tensors)
+            tensors = errors.attempt(revert_weight_conversion, engine.module, tensors)
         del host
-        writer.add(tensors, reserved=nbytes)
+        if tensors is not None:
+            errors.attempt(writer.add, tensors, reserved=nbytes)
     if hasattr(engine.optimizer, "checkpoint_event_epilogue"):
         engine.optimizer.checkpoint_event_epilogue()
-    if writer is not None:
-        writer.finish(total_parameters=sum(_full_shape(p).numel() for p in model.parameters()))
-    if dist.is_initialized():
-        dist.barrier()  # no rank reads the files (or saves again) before they are complete
-    return writer
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu", copy=True)
