@@ -262,3 +262,68 @@ def test_the_launcher_plans_the_offload_the_script_is_given(capsys, tmp_path):
         plan = json.loads((run_dir / "plan.json").read_text())
         assert plan["run"]["activation_offload"] is offload
         assert (plan["host_bytes_per_rank"]["offloaded_layer_inputs"] > 0) is offload
+
+
+# --- transformers' own offload (activation_checkpointing_kwargs {"offload": true}, 5.17 on) ---
+
+UPSTREAM = [
+    ({}, ["--activation_checkpointing_kwargs", '{"offload": true}']),
+    ({}, ["--gradient_checkpointing_kwargs", '{"offload": "true"}']),  # the name before the rename
+    ({"activation_checkpointing_kwargs": {"offload": True}}, []),  # a recipe's
+]
+
+
+@pytest.mark.parametrize("settings, argv", UPSTREAM, ids=["new", "old", "recipe"])
+def test_the_launcher_plans_transformers_own_offload_as_the_same_request(settings, argv):
+    from hf_superoffload.cli import finetune
+
+    assert finetune._activation_offload(settings, argv) is True
+    off = ["--activation_checkpointing_kwargs", '{"offload": false, "use_reentrant": true}']
+    assert finetune._activation_offload(settings, off) is False  # the new name wins
+
+
+def test_the_launcher_refuses_both_offloads_before_writing_anything():
+    from hf_superoffload.cli import finetune
+    from hf_superoffload.cli.errors import UsageError
+
+    both = ["--activation_checkpoint_offload", "--activation_checkpointing_kwargs", '{"offload":1}']
+    with pytest.raises(UsageError, match="both move the checkpointed inputs to the host"):
+        finetune._activation_offload({}, both)
+
+
+def test_transformers_own_offload_is_refused_where_transformers_has_none(monkeypatch):
+    """Before 5.17 the key goes on to torch's checkpoint, which does not offload anything."""
+    from hf_superoffload.integrations import activation_offload
+
+    monkeypatch.setattr(activation_offload, "upstream_offload_supported", lambda: False)
+    asked = _training_args(CHECKPOINTING, True, {"offload": True})
+    with pytest.raises(
+        ValueError, match=r"transformers 5.17.*--activation_checkpoint_offload true"
+    ):
+        activation_offload.check_arguments(asked, flag=False)
+    activation_offload.check_arguments(_training_args(CHECKPOINTING, True), flag=False)
+    monkeypatch.undo()
+    activation_offload.check_arguments(asked, flag=False)  # this transformers offloads it
+
+
+def test_the_launcher_plans_transformers_own_offload(capsys, tmp_path):
+    args = ["llama-3.1-8b", "superoffload", "--dry-run", "--hardware", "h100", "--ratio", "auto"]
+    given = ["--", "--activation_checkpointing_kwargs", '{"offload": true}']
+    assert cli_main(["finetune", "--runs-dir", str(tmp_path), *args, *given]) == 0
+    (run_dir,) = tmp_path.iterdir()
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["run"]["activation_offload"] is True
+    assert plan["host_bytes_per_rank"]["offloaded_layer_inputs"] > 0
+
+
+def test_the_recipe_refuses_transformers_own_offload_where_it_has_none(tmp_path, monkeypatch):
+    from hf_superoffload.integrations import activation_offload
+
+    built = []
+    monkeypatch.setattr(run, "build_model", lambda *a, **k: built.append(a))
+    monkeypatch.setattr(activation_offload, "upstream_offload_supported", lambda: False)
+    argv = ["--output_dir", str(tmp_path), f"--{CHECKPOINTING}", "true",
+            f"--{CHECKPOINTING}_kwargs", '{"offload": true}']  # fmt: skip
+    with pytest.raises(ValueError, match=r"offload needs transformers 5\.17\.0 or later"):
+        run.build_trainer("sft", argv)
+    assert not built

@@ -189,9 +189,20 @@ def _moments(settings: dict, script_args: list[str]) -> str:
 
 
 def _activation_offload(settings: dict, script_args: list[str]) -> bool:
-    """Whether the run keeps the checkpointed layer inputs on the host
-    (``--activation_checkpoint_offload``), which the plan counts."""
-    return _script(settings, script_args).activation_checkpoint_offload
+    """Whether the run keeps the checkpointed layer inputs on the host, which the plan counts:
+    ``--activation_checkpoint_offload``, or transformers' own (``--activation_checkpointing_kwargs
+    '{"offload": true}'``, the same). UsageError for what the script would refuse."""
+    from ..integrations.activation_offload import offload_requested
+
+    script = _script(settings, script_args)
+    try:
+        return offload_requested(
+            script.activation_checkpoint_offload,
+            script.checkpointing_kwargs,
+            "activation_checkpointing",
+        )
+    except ValueError as error:
+        raise UsageError(f"examples/sft.py would refuse its arguments: {error}") from None
 
 
 def _plan_ratio(
