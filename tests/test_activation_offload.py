@@ -327,3 +327,35 @@ def test_the_recipe_refuses_transformers_own_offload_where_it_has_none(tmp_path,
     with pytest.raises(ValueError, match=r"offload needs transformers 5\.17\.0 or later"):
         run.build_trainer("sft", argv)
     assert not built
+
+
+# --- every_n_layers: the plan counts every layer checkpointed and offloaded ---
+
+
+def test_the_flag_refuses_every_n_layers_other_than_one():
+    every_2 = _training_args(CHECKPOINTING, True, {"every_n_layers": 2})
+    with pytest.raises(ValueError, match="every_n_layers 2: the layers left uncheckpointed"):
+        check_arguments(every_2)
+    check_arguments(every_2, flag=False)  # transformers' checkpointing alone: its own business
+    check_arguments(_training_args(CHECKPOINTING, True, {"every_n_layers": 1}))
+
+
+def test_the_recipe_refuses_every_n_layers_before_building_the_model(tmp_path, monkeypatch):
+    built = []
+    monkeypatch.setattr(run, "build_model", lambda *a, **k: built.append(a))
+    argv = ["--output_dir", str(tmp_path), f"--{CHECKPOINTING}", "true",
+            "--activation_checkpoint_offload", "true",
+            f"--{CHECKPOINTING}_kwargs", '{"every_n_layers": "3"}']  # fmt: skip
+    with pytest.raises(ValueError, match="every_n_layers 3"):
+        run.build_trainer("sft", argv)
+    assert not built
+
+
+def test_the_launcher_refuses_every_n_layers_with_the_flag():
+    from hf_superoffload.cli import finetune
+    from hf_superoffload.cli.errors import UsageError
+
+    argv = ["--activation_checkpoint_offload", "--gradient_checkpointing_kwargs",
+            '{"every_n_layers": 2}']  # fmt: skip
+    with pytest.raises(UsageError, match="Drop every_n_layers"):
+        finetune._activation_offload({}, argv)

@@ -191,7 +191,8 @@ def upstream_offload_supported() -> bool:
 def offload_requested(flag: bool, kwargs: dict, name: str) -> bool:
     """Whether the run keeps the checkpointed layer inputs on the host: ``flag`` (ours) or
     transformers' ``kwargs`` (``--{name}_kwargs``) ``offload``, the same request. ValueError
-    for both at once, and for transformers' on a transformers without it."""
+    for both at once, for transformers' on a transformers without it, and for ours with
+    ``every_n_layers`` other than 1 (the plan counts every layer checkpointed)."""
     upstream = bool(kwargs.get("offload", False))
     if flag and upstream:
         raise ValueError(
@@ -206,6 +207,14 @@ def offload_requested(flag: bool, kwargs: dict, name: str) -> bool:
             f"(this is {transformers.__version__}, whose checkpointing passes the key on to "
             f"torch's checkpoint and offloads nothing): pass {FLAG} in its place (the same "
             "offload), or upgrade transformers"
+        )
+    every_n_layers = kwargs.get("every_n_layers", 1)
+    if flag and every_n_layers != 1:
+        raise ValueError(
+            f"{FLAG} with --{name}_kwargs' every_n_layers {every_n_layers}: the layers left "
+            "uncheckpointed would keep all their activations on the GPU, which neither the "
+            "offload nor the memory plan counts. Drop every_n_layers (checkpoint every layer) "
+            "or drop the flag"
         )
     return flag or upstream
 
