@@ -168,7 +168,7 @@ def test_plan_moves_the_layer_inputs_from_the_gpu_to_the_host(seq):
     config = tiny_llama_config(**LLAMA_8B)
     run_off = Zero3Run(seq=seq, batch=1, ranks=2)
     off = zero3_memory_plan(config, run_off)
-    on = zero3_memory_plan(config, dataclasses.replace(run_off, activation_offload=True))
+    on = zero3_memory_plan(config, dataclasses.replace(run_off, activation_checkpoint_offload=True))
     each = layer_input_bytes(seq, 4096, 2)
     assert off.gpu["layer_inputs"] == 32 * each and off.host["offloaded_layer_inputs"] == 0
     assert on.gpu["layer_inputs"] == each, "the one layer being recomputed"
@@ -196,7 +196,7 @@ def test_plan_flag_reaches_the_run_and_is_suggested_when_the_gpu_is_short(capsys
     assert not short["fits"]
     assert any(s.startswith("--activation-checkpoint-offload fits") for s in short["suggestions"])
     fits = _plan(capsys, *base, "--activation-checkpoint-offload")
-    assert fits["run"]["activation_offload"] and fits["fits"]
+    assert fits["run"]["activation_checkpoint_offload"] and fits["fits"]
     assert fits["host_bytes_per_rank"]["offloaded_layer_inputs"] == 32 * 262144 * 4096 * 2
 
 
@@ -260,7 +260,7 @@ def test_the_launcher_plans_the_offload_the_script_is_given(capsys, tmp_path):
         assert code == 0, capsys.readouterr().err
         (run_dir,) = out_dir.iterdir()
         plan = json.loads((run_dir / "plan.json").read_text())
-        assert plan["run"]["activation_offload"] is offload
+        assert plan["run"]["activation_checkpoint_offload"] is offload
         assert (plan["host_bytes_per_rank"]["offloaded_layer_inputs"] > 0) is offload
 
 
@@ -277,9 +277,9 @@ UPSTREAM = [
 def test_the_launcher_plans_transformers_own_offload_as_the_same_request(settings, argv):
     from hf_superoffload.cli import finetune
 
-    assert finetune._activation_offload(settings, argv) is True
+    assert finetune._activation_checkpoint_offload(settings, argv) is True
     off = ["--activation_checkpointing_kwargs", '{"offload": false, "use_reentrant": true}']
-    assert finetune._activation_offload(settings, off) is False  # the new name wins
+    assert finetune._activation_checkpoint_offload(settings, off) is False  # the new name wins
 
 
 def test_the_launcher_refuses_both_offloads_before_writing_anything():
@@ -288,7 +288,7 @@ def test_the_launcher_refuses_both_offloads_before_writing_anything():
 
     both = ["--activation_checkpoint_offload", "--activation_checkpointing_kwargs", '{"offload":1}']
     with pytest.raises(UsageError, match="both move the checkpointed inputs to the host"):
-        finetune._activation_offload({}, both)
+        finetune._activation_checkpoint_offload({}, both)
 
 
 def test_transformers_own_offload_is_refused_where_transformers_has_none(monkeypatch):
@@ -312,7 +312,7 @@ def test_the_launcher_plans_transformers_own_offload(capsys, tmp_path):
     assert cli_main(["finetune", "--runs-dir", str(tmp_path), *args, *given]) == 0
     (run_dir,) = tmp_path.iterdir()
     plan = json.loads((run_dir / "plan.json").read_text())
-    assert plan["run"]["activation_offload"] is True
+    assert plan["run"]["activation_checkpoint_offload"] is True
     assert plan["host_bytes_per_rank"]["offloaded_layer_inputs"] > 0
 
 
@@ -358,4 +358,4 @@ def test_the_launcher_refuses_every_n_layers_with_the_flag():
     argv = ["--activation_checkpoint_offload", "--gradient_checkpointing_kwargs",
             '{"every_n_layers": 2}']  # fmt: skip
     with pytest.raises(UsageError, match="Drop every_n_layers"):
-        finetune._activation_offload({}, argv)
+        finetune._activation_checkpoint_offload({}, argv)

@@ -31,14 +31,21 @@ def _script_reads(argv: list[str]) -> RecipeArguments:
 @pytest.mark.parametrize("argv", SPELLINGS, ids=" ".join)
 def test_the_offload_flag_reads_as_the_script_reads_it(argv):
     expected = _script_reads(argv).activation_checkpoint_offload
-    assert finetune._activation_offload({}, argv) is expected
+    assert finetune._activation_checkpoint_offload({}, argv) is expected
 
 
 def test_the_recipes_value_is_the_default():
-    assert finetune._activation_offload({"activation_checkpoint_offload": True}, []) is True
-    assert finetune._activation_offload({"activation_checkpoint_offload": True}, ["--a", "n"])
+    assert (
+        finetune._activation_checkpoint_offload({"activation_checkpoint_offload": True}, []) is True
+    )
+    assert finetune._activation_checkpoint_offload(
+        {"activation_checkpoint_offload": True}, ["--a", "n"]
+    )
     off = ["--activation_checkpoint_offload", "n"]
-    assert finetune._activation_offload({"activation_checkpoint_offload": True}, off) is False
+    assert (
+        finetune._activation_checkpoint_offload({"activation_checkpoint_offload": True}, off)
+        is False
+    )
 
 
 SAVE_SPELLINGS = [
@@ -67,4 +74,4 @@ def test_a_value_the_script_refuses_is_refused():
     from hf_superoffload.cli.errors import UsageError
 
     with pytest.raises(UsageError, match=r"--activation_checkpoint_offload.*maybe"):
-        finetune._activation_offload({}, ["--activation_checkpoint_offload", "maybe"])
+        finetune._activation_checkpoint_offload({}, ["--activation_checkpoint_offload", "maybe"])

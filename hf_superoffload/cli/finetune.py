@@ -188,7 +188,7 @@ def _moments(settings: dict, script_args: list[str]) -> str:
     return str(moments or env.read(MOMENTS_ENV) or "fp32").lower()
 
 
-def _activation_offload(settings: dict, script_args: list[str]) -> bool:
+def _activation_checkpoint_offload(settings: dict, script_args: list[str]) -> bool:
     """Whether the run keeps the checkpointed layer inputs on the host, which the plan counts:
     ``--activation_checkpoint_offload``, or transformers' own (``--activation_checkpointing_kwargs
     '{"offload": true}'``, the same). UsageError for what the script would refuse."""
@@ -213,7 +213,7 @@ def _plan_ratio(
     batch: int,
     never_saves: bool,
     moments: str,
-    activation_offload: bool = False,
+    activation_checkpoint_offload: bool = False,
 ):
     """(ratio, plan JSON or None) for ``--ratio auto``; UsageError or a refusal otherwise."""
     import torch
@@ -238,7 +238,7 @@ def _plan_ratio(
     argv += ["--gradient-accumulation-steps", str(accumulation), "--loss", RECIPE_LOSS, *options]
     if never_saves:
         argv.append("--no-save")
-    if activation_offload:
+    if activation_checkpoint_offload:
         argv.append("--activation-checkpoint-offload")
     argv += ["--moments", moments, *_planned_machine(args)]
     where = "the machine given" if _planned_machine(args) else "this machine"
@@ -310,7 +310,7 @@ def prepare(args: argparse.Namespace) -> tuple[Path, list[str], dict[str, str]]:
     plan = None
     if ratio == "auto":
         never_saves, moments = _never_saves(settings, extra), _moments(settings, extra)
-        offload = _activation_offload(settings, extra)
+        offload = _activation_checkpoint_offload(settings, extra)
         ratio, plan = _plan_ratio(
             args, recipe, settings, gpus, batch, never_saves, moments, offload
         )

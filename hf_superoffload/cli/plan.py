@@ -228,8 +228,10 @@ def _suggestions(config, shape: ModelShape, run: Zero3Run, capacity, verdict: Ve
         trial = _judge(config, shape, dataclasses.replace(run, offload_param=True), capacity)
         if trial.fits:
             found.append(f"--offload-param fits: {plan_output.usage(trial)}")
-    if gpu_short and not run.activation_offload:
-        trial = _judge(config, shape, dataclasses.replace(run, activation_offload=True), capacity)
+    if gpu_short and not run.activation_checkpoint_offload:
+        trial = _judge(
+            config, shape, dataclasses.replace(run, activation_checkpoint_offload=True), capacity
+        )
         if trial.fits:
             found.append(
                 f"--activation-checkpoint-offload fits: {plan_output.usage(trial)} (the recipes' "
@@ -285,7 +287,7 @@ def answer(args: argparse.Namespace) -> Answer:
         saves_model=not args.no_save,
         fused_cross_entropy=LOSSES[args.loss][0],
         compact_moments=args.moments == "compact",
-        activation_offload=args.activation_checkpoint_offload,
+        activation_checkpoint_offload=args.activation_checkpoint_offload,
     )
     shape = _shape(source.config)
     auto_notes, auto_suggestions = [], []
