@@ -359,3 +359,15 @@ def test_the_launcher_refuses_every_n_layers_with_the_flag():
             '{"every_n_layers": 2}']  # fmt: skip
     with pytest.raises(UsageError, match="Drop every_n_layers"):
         finetune._activation_checkpoint_offload({}, argv)
+
+
+@pytest.mark.parametrize(
+    "kwargs", ['{"every_n_layers": 2, "offload": true}', '{"every_n_layers": 2}']
+)
+def test_ratio_auto_refuses_every_n_layers_it_cannot_plan(kwargs):
+    """The plan counts every layer checkpointed, transformers' offload or none."""
+    from hf_superoffload.cli import finetune
+    from hf_superoffload.cli.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"every_n_layers 2.*give --ratio"):
+        finetune._activation_checkpoint_offload({}, ["--activation_checkpointing_kwargs", kwargs])

@@ -191,18 +191,26 @@ def _moments(settings: dict, script_args: list[str]) -> str:
 def _activation_checkpoint_offload(settings: dict, script_args: list[str]) -> bool:
     """Whether the run keeps the checkpointed layer inputs on the host, which the plan counts:
     ``--activation_checkpoint_offload``, or transformers' own (``--activation_checkpointing_kwargs
-    '{"offload": true}'``, the same). UsageError for what the script would refuse."""
+    '{"offload": true}'``, the same). UsageError for what the script would refuse, and for
+    transformers' ``every_n_layers`` other than 1, which the plan does not count."""
     from ..integrations.activation_offload import offload_requested
 
     script = _script(settings, script_args)
+    kwargs = script.checkpointing_kwargs
     try:
-        return offload_requested(
-            script.activation_checkpoint_offload,
-            script.checkpointing_kwargs,
-            "activation_checkpointing",
+        offload = offload_requested(
+            script.activation_checkpoint_offload, kwargs, "activation_checkpointing"
         )
     except ValueError as error:
         raise UsageError(f"examples/sft.py would refuse its arguments: {error}") from None
+    every_n_layers = kwargs.get("every_n_layers", 1)
+    if every_n_layers != 1:
+        raise UsageError(
+            f"RATIO=auto plans every layer checkpointed; every_n_layers {every_n_layers} leaves "
+            "the others holding all their activations on the GPU, which the plan does not count: "
+            "give --ratio (RATIO) a number in [0, 1], or drop every_n_layers"
+        )
+    return offload
 
 
 def _plan_ratio(
