@@ -94,8 +94,9 @@ def add_parser(commands) -> None:
         "--activation-checkpoint-offload",
         action="store_true",
         help="the checkpointed layers' inputs wait in pinned host memory between forward and "
-        "backward (the recipes' --activation_checkpoint_offload true): off the GPU, onto the "
-        "host, a power-of-two block per layer",
+        "backward (the recipes' --activation_checkpoint_offload true, or transformers' own "
+        'activation_checkpointing_kwargs {"offload": true} from 5.17 on): off the GPU, onto '
+        "the host, a power-of-two block per layer",
     )
     parser.add_argument(
         "--moments",
