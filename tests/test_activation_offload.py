@@ -168,7 +168,7 @@ def test_plan_moves_the_layer_inputs_from_the_gpu_to_the_host(seq):
     config = tiny_llama_config(**LLAMA_8B)
     run_off = Zero3Run(seq=seq, batch=1, ranks=2)
     off = zero3_memory_plan(config, run_off)
-    on = zero3_memory_plan(config, dataclasses.replace(run_off, activation_offload=True))
+    on = zero3_memory_plan(config, dataclasses.replace(run_off, activation_checkpoint_offload=True))
     each = layer_input_bytes(seq, 4096, 2)
     assert off.gpu["layer_inputs"] == 32 * each and off.host["offloaded_layer_inputs"] == 0
     assert on.gpu["layer_inputs"] == each, "the one layer being recomputed"
@@ -196,7 +196,7 @@ def test_plan_flag_reaches_the_run_and_is_suggested_when_the_gpu_is_short(capsys
     assert not short["fits"]
     assert any(s.startswith("--activation-checkpoint-offload fits") for s in short["suggestions"])
     fits = _plan(capsys, *base, "--activation-checkpoint-offload")
-    assert fits["run"]["activation_offload"] and fits["fits"]
+    assert fits["run"]["activation_checkpoint_offload"] and fits["fits"]
     assert fits["host_bytes_per_rank"]["offloaded_layer_inputs"] == 32 * 262144 * 4096 * 2
 
 
@@ -260,5 +260,114 @@ def test_the_launcher_plans_the_offload_the_script_is_given(capsys, tmp_path):
         assert code == 0, capsys.readouterr().err
         (run_dir,) = out_dir.iterdir()
         plan = json.loads((run_dir / "plan.json").read_text())
-        assert plan["run"]["activation_offload"] is offload
+        assert plan["run"]["activation_checkpoint_offload"] is offload
         assert (plan["host_bytes_per_rank"]["offloaded_layer_inputs"] > 0) is offload
+
+
+# --- transformers' own offload (activation_checkpointing_kwargs {"offload": true}, 5.17 on) ---
+
+UPSTREAM = [
+    ({}, ["--activation_checkpointing_kwargs", '{"offload": true}']),
+    ({}, ["--gradient_checkpointing_kwargs", '{"offload": "true"}']),  # the name before the rename
+    ({"activation_checkpointing_kwargs": {"offload": True}}, []),  # a recipe's
+]
+
+
+@pytest.mark.parametrize("settings, argv", UPSTREAM, ids=["new", "old", "recipe"])
+def test_the_launcher_plans_transformers_own_offload_as_the_same_request(settings, argv):
+    from hf_superoffload.cli import finetune
+
+    assert finetune._activation_checkpoint_offload(settings, argv) is True
+    off = ["--activation_checkpointing_kwargs", '{"offload": false, "use_reentrant": true}']
+    assert finetune._activation_checkpoint_offload(settings, off) is False  # the new name wins
+
+
+def test_the_launcher_refuses_both_offloads_before_writing_anything():
+    from hf_superoffload.cli import finetune
+    from hf_superoffload.cli.errors import UsageError
+
+    both = ["--activation_checkpoint_offload", "--activation_checkpointing_kwargs", '{"offload":1}']
+    with pytest.raises(UsageError, match="both move the checkpointed inputs to the host"):
+        finetune._activation_checkpoint_offload({}, both)
+
+
+def test_transformers_own_offload_is_refused_where_transformers_has_none(monkeypatch):
+    """Before 5.17 the key goes on to torch's checkpoint, which does not offload anything."""
+    from hf_superoffload.integrations import activation_offload
+
+    monkeypatch.setattr(activation_offload, "upstream_offload_supported", lambda: False)
+    asked = _training_args(CHECKPOINTING, True, {"offload": True})
+    with pytest.raises(
+        ValueError, match=r"transformers 5.17.*--activation_checkpoint_offload true"
+    ):
+        activation_offload.check_arguments(asked, flag=False)
+    activation_offload.check_arguments(_training_args(CHECKPOINTING, True), flag=False)
+    monkeypatch.undo()
+    activation_offload.check_arguments(asked, flag=False)  # this transformers offloads it
+
+
+def test_the_launcher_plans_transformers_own_offload(capsys, tmp_path):
+    args = ["llama-3.1-8b", "superoffload", "--dry-run", "--hardware", "h100", "--ratio", "auto"]
+    given = ["--", "--activation_checkpointing_kwargs", '{"offload": true}']
+    assert cli_main(["finetune", "--runs-dir", str(tmp_path), *args, *given]) == 0
+    (run_dir,) = tmp_path.iterdir()
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["run"]["activation_checkpoint_offload"] is True
+    assert plan["host_bytes_per_rank"]["offloaded_layer_inputs"] > 0
+
+
+def test_the_recipe_refuses_transformers_own_offload_where_it_has_none(tmp_path, monkeypatch):
+    from hf_superoffload.integrations import activation_offload
+
+    built = []
+    monkeypatch.setattr(run, "build_model", lambda *a, **k: built.append(a))
+    monkeypatch.setattr(activation_offload, "upstream_offload_supported", lambda: False)
+    argv = ["--output_dir", str(tmp_path), f"--{CHECKPOINTING}", "true",
+            f"--{CHECKPOINTING}_kwargs", '{"offload": true}']  # fmt: skip
+    with pytest.raises(ValueError, match=r"offload needs transformers 5\.17\.0 or later"):
+        run.build_trainer("sft", argv)
+    assert not built
+
+
+# --- every_n_layers: the plan counts every layer checkpointed and offloaded ---
+
+
+def test_the_flag_refuses_every_n_layers_other_than_one():
+    every_2 = _training_args(CHECKPOINTING, True, {"every_n_layers": 2})
+    with pytest.raises(ValueError, match="every_n_layers 2: the layers left uncheckpointed"):
+        check_arguments(every_2)
+    check_arguments(every_2, flag=False)  # transformers' checkpointing alone: its own business
+    check_arguments(_training_args(CHECKPOINTING, True, {"every_n_layers": 1}))
+
+
+def test_the_recipe_refuses_every_n_layers_before_building_the_model(tmp_path, monkeypatch):
+    built = []
+    monkeypatch.setattr(run, "build_model", lambda *a, **k: built.append(a))
+    argv = ["--output_dir", str(tmp_path), f"--{CHECKPOINTING}", "true",
+            "--activation_checkpoint_offload", "true",
+            f"--{CHECKPOINTING}_kwargs", '{"every_n_layers": "3"}']  # fmt: skip
+    with pytest.raises(ValueError, match="every_n_layers 3"):
+        run.build_trainer("sft", argv)
+    assert not built
+
+
+def test_the_launcher_refuses_every_n_layers_with_the_flag():
+    from hf_superoffload.cli import finetune
+    from hf_superoffload.cli.errors import UsageError
+
+    argv = ["--activation_checkpoint_offload", "--gradient_checkpointing_kwargs",
+            '{"every_n_layers": 2}']  # fmt: skip
+    with pytest.raises(UsageError, match="Drop every_n_layers"):
+        finetune._activation_checkpoint_offload({}, argv)
+
+
+@pytest.mark.parametrize(
+    "kwargs", ['{"every_n_layers": 2, "offload": true}', '{"every_n_layers": 2}']
+)
+def test_ratio_auto_refuses_every_n_layers_it_cannot_plan(kwargs):
+    """The plan counts every layer checkpointed, transformers' offload or none."""
+    from hf_superoffload.cli import finetune
+    from hf_superoffload.cli.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"every_n_layers 2.*give --ratio"):
+        finetune._activation_checkpoint_offload({}, ["--activation_checkpointing_kwargs", kwargs])

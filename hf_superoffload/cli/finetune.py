@@ -164,24 +164,18 @@ def _check_gpus(args, gpus: int, recipe: Path) -> None:
         )
 
 
-def _last_value(script_args: list[str], flag: str, default) -> str:
-    """The value the script takes for ``flag``: its last one on the command line, else
-    ``default`` (lower case)."""
-    value = default
-    for i, arg in enumerate(script_args):
-        if arg == flag and i + 1 < len(script_args):
-            value = script_args[i + 1]
-        elif arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1]
-    return str(value).lower()
+def _script(settings: dict, script_args: list[str]):
+    """The script's arguments the plan depends on (imported here: it loads transformers)."""
+    from .script_arguments import read
+
+    return read(settings, script_args)
 
 
 def _never_saves(settings: dict, script_args: list[str]) -> bool:
     """Whether the run saves nothing (``--save_model false``, ``save_strategy`` no), so the plan
     leaves out the save's shard of the 16-bit model in rank 0's host memory."""
-    saves = _last_value(script_args, "--save_model", settings.get("save_model", True))
-    strategy = _last_value(script_args, "--save_strategy", settings.get("save_strategy", "steps"))
-    return saves in ("false", "0", "no") and strategy == "no"
+    script = _script(settings, script_args)
+    return not script.save_model and str(script.save_strategy).lower() == "no"
 
 
 MOMENTS_ENV = "HF_SUPEROFFLOAD_MOMENTS"
@@ -190,19 +184,33 @@ MOMENTS_ENV = "HF_SUPEROFFLOAD_MOMENTS"
 def _moments(settings: dict, script_args: list[str]) -> str:
     """The moments the run keeps: ``--superoffload_moments``, the recipe's, else
     HF_SUPEROFFLOAD_MOMENTS (the trainers' order), else fp32."""
-    default = settings.get("superoffload_moments") or env.read(MOMENTS_ENV) or "fp32"
-    return _last_value(script_args, "--superoffload_moments", default)
+    moments = _script(settings, script_args).superoffload_moments
+    return str(moments or env.read(MOMENTS_ENV) or "fp32").lower()
 
 
-def _activation_offload(settings: dict, script_args: list[str]) -> bool:
-    """Whether the run keeps the checkpointed layer inputs on the host
-    (``--activation_checkpoint_offload``), which the plan counts."""
-    value = _last_value(
-        script_args,
-        "--activation_checkpoint_offload",
-        settings.get("activation_checkpoint_offload", False),
-    )
-    return value in ("true", "1", "yes")
+def _activation_checkpoint_offload(settings: dict, script_args: list[str]) -> bool:
+    """Whether the run keeps the checkpointed layer inputs on the host, which the plan counts:
+    ``--activation_checkpoint_offload``, or transformers' own (``--activation_checkpointing_kwargs
+    '{"offload": true}'``, the same). UsageError for what the script would refuse, and for
+    transformers' ``every_n_layers`` other than 1, which the plan does not count."""
+    from ..integrations.activation_offload import offload_requested
+
+    script = _script(settings, script_args)
+    kwargs = script.checkpointing_kwargs
+    try:
+        offload = offload_requested(
+            script.activation_checkpoint_offload, kwargs, "activation_checkpointing"
+        )
+    except ValueError as error:
+        raise UsageError(f"examples/sft.py would refuse its arguments: {error}") from None
+    every_n_layers = kwargs.get("every_n_layers", 1)
+    if every_n_layers != 1:
+        raise UsageError(
+            f"RATIO=auto plans every layer checkpointed; every_n_layers {every_n_layers} leaves "
+            "the others holding all their activations on the GPU, which the plan does not count: "
+            "give --ratio (RATIO) a number in [0, 1], or drop every_n_layers"
+        )
+    return offload
 
 
 def _plan_ratio(
@@ -213,7 +221,7 @@ def _plan_ratio(
     batch: int,
     never_saves: bool,
     moments: str,
-    activation_offload: bool = False,
+    activation_checkpoint_offload: bool = False,
 ):
     """(ratio, plan JSON or None) for ``--ratio auto``; UsageError or a refusal otherwise."""
     import torch
@@ -238,7 +246,7 @@ def _plan_ratio(
     argv += ["--gradient-accumulation-steps", str(accumulation), "--loss", RECIPE_LOSS, *options]
     if never_saves:
         argv.append("--no-save")
-    if activation_offload:
+    if activation_checkpoint_offload:
         argv.append("--activation-checkpoint-offload")
     argv += ["--moments", moments, *_planned_machine(args)]
     where = "the machine given" if _planned_machine(args) else "this machine"
@@ -310,7 +318,7 @@ def prepare(args: argparse.Namespace) -> tuple[Path, list[str], dict[str, str]]:
     plan = None
     if ratio == "auto":
         never_saves, moments = _never_saves(settings, extra), _moments(settings, extra)
-        offload = _activation_offload(settings, extra)
+        offload = _activation_checkpoint_offload(settings, extra)
         ratio, plan = _plan_ratio(
             args, recipe, settings, gpus, batch, never_saves, moments, offload
         )

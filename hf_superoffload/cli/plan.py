@@ -94,8 +94,9 @@ def add_parser(commands) -> None:
         "--activation-checkpoint-offload",
         action="store_true",
         help="the checkpointed layers' inputs wait in pinned host memory between forward and "
-        "backward (the recipes' --activation_checkpoint_offload true): off the GPU, onto the "
-        "host, a power-of-two block per layer",
+        "backward (the recipes' --activation_checkpoint_offload true, or transformers' own "
+        'activation_checkpointing_kwargs {"offload": true} from 5.17 on): off the GPU, onto '
+        "the host, a power-of-two block per layer",
     )
     parser.add_argument(
         "--moments",
@@ -228,8 +229,10 @@ def _suggestions(config, shape: ModelShape, run: Zero3Run, capacity, verdict: Ve
         trial = _judge(config, shape, dataclasses.replace(run, offload_param=True), capacity)
         if trial.fits:
             found.append(f"--offload-param fits: {plan_output.usage(trial)}")
-    if gpu_short and not run.activation_offload:
-        trial = _judge(config, shape, dataclasses.replace(run, activation_offload=True), capacity)
+    if gpu_short and not run.activation_checkpoint_offload:
+        trial = _judge(
+            config, shape, dataclasses.replace(run, activation_checkpoint_offload=True), capacity
+        )
         if trial.fits:
             found.append(
                 f"--activation-checkpoint-offload fits: {plan_output.usage(trial)} (the recipes' "
@@ -285,7 +288,7 @@ def answer(args: argparse.Namespace) -> Answer:
         saves_model=not args.no_save,
         fused_cross_entropy=LOSSES[args.loss][0],
         compact_moments=args.moments == "compact",
-        activation_offload=args.activation_checkpoint_offload,
+        activation_checkpoint_offload=args.activation_checkpoint_offload,
     )
     shape = _shape(source.config)
     auto_notes, auto_suggestions = [], []

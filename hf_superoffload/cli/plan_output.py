@@ -76,7 +76,7 @@ def run_line(plan: MemoryPlan) -> str:
     ]
     if run.offload_param:
         extras.append("bf16 params on the host")
-    if run.activation_offload:
+    if run.activation_checkpoint_offload:
         extras.append("checkpointed layer inputs in pinned host memory")
     if run.gradient_accumulation > 1:
         extras.append(f"gradient accumulation {run.gradient_accumulation}")

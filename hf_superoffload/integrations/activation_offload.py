@@ -13,6 +13,10 @@ when backward recomputes the layer. Nothing else changes: the gradients are bit-
 
 ``ActivationOffloadCallback`` installs it when training begins, after the Trainer has turned
 checkpointing on, on any Trainer (SuperOffload's, TRL's, the plain one; ZeRO-3 or not).
+
+transformers 5.17 and later do the same themselves when the checkpointing kwargs say
+``{"offload": true}``; this one is the path on older versions and reports what it moved. The
+plan and the launcher count either (``offload_requested``), and a run asking for both is refused.
 """
 
 from __future__ import annotations
@@ -167,17 +171,63 @@ def checkpointing_name(args) -> str:
     )
 
 
-def check_arguments(args) -> None:
-    """Refuse, before the model is built, training arguments the offload cannot run with."""
+# The transformers release whose activation checkpointing takes ``offload`` (its kwargs'
+# ``{"offload": true}``): the same save_on_cpu(pin_memory=True) around each checkpointed layer.
+UPSTREAM_OFFLOAD_SINCE = "5.17.0"
+
+
+def upstream_offload_supported() -> bool:
+    """Whether this transformers offloads the checkpointed inputs itself when its checkpointing
+    kwargs say ``offload`` (else the key goes on to torch's checkpoint, which offloads nothing)."""
+    import inspect
+
+    from transformers import PreTrainedModel
+
+    enable = getattr(PreTrainedModel, "activation_checkpointing_enable", None)
+    enable = enable or PreTrainedModel.gradient_checkpointing_enable
+    return "offload" in inspect.signature(enable).parameters
+
+
+def offload_requested(flag: bool, kwargs: dict, name: str) -> bool:
+    """Whether the run keeps the checkpointed layer inputs on the host: ``flag`` (ours) or
+    transformers' ``kwargs`` (``--{name}_kwargs``) ``offload``, the same request. ValueError
+    for both at once, for transformers' on a transformers without it, and for ours with
+    ``every_n_layers`` other than 1 (the plan counts every layer checkpointed)."""
+    upstream = bool(kwargs.get("offload", False))
+    if flag and upstream:
+        raise ValueError(
+            f"{FLAG} and --{name}_kwargs' offload both move the checkpointed inputs to the host "
+            "(transformers' own would take them first): drop one"
+        )
+    if upstream and not upstream_offload_supported():
+        import transformers
+
+        raise ValueError(
+            f"--{name}_kwargs' offload needs transformers {UPSTREAM_OFFLOAD_SINCE} or later "
+            f"(this is {transformers.__version__}, whose checkpointing passes the key on to "
+            f"torch's checkpoint and offloads nothing): pass {FLAG} in its place (the same "
+            "offload), or upgrade transformers"
+        )
+    every_n_layers = kwargs.get("every_n_layers", 1)
+    if flag and every_n_layers != 1:
+        raise ValueError(
+            f"{FLAG} with --{name}_kwargs' every_n_layers {every_n_layers}: the layers left "
+            "uncheckpointed would keep all their activations on the GPU, which neither the "
+            "offload nor the memory plan counts. Drop every_n_layers (checkpoint every layer) "
+            "or drop the flag"
+        )
+    return flag or upstream
+
+
+def check_arguments(args, flag: bool = True) -> None:
+    """Refuse, before the model is built, training arguments the offload cannot run with:
+    ``flag`` is ours (``--activation_checkpoint_offload``); transformers' own (its checkpointing
+    kwargs' ``offload``) is checked either way."""
     name = checkpointing_name(args)
-    if not getattr(args, name):
+    if flag and not getattr(args, name):
         raise ValueError(
             f"{FLAG} offloads the inputs activation checkpointing keeps, and --{name} is off: "
             f"pass --{name} true, or drop the flag"
         )
     kwargs = getattr(args, f"{name}_kwargs", None) or {}
-    if isinstance(kwargs, dict) and kwargs.get("offload"):
-        raise ValueError(
-            f"{FLAG} and --{name}_kwargs' offload both move the checkpointed inputs to the host "
-            "(transformers' own would take them first): drop one"
-        )
+    offload_requested(flag, kwargs if isinstance(kwargs, dict) else {}, name)

@@ -71,8 +71,11 @@ class RecipeArguments:
                   "hidden x 2 bytes of GPU memory (the long-sequence limit), costs a copy of "
                   "them to the host and back each step. Needs activation checkpointing (the "
                   "recipes' default); any optimizer, with or without DeepSpeed and "
-                  "--sequence_parallel_size. Not TRL's --activation_offloading, which moves "
-                  "every saved activation."},
+                  "--sequence_parallel_size. The same offload as transformers' own "
+                  "--activation_checkpointing_kwargs '{\"offload\": true}' (transformers 5.17 "
+                  "and later; --gradient_checkpointing_kwargs before its rename), which the "
+                  "memory plan counts alike; not both at once. Not TRL's "
+                  "--activation_offloading, which moves every saved activation."},
     )  # fmt: skip
     dataset_name: str | None = dataclasses.field(
         default=None, metadata={"help": "Hub dataset id (load_dataset); needs network or cache."}

@@ -46,8 +46,7 @@ def build_trainer(kind: str, argv: list[str] | None = None, prog: str | None = N
     if sp_size > 1:  # refused before anything is built
         sequence_parallel.check_arguments(sp_size, kind, args)
     liger.check_device(args)
-    if recipe.activation_checkpoint_offload:
-        activation_offload.check_arguments(args)
+    activation_offload.check_arguments(args, recipe.activation_checkpoint_offload)
     _pick_threads(recipe)
     set_seed(args.seed)
     tokenizer = load_tokenizer(recipe)

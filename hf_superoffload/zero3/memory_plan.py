@@ -93,7 +93,7 @@ class Zero3Run:
     compact_moments: bool = False
     # The checkpointed layers' inputs in pinned host memory between forward and backward
     # (the recipes' --activation_checkpoint_offload; activation_memory.py).
-    activation_offload: bool = False
+    activation_checkpoint_offload: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,7 +334,7 @@ def zero3_memory_plan(config, run: Zero3Run, shape: ModelShape | None = None) ->
         ),
         "offloaded_params": low * partition if run.offload_param else 0,
         "offloaded_layer_inputs": layer_inputs_host_bytes(
-            shape.layers, tokens, shape.hidden, low, run.activation_offload
+            shape.layers, tokens, shape.hidden, low, run.activation_checkpoint_offload
         ),
         "process": HOST_PROCESS_BYTES,
     }
@@ -355,7 +355,7 @@ def zero3_memory_plan(config, run: Zero3Run, shape: ModelShape | None = None) ->
         ),
         "reduce_bucket": low * run.reduce_bucket_size,
         "layer_inputs": layer_inputs_gpu_bytes(
-            shape.layers, tokens, shape.hidden, low, run.activation_offload
+            shape.layers, tokens, shape.hidden, low, run.activation_checkpoint_offload
         ),
         "layer_recompute": 3 * low * tokens * shape.active_intermediate,
         "logits_and_loss": loss_bytes(config, shape, run, tokens),

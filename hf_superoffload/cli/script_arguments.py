@@ -1,0 +1,58 @@
+"""What ``hf-superoffload finetune`` reads from the arguments it passes to examples/sft.py, to
+plan the run: whether it saves, its Adam moments, and where its checkpointed layer inputs wait.
+
+They are parsed as the script parses them, by transformers' ``HfArgumentParser`` over fields of
+the same names and types, with the recipe's values as defaults (TRL's parser sets a recipe YAML's
+values as defaults the same way): a bool option given bare (last, or before another option) is
+true, a value is read by ``string_to_bool`` (yes/no, true/false, t/f, y/n, 1/0, any case), a
+default-true bool also has its ``--no_`` form, every name its dashed spelling, and the last one
+given wins. Anything else on the command line is the script's alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from transformers import HfArgumentParser
+from transformers.training_args import _convert_str_dict
+
+from .errors import UsageError
+
+
+@dataclasses.dataclass
+class ScriptArguments:
+    """The script's arguments the plan depends on (their names, types and defaults there)."""
+
+    save_model: bool = True
+    save_strategy: str = "steps"
+    superoffload_moments: str | None = None
+    activation_checkpoint_offload: bool = False
+    # transformers' activation checkpointing options (a JSON object on the command line); the
+    # old name is the only one before transformers renamed it, and an alias after.
+    activation_checkpointing_kwargs: str | None = None
+    gradient_checkpointing_kwargs: str | None = None
+
+    @property
+    def checkpointing_kwargs(self) -> dict:
+        """transformers' activation checkpointing options, as TrainingArguments reads them: the
+        new name if given, else the old; a JSON string decoded with its values' types."""
+        value = self.activation_checkpointing_kwargs
+        if value is None:
+            value = self.gradient_checkpointing_kwargs
+        if isinstance(value, str) and value.startswith("{"):
+            return _convert_str_dict(json.loads(value))
+        return dict(value) if isinstance(value, dict) else {}
+
+
+class _Parser(HfArgumentParser):
+    def error(self, message: str):
+        raise UsageError(f"examples/sft.py would refuse its arguments: {message}")
+
+
+def read(settings: dict, script_args: list[str]) -> ScriptArguments:
+    """``ScriptArguments`` from the recipe's ``settings`` and the script's arguments."""
+    parser = _Parser(ScriptArguments, allow_abbrev=False, add_help=False)
+    names = {field.name for field in dataclasses.fields(ScriptArguments)}
+    parser.set_defaults(**{k: v for k, v in settings.items() if k in names})
+    return parser.parse_args_into_dataclasses(script_args, return_remaining_strings=True)[0]

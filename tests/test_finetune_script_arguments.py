@@ -1,0 +1,77 @@
+"""What ``hf-superoffload finetune`` reads from the arguments it passes to examples/sft.py to plan
+the run (the activation checkpoint offload, whether it saves, the moments): each spelling
+transformers' HfArgumentParser accepts reads as the script reads it. A bool option bare (at the
+end or before another option) is true, its value in any of string_to_bool's spellings, the
+``--no_`` form of a default-true one, and the dashed names."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import HfArgumentParser
+
+from hf_superoffload.cli import finetune
+from hf_superoffload.recipes.arguments import RecipeArguments
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+SPELLINGS = [
+    [], ["--activation_checkpoint_offload"], ["--activation_checkpoint_offload", "--max_steps", "5"],
+    *(["--activation_checkpoint_offload", v] for v in ("true", "True", "t", "y", "1", "yes", "YES")),
+    *(["--activation_checkpoint_offload", v] for v in ("false", "f", "n", "0", "no")),
+    ["--activation_checkpoint_offload=yes"], ["--activation-checkpoint-offload"],
+    ["--activation-checkpoint-offload", "t", "--activation_checkpoint_offload", "0"],
+]  # fmt: skip
+
+
+def _script_reads(argv: list[str]) -> RecipeArguments:
+    parser = HfArgumentParser(RecipeArguments, allow_abbrev=False)
+    return parser.parse_args_into_dataclasses(argv, return_remaining_strings=True)[0]
+
+
+@pytest.mark.parametrize("argv", SPELLINGS, ids=" ".join)
+def test_the_offload_flag_reads_as_the_script_reads_it(argv):
+    expected = _script_reads(argv).activation_checkpoint_offload
+    assert finetune._activation_checkpoint_offload({}, argv) is expected
+
+
+def test_the_recipes_value_is_the_default():
+    assert (
+        finetune._activation_checkpoint_offload({"activation_checkpoint_offload": True}, []) is True
+    )
+    assert finetune._activation_checkpoint_offload(
+        {"activation_checkpoint_offload": True}, ["--a", "n"]
+    )
+    off = ["--activation_checkpoint_offload", "n"]
+    assert (
+        finetune._activation_checkpoint_offload({"activation_checkpoint_offload": True}, off)
+        is False
+    )
+
+
+SAVE_SPELLINGS = [
+    ["--save_model", "false"], ["--save_model", "f"], ["--save_model", "N"], ["--save_model=0"],
+    ["--save-model", "no"], ["--no_save_model"], ["--no-save-model"], ["--no_save_model", "--x"],
+    ["--save_model", "false", "--save_model"], ["--no_save_model", "--save_model", "y"],
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("argv", SAVE_SPELLINGS, ids=" ".join)
+def test_a_run_that_saves_nothing_reads_as_the_script_reads_it(argv):
+    saves = _script_reads(argv).save_model
+    no_strategy = {"save_strategy": "no"}
+    assert finetune._never_saves(no_strategy, argv) is (not saves)
+    dashed = [*argv, "--save-strategy", "steps"]  # the script saves checkpoints
+    assert finetune._never_saves(no_strategy, dashed) is False
+
+
+def test_the_moments_read_as_the_script_reads_them():
+    for argv in (["--superoffload-moments", "compact"], ["--superoffload_moments=compact"]):
+        assert finetune._moments({}, argv) == "compact"
+    assert finetune._moments({"superoffload_moments": "compact"}, []) == "compact"
+
+
+def test_a_value_the_script_refuses_is_refused():
+    from hf_superoffload.cli.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"--activation_checkpoint_offload.*maybe"):
+        finetune._activation_checkpoint_offload({}, ["--activation_checkpoint_offload", "maybe"])
