@@ -18,6 +18,7 @@ attention, packed rows under sdpa, and a ``pad_to_multiple_of`` the sequence can
 from __future__ import annotations
 
 import os
+import re
 
 # accelerate's launcher puts an accelerate config's ``parallelism_config`` in the environment.
 LAUNCHER_SP_SIZE = "PARALLELISM_CONFIG_SP_SIZE"
@@ -89,13 +90,14 @@ def check_arguments(size: int, kind: str, args) -> None:
 
 def check_trl(size: int, version: str | None = None) -> None:
     """Refuse a TRL older than ``SP_MIN_TRL`` (``version``: the installed one's, by default)."""
-    from packaging.version import Version
-
     if version is None:
         import trl
 
         version = trl.__version__
-    if Version(version).release[:2] < SP_MIN_TRL:
+    release = re.match(r"(\d+)\.(\d+)", version)
+    if release is None:
+        raise ValueError(f"cannot read TRL's version {version!r}")
+    if tuple(map(int, release.groups())) < SP_MIN_TRL:
         need = ".".join(map(str, SP_MIN_TRL))
         raise ValueError(
             f"--sequence_parallel_size {size} needs TRL >= {need}, whose SFT collator gives each "
