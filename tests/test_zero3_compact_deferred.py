@@ -43,7 +43,8 @@ def _train(engine, case: Zero3Case, rank: int) -> list[torch.Tensor]:
     return reads
 
 
-def _on_rank(rank, world, port, case, out_dir) -> None:
+def _on_rank(rank, world, port, case, out_dir, train=_train) -> None:
+    """The reference and ours, each trained by ``train`` (which returns the gradients read)."""
     os.environ["HF_SUPEROFFLOAD_MOMENTS"] = "compact"
     init_rank(rank, world, port)
     torch.set_num_threads(1)
@@ -55,7 +56,7 @@ def _on_rank(rank, world, port, case, out_dir) -> None:
         engine, optimizer = make_engine(case, super_offload, world, optimizer_class=base)
         if not super_offload:
             optimizer.optimizer.set_layout(optimizer, world, rank)
-        record = {"reads": _train(engine, case, rank), "state": _state(optimizer)}
+        record = {"reads": train(engine, case, rank), "state": _state(optimizer)}
         if super_offload:
             record["stats"] = optimizer.stats
         results[name] = record
@@ -70,7 +71,12 @@ def test_gradients_read_and_written_while_an_update_is_deferred(accumulation, tm
     a gradient written is the one stepped, and the state equals the reference's."""
     case = Zero3Case(max_grad_norm=0.0, steps=4, accumulation=accumulation)
     spawn_ranks(_on_rank, (1, free_port(), case, str(tmp_path)), 1)
-    result = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    _assert_as_the_reference(tmp_path)
+
+
+def _assert_as_the_reference(out_dir) -> None:
+    """Every gradient read and the final state of ours equal the reference's, bit for bit."""
+    result = torch.load(out_dir / "rank0.pt", weights_only=False)
     ref, ours = result["reference"], result["superoffload"]
     for i, (a, b) in enumerate(zip(ours["reads"], ref["reads"], strict=True)):
         assert torch.equal(a, b), f"gradient read {i}"
@@ -78,6 +84,48 @@ def test_gradients_read_and_written_while_an_update_is_deferred(accumulation, tm
         for key in ("master", "exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale"):
             assert torch.equal(a[key], b[key]), f"param {a['param']} {key}"
     assert ours["stats"]["commits_fused"] > 0
+
+
+def _read_after_step(engine, case: Zero3Case, rank: int) -> list[torch.Tensor]:
+    """``case``'s steps (no accumulation), reading every param's full gradient right after
+    each step() and nothing before it."""
+    from deepspeed import utils
+
+    reads = []
+    for step in range(case.steps):
+        ids = batch(case, step, 0, rank, engine.device)
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+        reads += [utils.safe_get_full_grad(p).clone() for p in engine.module.parameters()]
+    return reads
+
+
+def _slow_fused_on_rank(rank, world, port, case, out_dir) -> None:
+    """``_read_after_step`` with the fused pass, which copies the gradients out of their
+    slot, slowed down."""
+    import time
+
+    from hf_superoffload.engine.compact_passes import CompactPasses
+
+    fused = CompactPasses.fused
+
+    def slow_fused(self, *args, **kwargs):
+        time.sleep(0.2)  # the copy into the gradient buffer is still to come
+        fused(self, *args, **kwargs)
+
+    CompactPasses.fused = slow_fused
+    _on_rank(rank, world, port, case, out_dir, _read_after_step)
+
+
+def test_gradients_read_right_after_step_while_the_fused_pass_copies_them(tmp_path):
+    """No clipping: each step's gradients land in a gradient slot and the next speculative
+    pass copies them into the gradient buffer. A read right after step(), while that (slowed)
+    pass may still be copying, sees the whole of this step's gradients, as DeepSpeed's plain
+    offload shows them; the state equals the reference's. No persistent params: step() then
+    returns before the last sub groups' passes are done (it gathers none)."""
+    case = Zero3Case(max_grad_norm=0.0, steps=4, persistence_threshold=0)
+    spawn_ranks(_slow_fused_on_rank, (1, free_port(), case, str(tmp_path)), 1)
+    _assert_as_the_reference(tmp_path)
 
 
 # The branch runs in some steps only: a sub group holding it launches at step() then, its

@@ -19,7 +19,7 @@ DeepSpeed's accessors, tail moves, checkpoints, ``close``).
 from __future__ import annotations
 
 import dataclasses
-import time
+import threading
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -44,22 +44,36 @@ class Pending:
     grad: torch.Tensor  # its gradients: the partition's gradient buffer, or its fp32 sum
 
 
+class SlotMove:
+    """A partition's gradients on their way from a gradient slot into its gradient buffer, by
+    the worker task handed the slot: it calls ``done`` once they are all there."""
+
+    def __init__(self, slots: GradSlots, slot: torch.Tensor):
+        self._slots, self.slot = slots, slot
+        self.landed = threading.Event()
+
+    def done(self) -> None:
+        self._slots.release(self.slot)
+        self.landed.set()
+
+
 class DeferredCommits:
-    """Owns the gradient slots and the set of partitions with a pending update or a slot.
-    Of a partition it writes ``pending``, ``incoming`` and ``grad_moving`` (the training
-    thread's); it submits the worker's tasks and waits through ``wait`` (the STV core's
-    counted wait)."""
+    """Owns the gradient slots, the set of partitions with a pending update or a slot, and
+    the slot moves in flight. Of a partition it writes ``pending`` and ``incoming`` (the
+    training thread's); it submits the worker's tasks and waits through ``wait`` (the STV
+    core's counted wait, which returns the seconds waited)."""
 
     def __init__(
         self,
         worker: Worker,
         host: HostSteps,
         slots: GradSlots | None,
-        wait: Callable[[Iterable[int]], None],
+        wait: Callable[[Iterable[int]], float],
     ):
         self.worker, self.host, self.slots = worker, host, slots
         self._wait = wait
         self._parts: dict[int, HostPartition] = {}  # index -> partition with pending/incoming
+        self._moves: dict[int, SlotMove] = {}  # index -> its latest move out of a slot
 
     def defer(self, part: HostPartition, pending: Pending) -> None:
         """``part``'s speculation was validated as it ran (``HostSteps.complete`` marks the
@@ -69,22 +83,26 @@ class DeferredCommits:
         part.pending = pending
         self._parts[part.index] = part
 
-    def landing(self, part: HostPartition) -> torch.Tensor | None:
-        """The buffer this step's gradients of ``part`` land in: a gradient slot while its
-        gradient buffer holds pending gradients; None for the gradient buffer itself (the
-        caller waits for the partition's tasks before writing it). With no slot free and none
-        about to be freed, the pending update is written first (queued: that wait covers it)."""
+    def gradient_target(self, part: HostPartition) -> torch.Tensor:
+        """Where this step's gradients of host partition ``part`` are written now (every
+        engine's backward asks here): a gradient slot while its gradient buffer holds a
+        pending update's gradients, else the gradient buffer once no task reads it. Every
+        wait counts as exposed CPU time; a wait for want of a free slot (for a task to
+        release one, or, with none about to, for the pending update's own write) also counts
+        as ``slot_wait_seconds``."""
         if part.incoming is not None:
             return part.incoming
         pending = part.pending
         if pending is None or pending.grad is not part.host_grad:
-            return None
+            self._wait([part.index])
+            return part.host_grad
         slot = self._take(part)
-        if slot is None:
-            self.land(part)
-            return None
-        part.incoming = slot
-        return slot
+        if slot is not None:
+            part.incoming = slot
+            return slot
+        self.land(part)
+        self.host.stats.slot_wait_seconds += self._wait([part.index])
+        return part.host_grad
 
     def _take(self, part: HostPartition) -> torch.Tensor | None:
         while True:
@@ -96,9 +114,7 @@ class DeferredCommits:
             holder = self.slots.handed_holder()
             if holder is None:  # every slot waits for gradients still to come
                 return None
-            began = time.perf_counter()
-            self._wait([holder])  # its task releases its slot
-            self.host.stats.slot_wait_seconds += time.perf_counter() - began
+            self.host.stats.slot_wait_seconds += self._wait([holder])  # its task frees one
 
     def land(self, part: HostPartition, event=None) -> None:
         """Queue the write of ``part``'s pending update and the move of gradients in its slot
@@ -107,29 +123,38 @@ class DeferredCommits:
         pending, incoming = part.pending, part.incoming
         if pending is None and incoming is None:
             return
-        if incoming is not None:
-            self.slots.hand_over(incoming)
-        host, slots, home = self.host, self.slots, part.host_grad
-        self.worker.submit(
-            [part.index], lambda: host.land(part, pending, incoming, event, home, slots)
-        )
+        host, home, move = self.host, part.host_grad, self._hand_over(part)
+
+        def task():
+            host.land(part, pending, incoming, event, home)
+            if move is not None:
+                move.done()
+
+        self.worker.submit([part.index], task)
         self._forget(part)
 
     def hand_to_speculation(
         self, part: HostPartition
-    ) -> tuple[Pending | None, torch.Tensor | None]:
-        """The speculative task of this step takes ``part``'s pending update and slot over."""
+    ) -> tuple[Pending | None, torch.Tensor | None, SlotMove | None]:
+        """The speculative task of this step takes ``part``'s pending update and slot over;
+        it calls the move's ``done`` once the slot's gradients are in the gradient buffer."""
         pending, incoming = part.pending, part.incoming
         if pending is not None and incoming is None and pending.grad is part.grad_for_kernel():
             raise RuntimeError(
                 f"partition {part.index}: its new gradients landed over pending ones "
-                "(a gradient written without DeferredCommits.landing)"
+                "(a gradient written without DeferredCommits.gradient_target)"
             )
-        if incoming is not None:
-            self.slots.hand_over(incoming)
-            part.grad_moving = True
+        move = self._hand_over(part)
         self._forget(part)
-        return pending, incoming
+        return pending, incoming, move
+
+    def _hand_over(self, part: HostPartition) -> SlotMove | None:
+        """A task is about to be submitted that moves ``part``'s slot (if any) home."""
+        if part.incoming is None:
+            return None
+        self.slots.hand_over(part.incoming)
+        move = self._moves[part.index] = SlotMove(self.slots, part.incoming)
+        return move
 
     def drop_incoming(self, part: HostPartition) -> None:
         """This step's gradients are discarded: the slot goes back, the pending update stays."""
@@ -145,11 +170,16 @@ class DeferredCommits:
             self.land(part)
 
     def current_grad(self, part: HostPartition) -> torch.Tensor:
-        """Where this step's gradients of ``part`` are now (DeepSpeed's gradient readers)."""
+        """Where the gradients of ``part`` last written are now, whole (DeepSpeed's gradient
+        readers, before or after step()): in its slot, or in its gradient buffer once a
+        task moving them there from a slot is done."""
         if part.incoming is not None:
             return part.incoming
-        if part.grad_moving:  # its speculative task copies them into the gradient buffer
-            self._wait([part.index])
+        move = self._moves.get(part.index)
+        if move is not None:
+            if not move.landed.is_set():
+                self._wait([part.index])
+            del self._moves[part.index]
         return part.host_grad
 
     @property

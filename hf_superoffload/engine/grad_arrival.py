@@ -55,9 +55,10 @@ class GradArrival:
     buckets. Of the others it touches only: each bucket's per-step arrival fields
     (``staged``, ``arrived``, ``present``, ``last_seen``, ``launched``, ``summing``,
     ``contributed``, ``staging``; ``grad_sum`` through ``start_summing``); the STV core's
-    ``launch``, ``accumulate``, ``retract``, ``abandon``, waits, ``host_sq_norms`` and
-    ``stats.bytes_d2h``; the replicas' collectives; and ``watch``'s start and stop. The
-    buckets and the slot map (``id(param)`` -> bucket and index in it) are read only."""
+    ``launch``, ``accumulate``, ``retract``, ``abandon``, waits, ``host_sq_norms``,
+    ``stats.bytes_d2h`` and ``deferred.gradient_target`` (where host gradients land); the
+    replicas' collectives; and ``watch``'s start and stop. The buckets and the slot map
+    (``id(param)`` -> bucket and index in it) are read only."""
 
     def __init__(
         self,
@@ -233,14 +234,8 @@ class GradArrival:
             dtype = torch.float32 if fp32 else bucket.flat_param.dtype
             with self._link.d2h():
                 return torch.empty(bucket.plan.numel, dtype=dtype, device=self._link.device)
-        # On CPU the host buffer is the staging buffer, or a gradient slot while the host
-        # buffer keeps a pending update's gradients (deferred_commits.py); the worker may
-        # still read the host buffer (the last step's replay, this step's sum): wait for that.
-        slot = self._stv.deferred.landing(bucket)
-        if slot is not None:
-            return slot
-        self._stv.wait_for_tasks([bucket.index])
-        return bucket.host_grad
+        # On CPU gradients stage straight into the host: a gradient slot or the host buffer.
+        return self._stv.deferred.gradient_target(bucket)
 
     def _host_staged(self, bucket: Bucket) -> bool:
         """Whether the bucket stages straight into host memory (no GPU): then where it stages
@@ -290,13 +285,7 @@ class GradArrival:
                 host_sq_norm = self._stv.host_sq_norms[i : i + 1]
                 host_sq_norm.copy_(self._sq_norms[i : i + 1], non_blocking=True)
             if self._link.is_cuda and not bucket.on_device:
-                # Into a gradient slot while the host buffer keeps a pending update's
-                # gradients (deferred_commits.py), else into the host buffer once no task
-                # reads it.
-                target = self._stv.deferred.landing(bucket)
-                if target is None:
-                    self._stv.worker.wait([bucket.index])
-                    target = bucket.host_grad
+                target = self._stv.deferred.gradient_target(bucket)
                 target.copy_(staging, non_blocking=True)
                 self._link.keep_alive_on_d2h(staging)
                 self._stv.stats.bytes_d2h += staging.numel() * staging.element_size()

@@ -17,7 +17,6 @@ from .partition import HostPartition
 
 if TYPE_CHECKING:
     from .deferred_commits import Pending
-    from .grad_slots import GradSlots
     from .stv import StvStats
 
 
@@ -65,6 +64,8 @@ class HostSteps:
         runs,
         grad,
         clip_threshold: float | None = None,
+        pending: Pending | None = None,
+        incoming: torch.Tensor | None = None,
     ) -> None:
         """Step a partition before validation with gradient scale ``scale``, unless what this
         step's gradients showed so far rules it out; then the partition stays untouched
@@ -76,16 +77,21 @@ class HostSteps:
           the step will clip harder than ``scale`` assumes, so a speculation would only be
           replayed, and undoing a gradient much larger than the one kept loses exactness (a
           loss spike after unclipped steps: exp_avg_sq keeps (1 - beta2) * g^2 of a gradient
-          the clip shrinks 400x, and ended 1.4e-3 off AdamW's)."""
+          the clip shrinks 400x, and ended 1.4e-3 off AdamW's).
+
+        A compact partition with a ``pending`` update (deferred_commits.py), its new
+        gradients in the slot ``incoming`` or already in ``grad``, goes to ``_after_pending``,
+        which writes the one and speculates the other."""
         self.link.host_waits_for(d2h_event)  # gradients and their norm are on the host
-        if not self._admit(part, scale, round_, clip_threshold):
-            return
-        if part.compact is not None:  # the update goes to the model only (compact_passes.py)
+        applied = self._admit(part, scale, round_, clip_threshold)
+        if pending is not None or incoming is not None:
+            self._after_pending(part, pending, incoming, applied, hyper, scale, runs, grad)
+        elif applied and part.compact is not None:  # to the model only (compact_passes.py)
             self.compact.run(
                 part, hyper, scale, runs, grad, commit=False, send=True, seconds="cpu_step_seconds"
             )
-            return
-        self.step(part, hyper, scale, None, runs, grad)
+        elif applied:
+            self.step(part, hyper, scale, None, runs, grad)
 
     def _admit(
         self, part: HostPartition, scale: float, round_: SpeculationRound, clip_threshold
@@ -104,27 +110,20 @@ class HostSteps:
         self.stats.speculations_applied += 1
         return True
 
-    def speculate_after(
+    def _after_pending(
         self,
         part: HostPartition,
         pending: Pending | None,
         incoming: torch.Tensor | None,
+        applied: bool,
         hyper: dict,
         scale: float,
-        d2h_event,
-        round_: SpeculationRound,
         runs,
         grad,
-        clip_threshold: float | None,
-        slots: GradSlots,
     ) -> None:
-        """``speculate`` on a compact partition with a pending update (deferred_commits.py)
-        whose new gradients are in the slot ``incoming`` (or already in ``grad``): the
-        pending update is written and the new one speculated in one pass when they update
-        the same runs, else one pass after the other; either way ``grad`` ends up holding
-        the new gradients and the slot is released."""
-        self.link.host_waits_for(d2h_event)
-        applied = self._admit(part, scale, round_, clip_threshold)
+        """The pending update is written and the new one speculated (if ``applied``) in one
+        pass when they update the same runs, else one pass after the other; either way
+        ``grad`` ends up holding the new gradients (the caller then frees the slot)."""
         if (
             applied
             and incoming is not None
@@ -135,17 +134,14 @@ class HostSteps:
             self.compact.fused(part, pending, hyper, scale, runs, incoming, grad)
             part.state_behind = False
             self.compact.carry(part, incoming, grad, outside=runs)
-        else:
-            self.commit_pending(part, pending)
-            if incoming is not None:
-                self.compact.carry(part, incoming, grad)
-            if applied:
-                self.compact.run(
-                    part, hyper, scale, runs, grad, commit=False, send=True,
-                    seconds="cpu_step_seconds",
-                )  # fmt: skip
+            return
+        self.commit_pending(part, pending)
         if incoming is not None:
-            slots.release(incoming)
+            self.compact.carry(part, incoming, grad)
+        if applied:
+            self.compact.run(
+                part, hyper, scale, runs, grad, commit=False, send=True, seconds="cpu_step_seconds"
+            )
 
     def complete(self, part: HostPartition, hyper: dict, scale: float, runs, grad) -> None:
         """The step validated with the speculated scale: nothing to do, unless the speculation
@@ -174,15 +170,14 @@ class HostSteps:
         incoming: torch.Tensor | None,
         event,
         home: torch.Tensor,
-        slots: GradSlots | None,
     ) -> None:
         """Write the pending update, then move gradients that landed in the slot
-        ``incoming`` (once ``event`` completes) into the gradient buffer ``home``."""
+        ``incoming`` (once ``event`` completes) into the gradient buffer ``home`` (the
+        caller then frees the slot)."""
         self.commit_pending(part, pending)
         if incoming is not None:
             self.link.host_waits_for(event)
             self.compact.carry(part, incoming, home)
-            slots.release(incoming)
 
     def redo(
         self, part: HostPartition, spec: dict, current: dict, scale: float, coef: float, runs, grad

@@ -51,9 +51,6 @@ class HostPartition:
         # (offset, numel) ranges no gradient is ever written to (ZeRO-3's padding of a param's
         # last partition): zeroed in a gradient slot when it is taken.
         self.padding: list[tuple[int, int]] = []
-        # This step's gradients were handed to a task in a gradient slot: until it has run,
-        # the gradient buffer still holds the last step's (reset when the step concludes).
-        self.grad_moving = False
         self.reset_speculation()
 
     @property

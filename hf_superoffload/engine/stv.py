@@ -113,8 +113,9 @@ class StvStats:
     # Compact moments: partition passes that wrote a validated update and speculated the next
     # one in one sweep (their time is in cpu_step_seconds).
     commits_fused: int = 0
-    # Of exposed_cpu_seconds: gradients waited for a free gradient slot (the worker was more
-    # partitions behind backward than there are slots).
+    # Of exposed_cpu_seconds: gradients waited for want of a free gradient slot, for a task
+    # to free one or for a pending update's own write (the worker was more partitions behind
+    # backward than there are slots); DeferredCommits.gradient_target counts it.
     slot_wait_seconds: float = 0.0
     exposed_cpu_seconds: float = 0.0
     accumulate_seconds: float = 0.0  # summing accumulated gradients on the host
@@ -211,17 +212,15 @@ class Stv:
         runs, grad, threshold = part.update_runs(), part.grad_for_kernel(), self.clip_threshold
         part.speculated_with, part.speculated_scale = hyper, scale
         part.speculated_runs, part.speculated_grad = runs, grad
-        host, slots = self.host, self.deferred.slots
-        pending, incoming = self.deferred.hand_to_speculation(part)
+        host = self.host
+        pending, incoming, move = self.deferred.hand_to_speculation(part)
 
         def task():
-            if pending is None and incoming is None:
-                host.speculate(part, hyper, scale, d2h_event, round_, runs, grad, threshold)
-            else:
-                host.speculate_after(
-                    part, pending, incoming, hyper, scale, d2h_event, round_, runs, grad,
-                    threshold, slots,
-                )  # fmt: skip
+            host.speculate(
+                part, hyper, scale, d2h_event, round_, runs, grad, threshold, pending, incoming
+            )
+            if move is not None:  # the slot's gradients are in the gradient buffer
+                move.done()
 
         self.worker.submit([part.index], task)
 
@@ -282,7 +281,6 @@ class Stv:
         for part in parts:
             self._settle(part, result.verdict, result.clip_coef, undos)
             part.reset_speculation()
-            part.grad_moving = False  # the next step's gradients are the next to move
         self._round = SpeculationRound()
 
     def _settle(self, part: HostPartition, verdict: Verdict, coef: float, undos) -> None:
@@ -321,14 +319,18 @@ class Stv:
 
     # --------------------------------------------------------------------- waiting
 
-    def wait_for_tasks(self, keys: Iterable[int]) -> None:
+    def wait_for_tasks(self, keys: Iterable[int]) -> float:
         """Wait for the worker's tasks on these partitions (by index), counted as exposed CPU
-        time when there were any (e.g. backward needs a host buffer a task still reads)."""
+        time when there were any (e.g. backward needs a host buffer a task still reads);
+        returns the seconds waited."""
         keys = list(keys)
-        if self.worker.busy(keys):
-            start = time.perf_counter()
-            self.worker.wait(keys)
-            self.stats.exposed_cpu_seconds += time.perf_counter() - start
+        if not self.worker.busy(keys):
+            return 0.0
+        start = time.perf_counter()
+        self.worker.wait(keys)
+        waited = time.perf_counter() - start
+        self.stats.exposed_cpu_seconds += waited
+        return waited
 
     def wait_for(self, parts: Iterable[HostPartition], consume: bool = True) -> None:
         """The next forward needs these partitions: wait (counted as exposed CPU time) for

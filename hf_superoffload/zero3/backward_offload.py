@@ -115,19 +115,10 @@ class BackwardOffload:
         if on_device is not None:
             on_device.grad.narrow(0, offset, grad_buffer.numel()).copy_(grad_buffer.reshape(-1))
             return
-        target = self._grad_target(self._host_part_at[i]).narrow(0, offset, grad_buffer.numel())
+        grads = self._stv.deferred.gradient_target(self._host_part_at[i])
+        target = grads.narrow(0, offset, grad_buffer.numel())
         target.copy_(grad_buffer.reshape(-1), non_blocking=True)
         self._stv.stats.bytes_d2h += target.numel() * target.element_size()
-
-    def _grad_target(self, part: HostPartition) -> torch.Tensor:
-        """Where this step's gradients of a host sub group land: a gradient slot while its
-        gradient buffer keeps a deferred update's gradients (engine/deferred_commits.py), else
-        that buffer, once the last step's tasks no longer read it."""
-        slot = self._stv.deferred.landing(part)
-        if slot is not None:
-            return slot
-        self._stv.wait_for_tasks([part.index])
-        return part.host_grad
 
     def _note_arrivals(self, params) -> None:
         """Launch the host sub groups whose last awaited gradient partition just landed."""
@@ -180,7 +171,7 @@ class BackwardOffload:
             if part.index in self._launched:
                 continue
             missing = self._pending_params[part.index] - self._offload_boundary_param_ids
-            grads = self._grad_target(part) if missing else None
+            grads = self._stv.deferred.gradient_target(part) if missing else None
             for param in self.fp16_groups[part.index]:
                 if param.ds_id in missing:  # read by DeepSpeed's gradient accessors
                     _, offset, numel = self.grad_position[self.get_param_id(param)]
@@ -206,6 +197,6 @@ class BackwardOffload:
         if not get_accelerator().resolves_data_dependency():
             self.reduce_and_partition_stream.synchronize()  # DeepSpeed's sums have landed
         device = get_accelerator().current_device_name()
-        for param in late:  # into the sub group's gradients (_grad_target)
+        for param in late:  # into the sub group's gradients (gradient_target)
             summed = self._accumulated_partition(param).to(device, non_blocking=True)
             self._offload_grad_partition_at_boundary(param, summed)
