@@ -258,32 +258,30 @@ def _suggestions(config, shape: ModelShape, run: Zero3Run, capacity, verdict: Ve
         if trial.fits:
             found.append(f"--no-save fits: {plan_output.usage(trial)} ({NO_SAVE})")
     gpu_short = verdict.gpu_need > verdict.gpu_memory
-    if gpu_short and not run.offload_param:
-        trial = _judge(config, shape, dataclasses.replace(run, offload_param=True), capacity)
+    # One change each, tried alone: (whether it applies, the change, its option, why it helps).
+    single_changes = (
+        (not run.offload_param, {"offload_param": True}, "--offload-param", ""),
+        (
+            not run.activation_checkpointing,
+            {"activation_checkpointing": True},
+            "--activation-checkpointing on",
+            " (the Trainer's activation_checkpointing true: each layer keeps only its input)",
+        ),
+        (
+            run.activation_checkpointing and not run.activation_checkpoint_offload,
+            {"activation_checkpoint_offload": True},
+            "--activation-checkpoint-offload",
+            " (the recipes' --activation_checkpoint_offload true: the layer inputs wait on the "
+            "host)",
+        ),
+        (run.ratio < 1.0, {"ratio": 1.0}, "--ratio 1.0", ""),
+    )
+    for applies, change, option, why in single_changes if gpu_short else ():
+        if not applies:
+            continue
+        trial = _judge(config, shape, dataclasses.replace(run, **change), capacity)
         if trial.fits:
-            found.append(f"--offload-param fits: {plan_output.usage(trial)}")
-    if gpu_short and not run.activation_checkpointing:
-        trial = _judge(
-            config, shape, dataclasses.replace(run, activation_checkpointing=True), capacity
-        )
-        if trial.fits:
-            found.append(
-                f"--activation-checkpointing on fits: {plan_output.usage(trial)} (the "
-                "Trainer's activation_checkpointing true: each layer keeps only its input)"
-            )
-    if gpu_short and run.activation_checkpointing and not run.activation_checkpoint_offload:
-        trial = _judge(
-            config, shape, dataclasses.replace(run, activation_checkpoint_offload=True), capacity
-        )
-        if trial.fits:
-            found.append(
-                f"--activation-checkpoint-offload fits: {plan_output.usage(trial)} (the recipes' "
-                "--activation_checkpoint_offload true: the layer inputs wait on the host)"
-            )
-    if gpu_short and run.ratio < 1.0:
-        trial = _judge(config, shape, dataclasses.replace(run, ratio=1.0), capacity)
-        if trial.fits:
-            found.append(f"--ratio 1.0 fits: {plan_output.usage(trial)}")
+            found.append(f"{option} fits: {plan_output.usage(trial)}{why}")
     batch = run.batch // 2
     while gpu_short and batch >= 1:
         trial = _judge(config, shape, dataclasses.replace(run, batch=batch), capacity)
