@@ -1,8 +1,8 @@
 """What a decoder without activation checkpointing keeps for backward: the bytes
 ``activation_memory.decoder_saved_bytes`` counts (and the memory plan plans, one function for
 both) against what torch's autograd saves, measured with ``saved_tensors_hooks`` in a training
-forward of tiny Llama, Qwen2 and Qwen3 models with sdpa attention on the CPU, in bf16 and fp32;
-and the refusal of the decoders it does not count."""
+forward of tiny Llama, Qwen2 and Qwen3 models with sdpa attention on the CPU, in bf16 and fp32
+(and on a GPU in bf16, the ``gpu`` tier); and the refusal of the decoders it does not count."""
 
 from __future__ import annotations
 
@@ -36,13 +36,13 @@ CONFIGS = {
 }
 
 
-def _measured(config, dtype: torch.dtype) -> tuple[int, list[int]]:
+def _measured(config, dtype: torch.dtype, device: str = "cpu") -> tuple[int, list[int]]:
     """Bytes of the distinct storages autograd saves in a training forward (the params apart):
     in all, and by decoder layer (each storage counted in the first layer that saves it)."""
     config._attn_implementation = "sdpa"
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(config).to(dtype).train()
+        model = transformers.AutoModelForCausalLM.from_config(config).to(device, dtype).train()
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     layers = model.model.layers
     where, saved = ["outside"], {}
@@ -56,8 +56,8 @@ def _measured(config, dtype: torch.dtype) -> tuple[int, list[int]]:
     for index, layer in enumerate(layers):
         layer.register_forward_pre_hook(lambda m, a, i=index: where.__setitem__(0, i))
         layer.register_forward_hook(lambda m, a, o: where.__setitem__(0, "outside"))
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
-    positions = torch.arange(SEQ).expand(BATCH, SEQ)  # one row a sequence, as TRL's collator
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), device=device)
+    positions = torch.arange(SEQ, device=device).expand(BATCH, SEQ)  # a row a sequence, as TRL
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         logits = model(input_ids=ids, position_ids=positions).logits
     assert logits.requires_grad
@@ -65,11 +65,17 @@ def _measured(config, dtype: torch.dtype) -> tuple[int, list[int]]:
     return sum(n for _, n in saved.values()), per_layer
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+CASES = [
+    ("cpu", torch.bfloat16), ("cpu", torch.float32),
+    pytest.param("cuda", torch.bfloat16, marks=pytest.mark.gpu),  # sdpa's flash kernel
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("device", "dtype"), CASES, ids=["cpu-bf16", "cpu-fp32", "cuda-bf16"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_the_counted_bytes_are_what_autograd_saves(name, dtype):
+def test_the_counted_bytes_are_what_autograd_saves(name, device, dtype):
     config = CONFIGS[name]()
-    total, per_layer = _measured(config, dtype)
+    total, per_layer = _measured(config, dtype, device)
     widths = DecoderWidths.of(config)
     low = torch.finfo(dtype).bits // 8
     # The last layer saves nothing shared with another (the rotary cos and sin go to the first).
