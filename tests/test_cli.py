@@ -575,3 +575,58 @@ def test_plan_counts_compact_moments(capsys):
     assert host_fp32["moments"] == 2 * host_fp32["master"]
     main(["plan", "llama-3.1-8b", "--hardware", "h100", "--moments", "compact"])
     assert "10 bytes per param there" in capsys.readouterr().out
+
+
+def test_plan_counts_every_saved_activation_without_checkpointing(capsys, tmp_path):
+    """A run without activation checkpointing (--activation-checkpointing off, or a recipe's
+    activation_checkpointing / gradient_checkpointing false) keeps every layer's saved tensors
+    on the GPU: the plan counts activation_memory.decoder_saved_bytes (tested against what
+    autograd saves), not the layer inputs of a checkpointed run; Llama-3.1-8B at seq 4096 x
+    batch 4 then no longer fits an H100, and turning checkpointing on is the change named."""
+    from hf_superoffload.zero3.activation_memory import DecoderWidths, decoder_saved_bytes
+
+    config = model_source.resolve("llama-3.1-8b").config
+    saved = decoder_saved_bytes(DecoderWidths.of(config), 4, 4096, 2)
+    code, on = plan_json(capsys, "llama-3.1-8b", "--hardware", "h100")
+    assert code == 0 and on["run"]["activation_checkpointing"] is True
+    assert on["gpu_bytes_per_rank"]["layer_inputs"] == 32 * 4 * 4096 * 4096 * 2
+    off_args = ("llama-3.1-8b", "--hardware", "h100", "--activation-checkpointing", "off")
+    code, off = plan_json(capsys, *off_args)
+    assert code == 1 and off["run"]["activation_checkpointing"] is False
+    assert off["gpu_bytes_per_rank"]["layer_activations"] == saved
+    assert "layer_inputs" not in off["gpu_bytes_per_rank"]
+    assert "largest part: layer_activations" in off["reasons"][0]
+    assert off["suggestions"][0].startswith("--activation-checkpointing on fits")
+    _, out, _ = cli(capsys, "plan", *off_args)
+    assert "no activation checkpointing: every layer's saved tensors on the GPU" in out
+    for name in ("activation_checkpointing", "gradient_checkpointing"):
+        recipe = tmp_path / f"{name}.yaml"
+        recipe.write_text(f"random_init_from_config: llama-3.1-8b\n{name}: false\n")
+        _, by_recipe = plan_json(capsys, str(recipe), "--hardware", "h100")
+        assert by_recipe["gpu_bytes_per_rank"] == off["gpu_bytes_per_rank"], name
+        _, overridden = plan_json(
+            capsys, str(recipe), "--hardware", "h100", "--activation-checkpointing", "on"
+        )
+        assert overridden["gpu_bytes_per_rank"] == on["gpu_bytes_per_rank"], name
+    recipe = tmp_path / "unclear.yaml"
+    recipe.write_text("random_init_from_config: llama-3.1-8b\nactivation_checkpointing: maybe\n")
+    code, _, err = cli(capsys, "plan", str(recipe), "--hardware", "h100")
+    assert code == 2 and "activation_checkpointing must be true or false, got 'maybe'" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("phi-4",), "'phi3' layers save other tensors. Train with activation checkpointing on"),
+        (("qwen3-30b-a3b",), "'qwen3_moe' layers save other tensors"),
+        (
+            ("llama-3.1-8b", "--activation-checkpoint-offload"),
+            "the run does not checkpoint activations: plan --activation-checkpointing on",
+        ),
+    ],
+)
+def test_what_the_plan_cannot_count_without_checkpointing_exits_2(capsys, args, message):
+    code, _, err = cli(
+        capsys, "plan", *args, "--hardware", "h100", "--activation-checkpointing", "off"
+    )
+    assert code == 2 and message in err, err

@@ -269,3 +269,43 @@ def test_compact_moments_are_planned_from_the_script_arguments(capsys, tmp_path)
     plan = json.loads((_run_dir(tmp_path) / "plan.json").read_text())
     assert plan["run"]["compact_moments"] is True and plan["run"]["ratio"] == 0.5
     assert "--superoffload_moments compact" in (_run_dir(tmp_path) / "command.sh").read_text()
+
+
+def test_ratio_auto_plans_a_run_without_activation_checkpointing(capsys, tmp_path):
+    """--activation_checkpointing false (or gradient_checkpointing, either in the recipe) is
+    planned with every layer's saved tensors on the GPU: Llama-3.1-8B at batch 4 then fits an
+    H100 at no ratio, and the refusal names checkpointing; at batch 1 it fits."""
+    args = ("llama-3.1-8b", "superoffload", "--dry-run", "--hardware", "h100")
+    off = ("--", "--activation_checkpointing", "false")
+    code, _, err = finetune_cli(capsys, tmp_path / "b4", *args, *off)
+    assert code == 1 and "largest part: layer_activations" in err, err
+    assert "change: --activation-checkpointing on fits" in err
+    assert "--activation-checkpointing off" in err  # the plan command it names
+    code, out, _ = finetune_cli(capsys, tmp_path, *args, "--batch", "1", *off)
+    assert code == 0 and "RATIO=auto: ratio" in out
+    plan = json.loads((_run_dir(tmp_path) / "plan.json").read_text())
+    assert plan["run"]["activation_checkpointing"] is False
+    assert "layer_activations" in plan["gpu_bytes_per_rank"]
+    assert "layer_inputs" not in plan["gpu_bytes_per_rank"]
+
+
+@pytest.mark.parametrize(
+    ("model", "script_args", "message"),
+    [
+        ("phi-4", [], "'phi3' layers save other tensors"),
+        (
+            "llama-3.1-8b",
+            ["--activation_checkpoint_offload"],
+            "--activation_checkpoint_offload moves the inputs activation checkpointing keeps",
+        ),
+    ],
+)
+def test_ratio_auto_refuses_what_it_cannot_plan_without_checkpointing(
+    capsys, tmp_path, model, script_args, message
+):
+    code, _, err = finetune_cli(
+        capsys, tmp_path, model, "superoffload", "--dry-run", "--hardware", "h100",
+        "--", "--activation_checkpointing", "false", *script_args,
+    )  # fmt: skip
+    assert code == 2 and message in err, err
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())

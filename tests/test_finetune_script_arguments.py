@@ -75,3 +75,31 @@ def test_a_value_the_script_refuses_is_refused():
 
     with pytest.raises(UsageError, match=r"--activation_checkpoint_offload.*maybe"):
         finetune._activation_checkpoint_offload({}, ["--activation_checkpoint_offload", "maybe"])
+
+
+CHECKPOINTING_CASES = [
+    ({}, []), ({}, ["--gradient_checkpointing", "false"]), ({}, ["--no_gradient_checkpointing"]),
+    ({}, ["--activation-checkpointing", "no"]), ({}, ["--activation_checkpointing=0"]),
+    ({"activation_checkpointing": True}, ["--activation_checkpointing", "false"]),
+    ({"activation_checkpointing": True}, ["--gradient_checkpointing", "false"]),  # new name wins
+    ({"activation_checkpointing": False}, ["--activation_checkpointing", "--max_steps", "3"]),
+    ({"activation_checkpointing": False}, []), ({"gradient_checkpointing": False}, []),
+    ({"gradient_checkpointing": False}, ["--activation_checkpointing", "y"]),
+]  # fmt: skip
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning")
+@pytest.mark.parametrize(("settings", "argv"), CHECKPOINTING_CASES, ids=str)
+def test_activation_checkpointing_reads_as_the_script_reads_it(settings, argv, tmp_path):
+    """Either name, on the command line or in the recipe, resolved as TrainingArguments
+    resolves them (TRL's default: on)."""
+    import yaml
+
+    from hf_superoffload.recipes import arguments
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"random_init_from_config": "llama-3.1-8b", **settings}))
+    script_argv = ["--config", str(recipe), "--bf16", "false", "--output_dir", str(tmp_path)]
+    _, training = arguments.parse("sft", [*script_argv, *argv])
+    expected = getattr(training, arguments.checkpointing_name(type(training)))
+    assert finetune._checkpointing(settings, argv) is expected

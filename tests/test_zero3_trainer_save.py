@@ -277,16 +277,10 @@ def test_a_quantized_or_peft_model_is_left_to_the_trainers_own_save():
     assert streamed_save_engine(trainer) is None
 
 
-def _plain_trainer_with_an_unstreamable_model(rank: int, world: int, port: int, out: str):
-    from datasets import Dataset
+def _unstreamable_tiny_llama():
     from transformers.core_model_loading import Chunk, WeightConverter
-    from trl import SFTConfig, SFTTrainer
 
-    from hf_superoffload.toy import build_tiny_llama, make_char_tokenizer
-
-    set_rank_env(rank, world, port)
-    torch.set_num_threads(1)
-    import hf_superoffload  # noqa: F401  (activates "super_offload": true)
+    from hf_superoffload.toy import build_tiny_llama
 
     model = build_tiny_llama(seed=0)
     # A checkpoint format that splits one tensor into several params (see
@@ -298,7 +292,22 @@ def _plain_trainer_with_an_unstreamable_model(rank: int, world: int, port: int, 
             operations=[Chunk(dim=0)],
         )
     ]
-    args = SFTConfig(
+    return model
+
+
+def _train_an_unstreamable_model(out: Path, ours: bool, **trainer_kwargs) -> None:
+    """Train 1 step with save_strategy "no"; outcome.txt: "trained" or the refusal, steps.txt:
+    the steps taken."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from hf_superoffload import SuperOffloadSFTConfig, SuperOffloadSFTTrainer
+    from hf_superoffload.toy import make_char_tokenizer
+
+    config_class, trainer_class = (
+        (SuperOffloadSFTConfig, SuperOffloadSFTTrainer) if ours else (SFTConfig, SFTTrainer)
+    )
+    args = config_class(
         **cpu_training_args(
             f"{out}/run",
             max_steps=1,
@@ -308,19 +317,31 @@ def _plain_trainer_with_an_unstreamable_model(rank: int, world: int, port: int, 
             deepspeed=_config(gather_on_save=False),
         )
     )
-    trainer = SFTTrainer(
-        model=model,
+    trainer = trainer_class(
+        model=_unstreamable_tiny_llama(),
         args=args,
         train_dataset=Dataset.from_list(_rows(16)),
         processing_class=make_char_tokenizer(),
+        **trainer_kwargs,
     )
     try:
         trainer.train()
         outcome = "trained"
     except NotImplementedError as error:
         outcome = str(error)
-    (Path(out) / "outcome.txt").write_text(outcome)
-    (Path(out) / "steps.txt").write_text(str(trainer.state.global_step))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "outcome.txt").write_text(outcome)
+    (out / "steps.txt").write_text(str(trainer.state.global_step))
+    if trainer.deepspeed is not None:
+        trainer.deepspeed.destroy()
+
+
+def _plain_trainer_with_an_unstreamable_model(rank: int, world: int, port: int, out: str):
+    set_rank_env(rank, world, port)
+    torch.set_num_threads(1)
+    import hf_superoffload  # noqa: F401  (activates "super_offload": true)
+
+    _train_an_unstreamable_model(Path(out), ours=False)
 
 
 def test_a_plain_trainer_refuses_a_model_it_could_not_save_before_a_step(tmp_path):
@@ -332,3 +353,78 @@ def test_a_plain_trainer_refuses_a_model_it_could_not_save_before_a_step(tmp_pat
     assert "cannot be saved on the ZeRO-3 path" in outcome
     assert '"super_offload"' in outcome and "--save_model" not in outcome
     assert (tmp_path / "steps.txt").read_text() == "0"
+
+
+def _our_trainer_with_an_unstreamable_model(rank: int, world: int, port: int, out: str):
+    set_rank_env(rank, world, port)
+    torch.set_num_threads(1)
+    _train_an_unstreamable_model(Path(out) / "saves", ours=True)  # saves after train()
+    _train_an_unstreamable_model(Path(out) / "never", ours=True, superoffload_final_save=False)
+
+
+def test_our_trainer_refuses_an_unstreamable_model_it_will_save_whatever_save_strategy(tmp_path):
+    """SuperOffloadSFTTrainer on ZeRO-3 with save_strategy "no": a script still saves the model
+    after train() (examples/sft.py does unless --save_model false), so an unstreamable model is
+    refused before a step; told that nothing is saved after training
+    (``superoffload_final_save=False``, what the recipes pass for --save_model false), it trains."""
+    args = (1, free_port(), str(tmp_path))
+    spawn_ranks(_our_trainer_with_an_unstreamable_model, args, world=1, timeout=300)
+    outcome = (tmp_path / "saves" / "outcome.txt").read_text()
+    assert "cannot be saved on the ZeRO-3 path" in outcome, outcome
+    assert "--save_model false --save_strategy no" in outcome
+    assert "superoffload_final_save=False" in outcome
+    assert (tmp_path / "saves" / "steps.txt").read_text() == "0"
+    assert (tmp_path / "never" / "outcome.txt").read_text() == "trained"
+    assert (tmp_path / "never" / "steps.txt").read_text() == "1"
+
+
+def _fake_zero3_trainer(model, final_save: bool):
+    """What the SuperOffload trainer's train-begin check reads of a trainer on ZeRO-3."""
+    from types import SimpleNamespace
+
+    engine = SimpleNamespace(
+        zero_optimization_partition_weights=lambda: True,
+        autotp_size=lambda: 1,
+        module=model,
+        _raise_if_autoep_zero3_consolidated_export=lambda what: None,
+    )
+    return SimpleNamespace(
+        is_deepspeed_enabled=True,
+        deepspeed=engine,
+        model=model,
+        accelerator=SimpleNamespace(unwrap_model=lambda m: m),
+        _throughput=SimpleNamespace(reset=lambda: None),
+        superoffload_final_save=final_save,
+    )
+
+
+@pytest.mark.parametrize(
+    ("save_strategy", "final_save", "checked"),
+    [("no", True, True), ("no", False, False), ("steps", False, True), ("epoch", True, True)],
+)
+def test_the_train_begin_check_runs_whenever_the_model_will_be_saved(
+    save_strategy, final_save, checked
+):
+    """At checkpoints (save_strategy) or after train() (superoffload_final_save): checked;
+    skipped only when neither saves."""
+    from types import SimpleNamespace
+
+    from hf_superoffload.integrations.trainer import _SuperOffloadCallback
+
+    trainer = _fake_zero3_trainer(_unstreamable_tiny_llama(), final_save)
+    callback = _SuperOffloadCallback(trainer)
+    args = SimpleNamespace(save_strategy=save_strategy)
+    if checked:
+        with pytest.raises(NotImplementedError, match="cannot be saved on the ZeRO-3 path"):
+            callback.on_train_begin(args, None, None)
+    else:
+        callback.on_train_begin(args, None, None)
+
+
+@pytest.mark.parametrize(("argv", "final_save"), [([], True), (["--save_model", "false"], False)])
+def test_the_recipe_tells_the_trainer_whether_it_saves_after_training(tmp_path, argv, final_save):
+    from hf_superoffload.recipes.run import build_trainer
+
+    common = ["--output_dir", str(tmp_path), "--max_steps", "1", "--report_to", "none"]
+    _, trainer, _ = build_trainer("sft", [*common, *argv])
+    assert trainer.superoffload_final_save is final_save

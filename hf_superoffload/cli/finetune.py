@@ -188,6 +188,13 @@ def _moments(settings: dict, script_args: list[str]) -> str:
     return str(moments or env.read(MOMENTS_ENV) or "fp32").lower()
 
 
+def _checkpointing(settings: dict, script_args: list[str]) -> bool:
+    """Whether the run checkpoints activations: ``--activation_checkpointing``, else
+    ``--gradient_checkpointing``, the recipe's as defaults, else TRL's default (on). Without
+    it the plan counts every layer's saved tensors, or refuses a model it cannot count."""
+    return _script(settings, script_args).checkpointing
+
+
 def _activation_checkpoint_offload(settings: dict, script_args: list[str]) -> bool:
     """Whether the run keeps the checkpointed layer inputs on the host, which the plan counts:
     ``--activation_checkpoint_offload``, or transformers' own (``--activation_checkpointing_kwargs
@@ -197,12 +204,20 @@ def _activation_checkpoint_offload(settings: dict, script_args: list[str]) -> bo
 
     script = _script(settings, script_args)
     kwargs = script.checkpointing_kwargs
+    if script.activation_checkpoint_offload and not script.checkpointing:
+        raise UsageError(
+            "examples/sft.py would refuse its arguments: --activation_checkpoint_offload moves "
+            "the inputs activation checkpointing keeps, and --activation_checkpointing is off: "
+            "pass --activation_checkpointing true, or drop the flag"
+        )
     try:
         offload = offload_requested(
             script.activation_checkpoint_offload, kwargs, "activation_checkpointing"
         )
     except ValueError as error:
         raise UsageError(f"examples/sft.py would refuse its arguments: {error}") from None
+    if not script.checkpointing:
+        return False  # transformers' own offload has no checkpointed inputs to move
     every_n_layers = kwargs.get("every_n_layers", 1)
     if every_n_layers != 1:
         raise UsageError(
@@ -222,6 +237,7 @@ def _plan_ratio(
     never_saves: bool,
     moments: str,
     activation_checkpoint_offload: bool = False,
+    checkpointing: bool = True,
 ):
     """(ratio, plan JSON or None) for ``--ratio auto``; UsageError or a refusal otherwise."""
     import torch
@@ -248,6 +264,7 @@ def _plan_ratio(
         argv.append("--no-save")
     if activation_checkpoint_offload:
         argv.append("--activation-checkpoint-offload")
+    argv += ["--activation-checkpointing", "on" if checkpointing else "off"]
     argv += ["--moments", moments, *_planned_machine(args)]
     where = "the machine given" if _planned_machine(args) else "this machine"
     try:
@@ -319,8 +336,9 @@ def prepare(args: argparse.Namespace) -> tuple[Path, list[str], dict[str, str]]:
     if ratio == "auto":
         never_saves, moments = _never_saves(settings, extra), _moments(settings, extra)
         offload = _activation_checkpoint_offload(settings, extra)
+        checkpointing = _checkpointing(settings, extra)
         ratio, plan = _plan_ratio(
-            args, recipe, settings, gpus, batch, never_saves, moments, offload
+            args, recipe, settings, gpus, batch, never_saves, moments, offload, checkpointing
         )
     elif _planned_machine(args):
         print(

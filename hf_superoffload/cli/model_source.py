@@ -32,6 +32,8 @@ class ModelSource:
     notes: tuple[str, ...] = ()
     seq: int | None = None  # a recipe's max_length
     batch: int | None = None  # a recipe's per_device_train_batch_size
+    # A recipe's activation checkpointing (either of its names); None: not a recipe.
+    activation_checkpointing: bool | None = None
 
 
 def shipped_configs() -> dict[str, Path]:
@@ -138,4 +140,27 @@ def _from_recipe(path: Path) -> ModelSource:
         notes=(*notes, *source.notes),
         seq=recipe.get("max_length"),
         batch=recipe.get("per_device_train_batch_size"),
+        activation_checkpointing=_recipe_checkpointing(recipe, path),
     )
+
+
+def _recipe_checkpointing(recipe: dict, path: Path) -> bool:
+    """Whether the recipe's run checkpoints activations, read as its script reads it: the new
+    name, else the old, else TRL's default (on)."""
+    from argparse import ArgumentTypeError
+
+    from transformers.hf_argparser import string_to_bool
+
+    for name in ("activation_checkpointing", "gradient_checkpointing"):
+        value = recipe.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            return value
+        try:
+            return string_to_bool(str(value))
+        except ArgumentTypeError:
+            raise UsageError(
+                f"recipe {path}: {name} must be true or false, got {value!r}"
+            ) from None
+    return True

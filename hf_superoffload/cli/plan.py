@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import json
 
+from ..zero3.activation_memory import uncounted
 from ..zero3.loss_memory import LIGER_MODEL_TYPES
 from ..zero3.memory_plan import (
     CUDA_CONTEXT_BYTES,
@@ -40,8 +41,8 @@ def add_parser(commands) -> None:
         help="whether a model's full fine-tuning fits, per GPU and per host",
         description="Per-rank GPU and host memory of full fine-tuning MODEL with SuperOffload "
         "on DeepSpeed ZeRO-3 (bf16 weights, fp32 master and Adam moments on the host, "
-        "activation checkpointing), checked against a hardware preset, given sizes, or this "
-        "machine. Exit code 0: fits, 1: does not fit, 2: bad input.",
+        "activation checkpointing unless told otherwise), checked against a hardware preset, "
+        "given sizes, or this machine. Exit code 0: fits, 1: does not fit, 2: bad input.",
         epilog=f"Shipped model configs: {shipped}. Presets (one node each; --gpus beyond a "
         "node's GPUs means more nodes): "
         + "; ".join(f"{h.name}: {h.summary}" for h in PRESETS.values()),
@@ -97,6 +98,14 @@ def add_parser(commands) -> None:
         "backward (the recipes' --activation_checkpoint_offload true, or transformers' own "
         'activation_checkpointing_kwargs {"offload": true} from 5.17 on): off the GPU, onto '
         "the host, a power-of-two block per layer",
+    )
+    parser.add_argument(
+        "--activation-checkpointing",
+        choices=("on", "off"),
+        help="whether the run checkpoints activations (the Trainer's activation_checkpointing, "
+        "or gradient_checkpointing); default: a recipe's, else on. off: every layer keeps all "
+        "the tensors autograd saves for backward on the GPU, counted for Llama, Qwen2 and Qwen3 "
+        "decoders (others are refused)",
     )
     parser.add_argument(
         "--moments",
@@ -169,6 +178,30 @@ def _check(args) -> None:
     ratio_auto.check_ratio(args.ratio, "--ratio")
 
 
+def _checkpointing(args, source, config) -> bool:
+    """Whether the planned run checkpoints activations: ``--activation-checkpointing``, else
+    the recipe's, else on. UsageError for what the plan cannot count without it."""
+    if args.activation_checkpointing is not None:
+        checkpointing = args.activation_checkpointing == "on"
+    else:
+        checkpointing = source.activation_checkpointing is not False
+    if checkpointing:
+        return True
+    if args.activation_checkpoint_offload:
+        raise UsageError(
+            "--activation-checkpoint-offload moves the inputs activation checkpointing keeps, "
+            "and the run does not checkpoint activations: plan --activation-checkpointing on, "
+            "or drop --activation-checkpoint-offload"
+        )
+    why = uncounted(config)
+    if why:
+        raise UsageError(
+            f"cannot plan {source.name}: {why}. Train with activation checkpointing on (the "
+            "Trainer's activation_checkpointing true) and plan --activation-checkpointing on"
+        )
+    return False
+
+
 def _check_loss(loss: str, config) -> None:
     model_type = getattr(config, "model_type", None)
     if loss == "liger" and model_type not in LIGER_MODEL_TYPES:
@@ -225,23 +258,30 @@ def _suggestions(config, shape: ModelShape, run: Zero3Run, capacity, verdict: Ve
         if trial.fits:
             found.append(f"--no-save fits: {plan_output.usage(trial)} ({NO_SAVE})")
     gpu_short = verdict.gpu_need > verdict.gpu_memory
-    if gpu_short and not run.offload_param:
-        trial = _judge(config, shape, dataclasses.replace(run, offload_param=True), capacity)
+    # One change each, tried alone: (whether it applies, the change, its option, why it helps).
+    single_changes = (
+        (not run.offload_param, {"offload_param": True}, "--offload-param", ""),
+        (
+            not run.activation_checkpointing,
+            {"activation_checkpointing": True},
+            "--activation-checkpointing on",
+            " (the Trainer's activation_checkpointing true: each layer keeps only its input)",
+        ),
+        (
+            run.activation_checkpointing and not run.activation_checkpoint_offload,
+            {"activation_checkpoint_offload": True},
+            "--activation-checkpoint-offload",
+            " (the recipes' --activation_checkpoint_offload true: the layer inputs wait on the "
+            "host)",
+        ),
+        (run.ratio < 1.0, {"ratio": 1.0}, "--ratio 1.0", ""),
+    )
+    for applies, change, option, why in single_changes if gpu_short else ():
+        if not applies:
+            continue
+        trial = _judge(config, shape, dataclasses.replace(run, **change), capacity)
         if trial.fits:
-            found.append(f"--offload-param fits: {plan_output.usage(trial)}")
-    if gpu_short and not run.activation_checkpoint_offload:
-        trial = _judge(
-            config, shape, dataclasses.replace(run, activation_checkpoint_offload=True), capacity
-        )
-        if trial.fits:
-            found.append(
-                f"--activation-checkpoint-offload fits: {plan_output.usage(trial)} (the recipes' "
-                "--activation_checkpoint_offload true: the layer inputs wait on the host)"
-            )
-    if gpu_short and run.ratio < 1.0:
-        trial = _judge(config, shape, dataclasses.replace(run, ratio=1.0), capacity)
-        if trial.fits:
-            found.append(f"--ratio 1.0 fits: {plan_output.usage(trial)}")
+            found.append(f"{option} fits: {plan_output.usage(trial)}{why}")
     batch = run.batch // 2
     while gpu_short and batch >= 1:
         trial = _judge(config, shape, dataclasses.replace(run, batch=batch), capacity)
@@ -289,6 +329,7 @@ def answer(args: argparse.Namespace) -> Answer:
         fused_cross_entropy=LOSSES[args.loss][0],
         compact_moments=args.moments == "compact",
         activation_checkpoint_offload=args.activation_checkpoint_offload,
+        activation_checkpointing=_checkpointing(args, source, source.config),
     )
     shape = _shape(source.config)
     auto_notes, auto_suggestions = [], []

@@ -76,7 +76,9 @@ def run_line(plan: MemoryPlan) -> str:
     ]
     if run.offload_param:
         extras.append("bf16 params on the host")
-    if run.activation_checkpoint_offload:
+    if not run.activation_checkpointing:
+        extras.append("no activation checkpointing: every layer's saved tensors on the GPU")
+    elif run.activation_checkpoint_offload:
         extras.append("checkpointed layer inputs in pinned host memory")
     if run.gradient_accumulation > 1:
         extras.append(f"gradient accumulation {run.gradient_accumulation}")

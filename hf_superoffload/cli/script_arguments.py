@@ -1,5 +1,6 @@
 """What ``hf-superoffload finetune`` reads from the arguments it passes to examples/sft.py, to
-plan the run: whether it saves, its Adam moments, and where its checkpointed layer inputs wait.
+plan the run: whether it saves, its Adam moments, whether it checkpoints activations and where
+its checkpointed layer inputs wait.
 
 They are parsed as the script parses them, by transformers' ``HfArgumentParser`` over fields of
 the same names and types, with the recipe's values as defaults (TRL's parser sets a recipe YAML's
@@ -28,10 +29,24 @@ class ScriptArguments:
     save_strategy: str = "steps"
     superoffload_moments: str | None = None
     activation_checkpoint_offload: bool = False
+    # Activation checkpointing: the new name wins where given, else the old one, whose default
+    # is TRL's (on).
+    activation_checkpointing: bool | None = dataclasses.field(
+        default=None,
+        metadata={"nargs": "?", "const": True},  # as TrainingArguments' (bare: on)
+    )
+    gradient_checkpointing: bool = True
     # transformers' activation checkpointing options (a JSON object on the command line); the
     # old name is the only one before transformers renamed it, and an alias after.
     activation_checkpointing_kwargs: str | None = None
     gradient_checkpointing_kwargs: str | None = None
+
+    @property
+    def checkpointing(self) -> bool:
+        """Whether the run checkpoints activations, as TrainingArguments resolves the names."""
+        if self.activation_checkpointing is not None:
+            return self.activation_checkpointing
+        return self.gradient_checkpointing
 
     @property
     def checkpointing_kwargs(self) -> dict:

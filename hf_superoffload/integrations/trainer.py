@@ -60,7 +60,7 @@ from .save import (
     with_empty_groups_of,
 )
 from .zero3_callback import Zero3MetricsCallback
-from .zero3_save import save_model_streamed, streamed_save_engine
+from .zero3_save import save_model_streamed, streamed_save_engine, will_save_model
 
 # The Trainer methods the mixin overrides, and the other names it relies on (upstream.py).
 upstream.check("transformers")
@@ -74,9 +74,16 @@ class SuperOffloadTrainerMixin:
         self,
         *args,
         superoffload_options: SuperOffloadOptions | None = None,
+        superoffload_final_save: bool = True,
         **kwargs,
     ):
         self._superoffload_options = superoffload_options
+        # Whether the code running this Trainer saves the model after train() (save_model or
+        # push_to_hub), as scripts do. Under ZeRO-3 that save, like save_strategy's checkpoints,
+        # streams the weights: a model it could not write is refused when training begins
+        # (will_save_model). False: nothing is saved after training (the recipes'
+        # --save_model false), so with save_strategy "no" the model is never saved.
+        self.superoffload_final_save = superoffload_final_save
         self._throughput = ThroughputMeter()
         self._superoffload_built: SuperOffloadOptimizer | None = None
         self._superoffload_warned_bf16 = False
@@ -360,10 +367,10 @@ class _SuperOffloadCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         self.trainer._throughput.reset()  # throughput counts from here, not from __init__
         engine = streamed_save_engine(self.trainer)
-        if engine is not None and args.save_strategy != "no":
+        if engine is not None and will_save_model(args, self.trainer.superoffload_final_save):
             from ..zero3.streaming_save import check_streamable
 
-            check_streamable(engine)  # checkpoints it could not write: refused before a step
+            check_streamable(engine)  # a save it could not write: refused before a step
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         optimizer = self.trainer.superoffload_optimizer

@@ -47,6 +47,13 @@ def streams_model(model) -> bool:
     )
 
 
+def will_save_model(args, final_save: bool) -> bool:
+    """Whether a run saves its model: at ``save_strategy``'s checkpoints, or after ``train()``
+    (``final_save``: the code running the Trainer calls ``save_model``, as scripts do, and
+    examples/sft.py unless ``--save_model false``)."""
+    return final_save or args.save_strategy != "no"
+
+
 def check_plain_trainer_model(model) -> None:
     """At the start of training by a Trainer that is not a SuperOffload trainer but trains
     through our ZeRO-3 optimizer: refuses a model whose save (``save_model``, checkpoints, or

@@ -58,6 +58,8 @@ def build_trainer(kind: str, argv: list[str] | None = None, prog: str | None = N
         )
         sequence_parallel.configure(sp_size, args, attention)
     extra = {}
+    if recipe.optimizer == "superoffload":  # the train-begin save check needs to know
+        extra["superoffload_final_save"] = recipe.save_model
     if kind == "dpo" and (recipe.demo or recipe.random_init_from_config):
         # TRL loads the reference model from the policy's path, which random weights lack: the
         # reference is the policy as built, before any step.

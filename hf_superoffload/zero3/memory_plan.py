@@ -14,11 +14,13 @@ dropped too: 33.0 GiB at start-up against 28.3 while training, 3.37B params).
 GPU, per rank, as torch's allocator counts it (``max_memory_allocated``; the CUDA context comes
 on top): the 16-bit param partition, the params ZeRO-3 gathers around the layer being computed
 (with more than one rank), the optimizer state of the sub groups ``ratio`` keeps on the GPU
-(fp32 master, moments and gradients: 16 B/param), the reduce bucket, and the activations of a
-checkpointed decoder: each layer's input (with activation checkpoint offload only the one being
-recomputed; the rest wait in pinned host memory, a host part), one layer recomputed in backward,
-and the logits with the loss's fp32 copies (12 B per logit: bf16 logits, the fp32 upcast, its
-fp32 gradient and the bf16 gradient).
+(fp32 master, moments and gradients: 16 B/param), the reduce bucket, the activations, and the
+logits with the loss's fp32 copies (12 B per logit: bf16 logits, the fp32 upcast, its fp32
+gradient and the bf16 gradient). With activation checkpointing the activations are each layer's
+input (with activation checkpoint offload only the one being recomputed; the rest wait in pinned
+host memory, a host part) and one layer recomputed in backward. Without it they are every tensor
+autograd saves (``activation_memory.decoder_saved_bytes``, for the decoders it counts; others
+are refused) and the gradients of one layer's MLP in flight in backward.
 
 ``ratio`` is a share of the optimizer's sub groups, as in DeepSpeed: the plan cuts the params
 into sub groups as the optimizer does (``sub_group_cut.py``: the Trainer's decay and no-decay
@@ -41,7 +43,12 @@ from ..engine.compact_moments import compact_moment_bytes
 from ..engine.copy_out import COPY_OUT_PIECE, COPY_OUT_SLOTS
 from ..engine.grad_slots import grad_slots_bytes
 from . import checkpoint_memory
-from .activation_memory import layer_inputs_gpu_bytes, layer_inputs_host_bytes
+from .activation_memory import (
+    DecoderWidths,
+    decoder_saved_bytes,
+    layer_inputs_gpu_bytes,
+    layer_inputs_host_bytes,
+)
 from .loss_memory import loss_bytes
 from .model_shape import ModelShape
 from .save_memory import STREAMED_SHARD_BYTES, streamed_save_host_bytes
@@ -94,6 +101,9 @@ class Zero3Run:
     # The checkpointed layers' inputs in pinned host memory between forward and backward
     # (the recipes' --activation_checkpoint_offload; activation_memory.py).
     activation_checkpoint_offload: bool = False
+    # False: no activation checkpointing, every layer keeps what autograd saves (the Trainer's
+    # activation_checkpointing / gradient_checkpointing off).
+    activation_checkpointing: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,6 +319,34 @@ def save_extra_host_bytes(shape: ModelShape, run: Zero3Run) -> int:
     return streamed_save_host_bytes(run.dtype_bytes * shape.largest_param, STREAMED_SHARD_BYTES)
 
 
+def activation_gpu_bytes(config, shape: ModelShape, run: Zero3Run) -> dict[str, int]:
+    """GPU bytes of the activations per rank, by part. With activation checkpointing: the
+    layers' inputs (activation_memory.py) and the layer recomputed in backward. Without: every
+    tensor autograd saves (``decoder_saved_bytes``; ValueError for a model it does not count),
+    and the first layer's backward beyond them: the gradient of its MLP's product, then of the
+    gate and up projections, as their saved inputs are freed."""
+    tokens, low = run.seq * run.batch, run.dtype_bytes
+    in_flight = 3 * low * tokens * shape.active_intermediate
+    if run.activation_checkpointing:
+        offload = run.activation_checkpoint_offload
+        return {
+            "layer_inputs": layer_inputs_gpu_bytes(
+                shape.layers, tokens, shape.hidden, low, offload
+            ),
+            "layer_recompute": in_flight,
+        }
+    if run.activation_checkpoint_offload:
+        raise ValueError(
+            "activation checkpoint offload moves the inputs activation checkpointing keeps, and "
+            "activation checkpointing is off: turn it on, or drop the offload"
+        )
+    widths = DecoderWidths.of(config)
+    return {
+        "layer_activations": decoder_saved_bytes(widths, run.batch, run.seq, low),
+        "layer_backward": in_flight,
+    }
+
+
 def zero3_memory_plan(config, run: Zero3Run, shape: ModelShape | None = None) -> MemoryPlan:
     """Per-rank GPU and host bytes of training ``config``'s model on the ZeRO-3 path
     (``shape``: ``ModelShape.of(config)`` when the caller has it, for plans of many runs)."""
@@ -354,10 +392,7 @@ def zero3_memory_plan(config, run: Zero3Run, shape: ModelShape | None = None) ->
             else 16 * split.device_numel
         ),
         "reduce_bucket": low * run.reduce_bucket_size,
-        "layer_inputs": layer_inputs_gpu_bytes(
-            shape.layers, tokens, shape.hidden, low, run.activation_checkpoint_offload
-        ),
-        "layer_recompute": 3 * low * tokens * shape.active_intermediate,
+        **activation_gpu_bytes(config, shape, run),
         "logits_and_loss": loss_bytes(config, shape, run, tokens),
     }
     start_up = start_up_host_bytes(partition, low) + host["offloaded_params"] + host["process"]

@@ -167,7 +167,8 @@ def names_to_save(model) -> dict[str, torch.Tensor]:
 # What to change when a model cannot be streamed, for each way of training it on this path.
 RECIPE_REMEDY = (
     "train it with --save_model false --save_strategy no (a SuperOffload trainer in a script: "
-    'save_strategy="no" and no save_model call), or on the standalone engine'
+    'save_strategy="no", superoffload_final_save=False and no save_model call), or on the '
+    "standalone engine"
 )
 TRAINER_REMEDY = (
     'train it without "super_offload" in the DeepSpeed config (the Trainer\'s own ZeRO-3 save, '
