@@ -1,8 +1,8 @@
-"""The compiled compact-state Adam (ops.compact_adam) gives compact_state.compact_adam_pass's
+"""The compiled compact-state Adam (ops.compact_adam) gives compact_adamw.compact_adam_pass's
 bits: params, codes, scales, out_lowp and the non-finite count, for every instruction set of
 this CPU and 1 or 2 threads, over sequences of speculative and committed steps.
 
-The reference rounds its square root once (``compact_state.ieee_sqrt``), as the kernel, every
+The reference rounds its square root once (``compact_format.ieee_sqrt``), as the kernel, every
 other instruction set and the GPU do; torch's own CPU ``sqrt`` does not.
 """
 
@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from hf_superoffload import ops
-from hf_superoffload.ops import _build, compact_state
-from hf_superoffload.ops.compact_state import BLOCK, CompactMoments, ieee_sqrt
+from hf_superoffload.ops import _build, compact_adamw
+from hf_superoffload.ops.compact_format import BLOCK, CompactMoments, ieee_sqrt
 
 HYPER = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
 # Two chunks of 64K elements that two threads share, three blocks, and a short last block.
@@ -29,7 +29,7 @@ N_THREADED = 2 * 65536 + 3 * BLOCK + 37
 
 
 def reference(*args, **kwargs) -> int:
-    return compact_state.compact_adam_pass(*args, **kwargs)
+    return compact_adamw.compact_adam_pass(*args, **kwargs)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -280,7 +280,7 @@ def test_the_compact_kernel_has_no_fused_multiply_add():
 
 
 def test_the_reference_square_root_is_ieee():
-    """compact_state.ieee_sqrt (the reference's) against numpy's, which is IEEE; torch's own
+    """compact_format.ieee_sqrt (the reference's) against numpy's, which is IEEE; torch's own
     CPU sqrt is not, which is why the reference needs it."""
     gen = torch.Generator().manual_seed(3)
     x = torch.rand(1_000_000, generator=gen) * torch.exp(torch.randn(1_000_000, generator=gen) * 20)

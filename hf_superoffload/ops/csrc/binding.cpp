@@ -92,7 +92,7 @@ void check_flat(const at::Tensor& t, const char* name, at::ScalarType dtype, con
                     " ", numel, ".");
 }
 
-// One compact_adam_pass (compact_state.py) over flat CPU tensors; the Python side
+// One compact_adam_pass (compact_adamw.py) over flat CPU tensors; the Python side
 // (compact.py) checks the scalars and derives the constants.
 int64_t compact_apply(const std::string& isa, at::Tensor master, at::Tensor grad,
                       at::Tensor exp_avg, at::Tensor exp_avg_scale, at::Tensor exp_avg_sq,
@@ -179,9 +179,10 @@ CompactArgs compact_args(const std::vector<double>& c, int64_t index_base, bool 
                      commit ? 1 : 0};
 }
 
-// compact_adam_commit_speculate (compact_state.py) over flat CPU tensors: the commit with
-// grad_pending, the speculative update with grad_new into out_lowp, then (keep_new_grad)
-// grad_new copied into grad_pending, in one pass. compact.py checks sizes and scalars first.
+// compact_adam_commit_speculate (compact_commit_speculate.py) over flat CPU tensors: the
+// commit with grad_pending, the speculative update with grad_new into out_lowp, then
+// (keep_new_grad) grad_new copied into grad_pending, in one pass. compact.py checks sizes and
+// scalars first.
 std::tuple<int64_t, int64_t> compact_fused_apply(
     const std::string& isa, at::Tensor master, at::Tensor grad_pending, at::Tensor grad_new,
     at::Tensor exp_avg, at::Tensor exp_avg_scale, at::Tensor exp_avg_sq,

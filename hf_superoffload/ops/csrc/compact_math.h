@@ -1,4 +1,4 @@
-// The compact-state Adam (hf_superoffload/ops/compact_state.py, compact_adam_pass), written
+// The compact-state Adam (hf_superoffload/ops/compact_adamw.py, compact_adam_pass), written
 // once over an ISA policy (adam_math.h's, with its integer lanes) and instantiated by each
 // isa_*.cpp file, like adam_math.h.
 //
@@ -64,7 +64,7 @@ inline typename I::V decode(typename I::VI code, typename I::V scale) {
                                                       I::seti(int32_t(0x80000000u)))));
 }
 
-// The reference's counter-based hash (compact_state.rounding_bits) of element indices whose
+// The reference's counter-based hash (compact_format.rounding_bits) of element indices whose
 // first product index * 0x9E3779B1 is `product`, and `key`: both moments share the product,
 // and consecutive vectors' products differ by lanes * 0x9E3779B1 (mod 2**32).
 constexpr uint32_t kIndexFactor = 0x9E3779B1u;
@@ -122,7 +122,7 @@ inline typename I::VI encode_unit(typename I::V r, typename I::VI noise) {
   return I::selecti(below, subnormal, normal);
 }
 
-// What a block's codes scale its magnitudes by (compact_state.block_reciprocals): `safe` the
+// What a block's codes scale its magnitudes by (compact_format.block_reciprocals): `safe` the
 // scale (1 where it is 0 or NaN); `rcp` 1 / safe rounded to nearest, one ulp up where
 // safe * rcp < 1, so that the largest magnitude lands on 1.0 or above and clamps to exactly
 // 1.0; `by_rcp` where rcp is a normal number (elsewhere the codes divide by safe).
