@@ -21,6 +21,7 @@ import torch
 
 from hf_superoffload import ops
 from hf_superoffload.ops import _build, compact_adamw
+from hf_superoffload.ops.compact import constants
 from hf_superoffload.ops.compact_format import BLOCK, CompactMoments, ieee_sqrt
 
 HYPER = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
@@ -340,6 +341,42 @@ def test_bad_arguments_are_refused_before_anything_changes(change, error, patter
         ops.compact_adam(*positional, **args)
     for name, tensor in tensors.items():
         assert torch.equal(bits(tensor), bits(before[name])), f"{name} changed"
+
+
+# The binding's own check of the four state tensors, which its plain and fused entries share.
+# Dtypes only: ops.compact_adam and ops.compact_adam_commit_speculate refuse sizes in Python
+# first, since a size refusal in the binding crashed the process (torch 2.11 headers, GCC 13).
+@pytest.mark.parametrize("entry", ["compact_apply", "compact_fused_apply"])
+@pytest.mark.parametrize(
+    ("name", "wrong", "pattern"),
+    [
+        ("exp_avg", torch.float32, r"exp_avg must be uint8 \(8-bit codes, as CompactMoments"),
+        ("exp_avg_sq", torch.int8, r"exp_avg_sq must be uint8 \(8-bit codes, as CompactMoments"),
+        ("exp_avg_scale", torch.float64,
+         r"exp_avg_scale must be float32 \(one scale per block of 256 elements\)"),
+        ("exp_avg_sq_scale", torch.float16,
+         r"exp_avg_sq_scale must be float32 \(one scale per block of 256 elements\)"),
+    ],
+)  # fmt: skip
+def test_both_binding_entries_refuse_a_compact_state_tensor_of_the_wrong_dtype(
+    entry, name, wrong, pattern
+):
+    n = 600
+    master, codes_m, scale_m, codes_v, scale_v = initial_state(n)
+    state = {"exp_avg": codes_m, "exp_avg_scale": scale_m, "exp_avg_sq": codes_v,
+             "exp_avg_sq_scale": scale_v}  # fmt: skip
+    state[name] = state[name].to(wrong)
+    before = [t.clone() for t in (master, *state.values())]
+    c = list(constants(step=1, **HYPER, grad_scale=1.0, salt=0))
+    out = torch.zeros(n, dtype=torch.bfloat16)
+    grad = torch.ones(n)
+    args = {"compact_apply": ("", master, grad, *state.values(), out, *c, 0, True, True, True, 1),
+            "compact_fused_apply": ("", master, grad, torch.ones(n), *state.values(), out, c, c,
+                                    0, True, True, True, 1)}[entry]  # fmt: skip
+    with pytest.raises(TypeError, match=pattern):
+        getattr(_build.load_extension(), entry)(*args)
+    for now, then in zip((master, *state.values()), before, strict=True):
+        assert torch.equal(bits(now), bits(then))
 
 
 def test_kernel_releases_the_gil():
