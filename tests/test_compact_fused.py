@@ -24,8 +24,8 @@ from test_compact_kernel import (
 )
 
 from hf_superoffload import ops
-from hf_superoffload.ops import compact_commit_speculate, compact_state
-from hf_superoffload.ops.compact_state import BLOCK
+from hf_superoffload.ops import compact_adamw, compact_commit_speculate
+from hf_superoffload.ops.compact_format import BLOCK
 
 COMMIT = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01,
           "grad_scale": 0.7}  # fmt: skip
@@ -40,8 +40,8 @@ def composition(master, grad_pending, grad_new, exp_avg, exp_avg_scale, exp_avg_
     state = (exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale)
     shared = dict(adamw=adamw, salt=salt, element_offset=element_offset, stochastic=stochastic)
     counts = (
-        compact_state.compact_adam_pass(master, grad_pending, *state, **commit, **shared),
-        compact_state.compact_adam_pass(master, grad_new, *state, **speculate, **shared,
+        compact_adamw.compact_adam_pass(master, grad_pending, *state, **commit, **shared),
+        compact_adamw.compact_adam_pass(master, grad_new, *state, **speculate, **shared,
                                         commit=False, out_lowp=out_lowp),
     )  # fmt: skip
     if keep_new_grad:

@@ -1,8 +1,8 @@
-"""The compiled compact-state Adam (ops.compact_adam) gives compact_state.compact_adam_pass's
+"""The compiled compact-state Adam (ops.compact_adam) gives compact_adamw.compact_adam_pass's
 bits: params, codes, scales, out_lowp and the non-finite count, for every instruction set of
 this CPU and 1 or 2 threads, over sequences of speculative and committed steps.
 
-The reference rounds its square root once (``compact_state.ieee_sqrt``), as the kernel, every
+The reference rounds its square root once (``compact_format.ieee_sqrt``), as the kernel, every
 other instruction set and the GPU do; torch's own CPU ``sqrt`` does not.
 """
 
@@ -20,8 +20,9 @@ import pytest
 import torch
 
 from hf_superoffload import ops
-from hf_superoffload.ops import _build, compact_state
-from hf_superoffload.ops.compact_state import BLOCK, CompactMoments, ieee_sqrt
+from hf_superoffload.ops import _build, compact_adamw
+from hf_superoffload.ops.compact import constants
+from hf_superoffload.ops.compact_format import BLOCK, CompactMoments, ieee_sqrt
 
 HYPER = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
 # Two chunks of 64K elements that two threads share, three blocks, and a short last block.
@@ -29,7 +30,7 @@ N_THREADED = 2 * 65536 + 3 * BLOCK + 37
 
 
 def reference(*args, **kwargs) -> int:
-    return compact_state.compact_adam_pass(*args, **kwargs)
+    return compact_adamw.compact_adam_pass(*args, **kwargs)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -280,7 +281,7 @@ def test_the_compact_kernel_has_no_fused_multiply_add():
 
 
 def test_the_reference_square_root_is_ieee():
-    """compact_state.ieee_sqrt (the reference's) against numpy's, which is IEEE; torch's own
+    """compact_format.ieee_sqrt (the reference's) against numpy's, which is IEEE; torch's own
     CPU sqrt is not, which is why the reference needs it."""
     gen = torch.Generator().manual_seed(3)
     x = torch.rand(1_000_000, generator=gen) * torch.exp(torch.randn(1_000_000, generator=gen) * 20)
@@ -340,6 +341,42 @@ def test_bad_arguments_are_refused_before_anything_changes(change, error, patter
         ops.compact_adam(*positional, **args)
     for name, tensor in tensors.items():
         assert torch.equal(bits(tensor), bits(before[name])), f"{name} changed"
+
+
+# The binding's own check of the four state tensors, which its plain and fused entries share.
+# Dtypes only: ops.compact_adam and ops.compact_adam_commit_speculate refuse sizes in Python
+# first, since a size refusal in the binding crashed the process (torch 2.11 headers, GCC 13).
+@pytest.mark.parametrize("entry", ["compact_apply", "compact_fused_apply"])
+@pytest.mark.parametrize(
+    ("name", "wrong", "pattern"),
+    [
+        ("exp_avg", torch.float32, r"exp_avg must be uint8 \(8-bit codes, as CompactMoments"),
+        ("exp_avg_sq", torch.int8, r"exp_avg_sq must be uint8 \(8-bit codes, as CompactMoments"),
+        ("exp_avg_scale", torch.float64,
+         r"exp_avg_scale must be float32 \(one scale per block of 256 elements\)"),
+        ("exp_avg_sq_scale", torch.float16,
+         r"exp_avg_sq_scale must be float32 \(one scale per block of 256 elements\)"),
+    ],
+)  # fmt: skip
+def test_both_binding_entries_refuse_a_compact_state_tensor_of_the_wrong_dtype(
+    entry, name, wrong, pattern
+):
+    n = 600
+    master, codes_m, scale_m, codes_v, scale_v = initial_state(n)
+    state = {"exp_avg": codes_m, "exp_avg_scale": scale_m, "exp_avg_sq": codes_v,
+             "exp_avg_sq_scale": scale_v}  # fmt: skip
+    state[name] = state[name].to(wrong)
+    before = [t.clone() for t in (master, *state.values())]
+    c = list(constants(step=1, **HYPER, grad_scale=1.0, salt=0))
+    out = torch.zeros(n, dtype=torch.bfloat16)
+    grad = torch.ones(n)
+    args = {"compact_apply": ("", master, grad, *state.values(), out, *c, 0, True, True, True, 1),
+            "compact_fused_apply": ("", master, grad, torch.ones(n), *state.values(), out, c, c,
+                                    0, True, True, True, 1)}[entry]  # fmt: skip
+    with pytest.raises(TypeError, match=pattern):
+        getattr(_build.load_extension(), entry)(*args)
+    for now, then in zip((master, *state.values()), before, strict=True):
+        assert torch.equal(bits(now), bits(then))
 
 
 def test_kernel_releases_the_gil():

@@ -21,7 +21,7 @@ from test_compact_kernel import COMPACT_FUNCTION, fused_multiply_adds
 from hf_superoffload import ops
 from hf_superoffload.ops._build import CFLAGS, CSRC
 from hf_superoffload.ops.compact import constants
-from hf_superoffload.ops.compact_state import BLOCK, CompactMoments
+from hf_superoffload.ops.compact_format import BLOCK, CompactMoments
 
 CHECK_SOURCE = Path(__file__).parent / "csrc" / "compact_check.cpp"
 KERNEL_SOURCES = [CSRC / f"isa_{name}.cpp" for name in ("scalar", "neon", "sve")]

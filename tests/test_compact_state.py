@@ -1,6 +1,6 @@
-"""The compact optimizer state's reference (hf_superoffload/ops/compact_state.py): the 8-bit
-codes of both moments hold what the format promises, and a step is AdamW's step computed from
-the decoded moments."""
+"""The compact optimizer state's reference (hf_superoffload/ops/compact_format.py and
+compact_adamw.py, one namespace in compact_state.py): the 8-bit codes of both moments hold what
+the format promises, and a step is AdamW's step computed from the decoded moments."""
 
 from __future__ import annotations
 
@@ -10,16 +10,15 @@ import math
 import pytest
 import torch
 
-from hf_superoffload.ops.compact_state import (
+from hf_superoffload.ops import compact_adamw, compact_format, compact_state
+from hf_superoffload.ops.compact_adamw import CompactAdamW, compact_adam_pass, compact_adam_step
+from hf_superoffload.ops.compact_format import (
     BLOCK,
     EXP_AVG_FORMAT,
     EXP_AVG_SQ_FORMAT,
-    CompactAdamW,
     CompactFormat,
     CompactMoments,
     block_reciprocals,
-    compact_adam_pass,
-    compact_adam_step,
     decode,
     encode,
 )
@@ -273,3 +272,13 @@ def test_speculative_pass_writes_only_its_output_and_matches_the_commit():
         compact_adam_pass(master, grad, *_tensors(master, moments)[1:], **hyper, commit=False)
     with pytest.raises(ValueError, match="multiple of 256"):
         compact_adam_pass(master, grad, *_tensors(master, moments)[1:], **hyper, element_offset=5)
+
+
+def test_compact_state_names_the_format_and_the_update_without_copies():
+    """compact_state (where the engines and the docs import from) holds both modules' names,
+    each the object its own module defines."""
+    assert {"CompactAdamW", "compact_adam_pass", "compact_adam_step", "CompactMoments",
+            "encode", "decode", "ieee_sqrt"} <= set(compact_state.__all__)  # fmt: skip
+    for name in compact_state.__all__:
+        home = compact_format if name in vars(compact_format) else compact_adamw
+        assert getattr(compact_state, name) is vars(home)[name]

@@ -1,6 +1,6 @@
 """Python entry of the compiled compact-state Adam: both moments as 8-bit codes.
 
-``compact_adam`` is ``compact_state.compact_adam_pass`` (same arguments, same meaning, the same
+``compact_adam`` is ``compact_adamw.compact_adam_pass`` (same arguments, same meaning, the same
 bits in every output) run by the compiled kernel: one pass over memory per call, on
 ``get_num_threads()`` OpenMP threads that split the range on block boundaries, with the GIL
 released, on the instruction set of ``active_isa()`` (``set_isa`` chooses it, as for
@@ -19,7 +19,7 @@ import torch
 from ._build import load_extension
 from .adam import _forced_isa, _scale, checked_hyper, get_num_threads
 from .compact_commit_speculate import check_commit_speculate
-from .compact_state import CompactFormat, check_element_offset, check_sizes
+from .compact_format import CompactFormat, check_element_offset, check_sizes
 
 _TENSORS = ("master", "grad", "exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale")
 
@@ -84,7 +84,7 @@ def compact_adam(
     out_lowp: torch.Tensor | None = None,
 ) -> int:
     """One Adam(W) update of a flat range in the default ``CompactFormat``: see
-    ``compact_state.compact_adam_pass``, whose results this gives bit for bit.
+    ``compact_adamw.compact_adam_pass``, whose results this gives bit for bit.
 
     ``master`` fp32; ``grad`` fp32, bf16 or fp16; ``exp_avg``/``exp_avg_sq`` uint8 codes of
     as many elements; ``*_scale`` fp32, one per block of 256 (``ceil(numel / 256)``); all

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from .compact_state import check_element_offset, check_sizes, compact_adam_pass
+from .compact_adamw import compact_adam_pass
+from .compact_format import check_element_offset, check_sizes
 
 # The hyperparameters of each half of ``compact_adam_commit_speculate``.
 HALF_KEYS = ("step", "lr", "beta1", "beta2", "eps", "weight_decay", "grad_scale")

@@ -92,7 +92,24 @@ void check_flat(const at::Tensor& t, const char* name, at::ScalarType dtype, con
                     " ", numel, ".");
 }
 
-// One compact_adam_pass (compact_state.py) over flat CPU tensors; the Python side
+// The four compact state tensors of a master of n elements: both moments' codes, one uint8 an
+// element, and their scales, one float32 a block of kCompactBlock elements.
+void check_compact_state(const at::Tensor& exp_avg, const at::Tensor& exp_avg_scale,
+                         const at::Tensor& exp_avg_sq, const at::Tensor& exp_avg_sq_scale,
+                         int64_t n) {
+  static_assert(kCompactBlock == 256, "the messages below name blocks of 256 elements");
+  const int64_t blocks = (n + kCompactBlock - 1) / kCompactBlock;
+  const char* codes = "uint8 (8-bit codes, as CompactMoments holds them)";
+  check_flat(exp_avg, "exp_avg", at::kByte, codes, n, "master has");
+  check_flat(exp_avg_sq, "exp_avg_sq", at::kByte, codes, n, "master has");
+  const char* scales = "float32 (one scale per block of 256 elements)";
+  check_flat(exp_avg_scale, "exp_avg_scale", at::kFloat, scales, blocks,
+             "master's blocks of 256 number");
+  check_flat(exp_avg_sq_scale, "exp_avg_sq_scale", at::kFloat, scales, blocks,
+             "master's blocks of 256 number");
+}
+
+// One compact_adam_pass (compact_adamw.py) over flat CPU tensors; the Python side
 // (compact.py) checks the scalars and derives the constants.
 int64_t compact_apply(const std::string& isa, at::Tensor master, at::Tensor grad,
                       at::Tensor exp_avg, at::Tensor exp_avg_scale, at::Tensor exp_avg_sq,
@@ -104,20 +121,12 @@ int64_t compact_apply(const std::string& isa, at::Tensor master, at::Tensor grad
                       int64_t index_base, bool adamw, bool stochastic, bool commit,
                       int64_t threads) {
   const int64_t n = master.numel();
-  const int64_t blocks = (n + kCompactBlock - 1) / kCompactBlock;
   check_flat(master, "master", at::kFloat, "float32 (the master weights; use tensor.float())", n,
              "master has");
   TORCH_CHECK_TYPE(grad.scalar_type() == at::kFloat || lowp_kind(grad) != kLowpNone,
                    "grad must be float32, bfloat16 or float16, got ", grad.scalar_type(), ".");
   check_flat(grad, "grad", grad.scalar_type(), "", n, "master has");
-  const char* codes = "uint8 (8-bit codes, as CompactMoments holds them)";
-  check_flat(exp_avg, "exp_avg", at::kByte, codes, n, "master has");
-  check_flat(exp_avg_sq, "exp_avg_sq", at::kByte, codes, n, "master has");
-  const char* scales = "float32 (one scale per block of 256 elements)";
-  check_flat(exp_avg_scale, "exp_avg_scale", at::kFloat, scales, blocks,
-             "master's blocks of 256 number");
-  check_flat(exp_avg_sq_scale, "exp_avg_sq_scale", at::kFloat, scales, blocks,
-             "master's blocks of 256 number");
+  check_compact_state(exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, n);
   CompactTensors tensors{master.data_ptr<float>(),
                          grad.data_ptr(),
                          lowp_kind(grad),
@@ -179,9 +188,10 @@ CompactArgs compact_args(const std::vector<double>& c, int64_t index_base, bool 
                      commit ? 1 : 0};
 }
 
-// compact_adam_commit_speculate (compact_state.py) over flat CPU tensors: the commit with
-// grad_pending, the speculative update with grad_new into out_lowp, then (keep_new_grad)
-// grad_new copied into grad_pending, in one pass. compact.py checks sizes and scalars first.
+// compact_adam_commit_speculate (compact_commit_speculate.py) over flat CPU tensors: the
+// commit with grad_pending, the speculative update with grad_new into out_lowp, then
+// (keep_new_grad) grad_new copied into grad_pending, in one pass. compact.py checks sizes and
+// scalars first.
 std::tuple<int64_t, int64_t> compact_fused_apply(
     const std::string& isa, at::Tensor master, at::Tensor grad_pending, at::Tensor grad_new,
     at::Tensor exp_avg, at::Tensor exp_avg_scale, at::Tensor exp_avg_sq,
@@ -189,7 +199,6 @@ std::tuple<int64_t, int64_t> compact_fused_apply(
     const std::vector<double>& speculate, int64_t index_base, bool adamw, bool stochastic,
     bool keep_new_grad, int64_t threads) {
   const int64_t n = master.numel();
-  const int64_t blocks = (n + kCompactBlock - 1) / kCompactBlock;
   check_flat(master, "master", at::kFloat, "float32 (the master weights; use tensor.float())", n,
              "master has");
   TORCH_CHECK_TYPE(grad_pending.scalar_type() == at::kFloat || lowp_kind(grad_pending) != kLowpNone,
@@ -198,14 +207,7 @@ std::tuple<int64_t, int64_t> compact_fused_apply(
   check_flat(grad_pending, "grad_pending", grad_pending.scalar_type(), "", n, "master has");
   check_flat(grad_new, "grad_new", grad_pending.scalar_type(), "grad_pending's dtype", n,
              "master has");
-  const char* codes = "uint8 (8-bit codes, as CompactMoments holds them)";
-  check_flat(exp_avg, "exp_avg", at::kByte, codes, n, "master has");
-  check_flat(exp_avg_sq, "exp_avg_sq", at::kByte, codes, n, "master has");
-  const char* scales = "float32 (one scale per block of 256 elements)";
-  check_flat(exp_avg_scale, "exp_avg_scale", at::kFloat, scales, blocks,
-             "master's blocks of 256 number");
-  check_flat(exp_avg_sq_scale, "exp_avg_sq_scale", at::kFloat, scales, blocks,
-             "master's blocks of 256 number");
+  check_compact_state(exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, n);
   const bool fp32 = out_lowp.scalar_type() == at::kFloat;
   TORCH_CHECK_TYPE(fp32 || lowp_kind(out_lowp) != kLowpNone,
                    "out_lowp must be bfloat16, float16 or float32, got ", out_lowp.scalar_type(),

@@ -22,13 +22,8 @@ inline int encode_then_speculate(const CompactFusedArgs& a, const CompactFusedTe
                                  typename I::VI product) {
   using V = typename I::V;
   using VI = typename I::VI;
-  VI noise_m = I::seti(0), noise_v = I::seti(0);
-  if (kStochastic) {
-    noise_m = rounding_bits<I>(product, a.commit.key_exp_avg);
-    noise_v = rounding_bits<I>(product, a.commit.key_exp_avg_sq);
-  }
-  const VI code_m = encode_code<I, ExpAvgCode, kStochastic>(m_buf, j, rm, noise_m);
-  const VI code_v = encode_code<I, ExpAvgSqCode, kStochastic>(v_buf, j, rv, noise_v);
+  VI code_m, code_v;
+  encode_codes<I, kStochastic>(a.commit, m_buf, v_buf, j, rm, rv, product, code_m, code_v);
   I::store_u8(t.state.exp_avg + i, code_m);
   I::store_u8(t.state.exp_avg_sq + i, code_v);
   const VI low_byte = I::seti(0xFF);
@@ -57,20 +52,11 @@ inline void compact_fused_block(const CompactFusedArgs& a, const CompactFusedTen
   const BlockReciprocal rm = block_reciprocal(scale_m);
   const BlockReciprocal rv = block_reciprocal(scale_v);
   const uint32_t index = a.commit.index_base + uint32_t(begin);
-  const int64_t lanes = I::lanes();
-  using VI = typename I::VI;
-  VI product = index_product<I>(index, 0);
-  const VI advance = I::seti(int32_t(uint32_t(lanes) * kIndexFactor));
-  int64_t j = 0;
-  for (; j + lanes <= len; j += lanes) {
-    counts.speculate += encode_then_speculate<I, kGrad, kOut, kStochastic>(
-        a, t, m_buf, v_buf, begin + j, j, rm, rv, I::set1(scale_m), I::set1(scale_v), product);
-    product = I::addi(product, advance);
-  }
-  for (; j < len; ++j)
-    counts.speculate += encode_then_speculate<ScalarIsa, kGrad, kOut, kStochastic>(
-        a, t, m_buf, v_buf, begin + j, j, rm, rv, scale_m, scale_v,
-        index_product<ScalarIsa>(index, j));
+  for_block_lanes<I>(index, len, [&](auto isa, int64_t j, auto product) {
+    using J = decltype(isa);
+    counts.speculate += encode_then_speculate<J, kGrad, kOut, kStochastic>(
+        a, t, m_buf, v_buf, begin + j, j, rm, rv, J::set1(scale_m), J::set1(scale_v), product);
+  });
   if (t.grad_keep != nullptr) {  // the new gradient becomes the pending one (just read: cached)
     const int64_t width = kGrad == kLowpNone ? 4 : 2;
     __builtin_memcpy(static_cast<char*>(t.grad_keep) + begin * width,

@@ -1,4 +1,4 @@
-// The compact-state Adam (hf_superoffload/ops/compact_state.py, compact_adam_pass), written
+// The compact-state Adam (hf_superoffload/ops/compact_adamw.py, compact_adam_pass), written
 // once over an ISA policy (adam_math.h's, with its integer lanes) and instantiated by each
 // isa_*.cpp file, like adam_math.h.
 //
@@ -64,7 +64,7 @@ inline typename I::V decode(typename I::VI code, typename I::V scale) {
                                                       I::seti(int32_t(0x80000000u)))));
 }
 
-// The reference's counter-based hash (compact_state.rounding_bits) of element indices whose
+// The reference's counter-based hash (compact_format.rounding_bits) of element indices whose
 // first product index * 0x9E3779B1 is `product`, and `key`: both moments share the product,
 // and consecutive vectors' products differ by lanes * 0x9E3779B1 (mod 2**32).
 constexpr uint32_t kIndexFactor = 0x9E3779B1u;
@@ -122,7 +122,7 @@ inline typename I::VI encode_unit(typename I::V r, typename I::VI noise) {
   return I::selecti(below, subnormal, normal);
 }
 
-// What a block's codes scale its magnitudes by (compact_state.block_reciprocals): `safe` the
+// What a block's codes scale its magnitudes by (compact_format.block_reciprocals): `safe` the
 // scale (1 where it is 0 or NaN); `rcp` 1 / safe rounded to nearest, one ulp up where
 // safe * rcp < 1, so that the largest magnitude lands on 1.0 or above and clamps to exactly
 // 1.0; `by_rcp` where rcp is a normal number (elsewhere the codes divide by safe).
@@ -165,25 +165,40 @@ inline typename I::VI encode_code(const float* buf, int64_t j, const BlockRecipr
   return code;
 }
 
-template <class I, class F, bool kStochastic>
-inline void encode_moment(const float* buf, int64_t j, const BlockReciprocal& b, uint8_t* codes,
-                          typename I::VI noise) {
-  I::store_u8(codes + j, encode_code<I, F, kStochastic>(buf, j, b, noise));
-}
-
-// Both moments' codes of the block's lanes at j; `product` is index_product of the lanes.
+// Both moments' codes (encode_code's) of the block's lanes at j; `product` is index_product of
+// the lanes.
 template <class I, bool kStochastic>
-inline void encode_lanes(const CompactArgs& a, const float* m_buf, const float* v_buf, int64_t j,
-                         const BlockReciprocal& rm, const BlockReciprocal& rv, uint8_t* codes_m,
-                         uint8_t* codes_v, typename I::VI product) {
+inline void encode_codes(const CompactArgs& a, const float* m_buf, const float* v_buf, int64_t j,
+                         const BlockReciprocal& rm, const BlockReciprocal& rv,
+                         typename I::VI product, typename I::VI& code_m,
+                         typename I::VI& code_v) {
   using VI = typename I::VI;
   VI noise_m = I::seti(0), noise_v = I::seti(0);
   if (kStochastic) {
     noise_m = rounding_bits<I>(product, a.key_exp_avg);
     noise_v = rounding_bits<I>(product, a.key_exp_avg_sq);
   }
-  encode_moment<I, ExpAvgCode, kStochastic>(m_buf, j, rm, codes_m, noise_m);
-  encode_moment<I, ExpAvgSqCode, kStochastic>(v_buf, j, rv, codes_v, noise_v);
+  code_m = encode_code<I, ExpAvgCode, kStochastic>(m_buf, j, rm, noise_m);
+  code_v = encode_code<I, ExpAvgSqCode, kStochastic>(v_buf, j, rv, noise_v);
+}
+
+// Calls body(isa, j, product) over a block of len elements: a vector of I at a time, then the
+// tail an element at a time (isa a ScalarIsa); j numbers the lanes' first element within the
+// block and `product` is their index_product (`index` numbers the block's first element),
+// advanced by an addition a vector. The encoding loops of the commit and of the fused pass;
+// both inline, body (a lambda) included, so each loop compiles as if written out in place.
+template <class I, class Body>
+inline void for_block_lanes(uint32_t index, int64_t len, Body&& body) {
+  using VI = typename I::VI;
+  const int64_t lanes = I::lanes();
+  VI product = index_product<I>(index, 0);
+  const VI advance = I::seti(int32_t(uint32_t(lanes) * kIndexFactor));
+  int64_t j = 0;
+  for (; j + lanes <= len; j += lanes) {
+    body(I(), j, product);
+    product = I::addi(product, advance);
+  }
+  for (; j < len; ++j) body(ScalarIsa(), j, index_product<ScalarIsa>(index, j));
 }
 
 template <class I, bool kStochastic>
@@ -192,20 +207,13 @@ inline void encode_block(const CompactArgs& a, const float* m_buf, const float* 
                          uint8_t* codes_v, uint32_t index) {
   const BlockReciprocal rm = block_reciprocal(scale_m);
   const BlockReciprocal rv = block_reciprocal(scale_v);
-  const int64_t lanes = I::lanes();
-  using VI = typename I::VI;
-  // The rounding bits' index products (`index` numbers the block's first element), advanced
-  // by an addition a vector.
-  VI product = index_product<I>(index, 0);
-  const VI advance = I::seti(int32_t(uint32_t(lanes) * kIndexFactor));
-  int64_t j = 0;
-  for (; j + lanes <= len; j += lanes) {
-    encode_lanes<I, kStochastic>(a, m_buf, v_buf, j, rm, rv, codes_m, codes_v, product);
-    product = I::addi(product, advance);
-  }
-  for (; j < len; ++j)
-    encode_lanes<ScalarIsa, kStochastic>(a, m_buf, v_buf, j, rm, rv, codes_m, codes_v,
-                                         index_product<ScalarIsa>(index, j));
+  for_block_lanes<I>(index, len, [&](auto isa, int64_t j, auto product) {
+    using J = decltype(isa);
+    typename J::VI code_m, code_v;
+    encode_codes<J, kStochastic>(a, m_buf, v_buf, j, rm, rv, product, code_m, code_v);
+    J::store_u8(codes_m + j, code_m);
+    J::store_u8(codes_v + j, code_v);
+  });
 }
 
 template <class I, int kGrad>

@@ -11,7 +11,7 @@ enum { kCompactBlock = 256 };
 // Formats of out_lowp beyond adam_types.h's kLowpNone/kLowpBf16/kLowpFp16: an fp32 copy.
 enum { kOutFp32 = 3 };
 
-// Per-call constants: the fp32 roundings of the reference's constants (compact_state.py),
+// Per-call constants: the fp32 roundings of the reference's constants (compact_adamw.py),
 // each derived in double by the caller exactly as the reference derives it.
 struct CompactArgs {
   float grad_scale;
