@@ -18,6 +18,23 @@ import torch
 from ..ops.compact_state import compact_adam_pass
 from .bucket import Bucket
 
+# The tail's step makes temporaries on the device beside its state: torch's foreach AdamW one
+# fp32 tensor an element of a bucket (sqrt of exp_avg_sq, the group's at once); the compact
+# update (plain PyTorch) about 100 bytes an element, so it steps a param COMPACT_STEP_PIECE
+# elements at a time (block-aligned: the same bits as whole) instead of a whole embedding at
+# once. Peaks measured by tests/test_tail_step_scratch.py.
+EXACT_STEP_SCRATCH_BYTES = 4
+COMPACT_STEP_SCRATCH_BYTES = 104
+COMPACT_STEP_PIECE = 1 << 24
+
+
+def step_scratch_bytes(largest_bucket: int, compact: bool) -> int:
+    """Device bytes of temporaries while the tail steps buckets of at most ``largest_bucket``
+    elements: what the memory plans count beside the tail's state."""
+    if compact:
+        return COMPACT_STEP_SCRATCH_BYTES * min(largest_bucket, COMPACT_STEP_PIECE)
+    return EXACT_STEP_SCRATCH_BYTES * largest_bucket
+
 
 class DeviceTail:
     def __init__(self):
@@ -89,13 +106,19 @@ class DeviceTail:
 
 
 def _compact_step(bucket: Bucket, hyper: dict, coef: float) -> None:
-    """The compact update (plain PyTorch, on the device) of each param with a gradient."""
+    """The compact update (plain PyTorch, on the device) of each param with a gradient, in
+    pieces of at most ``COMPACT_STEP_PIECE`` elements (``step_scratch_bytes``)."""
     kwargs = {k: v for k, v in hyper.items() if k != "step"}
-    for i, segment in enumerate(bucket.compact.segments):
+    moments = bucket.compact
+    for i, segment in enumerate(moments.segments):
         if not bucket.present[i] or segment.numel == 0:
             continue
-        compact_adam_pass(
-            bucket.views(bucket.master, i).view(-1), bucket.views(bucket.grad, i).view(-1),
-            *bucket.compact.param_moments(i), step=bucket.param_step(i) + 1, grad_scale=coef,
-            salt=segment.salt, **kwargs,
-        )  # fmt: skip
+        master = bucket.views(bucket.master, i).view(-1)
+        grad = bucket.views(bucket.grad, i).view(-1)
+        for start in range(0, segment.numel, COMPACT_STEP_PIECE):
+            n = min(COMPACT_STEP_PIECE, segment.numel - start)
+            compact_adam_pass(
+                master[start : start + n], grad[start : start + n],
+                *moments.piece_moments(segment, start, n), step=bucket.param_step(i) + 1,
+                grad_scale=coef, salt=segment.salt, element_offset=start, **kwargs,
+            )  # fmt: skip

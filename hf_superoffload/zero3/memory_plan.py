@@ -41,6 +41,7 @@ import math
 
 from ..engine.compact_moments import compact_moment_bytes
 from ..engine.copy_out import COPY_OUT_PIECE, COPY_OUT_SLOTS
+from ..engine.device_tail import step_scratch_bytes
 from ..engine.grad_slots import grad_slots_bytes
 from . import checkpoint_memory
 from .activation_memory import (
@@ -68,6 +69,18 @@ CUDA_CONTEXT_BYTES = int(0.6 * 2**30)  # device memory torch's allocator does no
 # of memory with 5.8 GiB reserved beyond 68.2 allocated.
 GPU_HEADROOM = 0.10
 HOST_HEADROOM = 0.05  # the kernel, the page cache and the rest of the system
+
+
+# What the GPU holds while the device sub groups step (after backward); the logits are
+# counted whole as the Trainer's outputs may still hold them.
+STEP_PHASE_GPU = (
+    "param_partition",
+    "gathered_params",
+    "optimizer_on_gpu",
+    "reduce_bucket",
+    "logits_and_loss",
+    "optimizer_step_scratch",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +137,12 @@ class MemoryPlan:
 
     @property
     def gpu_bytes(self) -> int:
-        return sum(self.gpu.values())
+        """The larger of the two GPU phases: forward and backward (everything but the step's
+        scratch), and the optimizer step after backward, when the layers' activations are
+        freed and the device sub groups' step makes its scratch."""
+        training = sum(v for k, v in self.gpu.items() if k != "optimizer_step_scratch")
+        step = sum(self.gpu.get(k, 0) for k in STEP_PHASE_GPU)
+        return max(training, step)
 
     @property
     def host_training(self) -> int:
@@ -390,6 +408,9 @@ def zero3_memory_plan(config, run: Zero3Run, shape: ModelShape | None = None) ->
             8 * split.device_numel + compact_moment_bytes(split.device_numel, split.device_blocks)
             if compact
             else 16 * split.device_numel
+        ),
+        "optimizer_step_scratch": (
+            step_scratch_bytes(split.largest_device_sub_group, compact) if split.device_count else 0
         ),
         "reduce_bucket": low * run.reduce_bucket_size,
         **activation_gpu_bytes(config, shape, run),

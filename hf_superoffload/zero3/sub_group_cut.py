@@ -163,6 +163,10 @@ class SubGroupSplit:
         return max(self.numels, default=0)
 
     @property
+    def largest_device_sub_group(self) -> int:
+        return max(self.numels[: self.device_count], default=0)
+
+    @property
     def largest_host_sub_group(self) -> int:
         return max(self.numels[self.device_count :], default=0)
 
