@@ -234,11 +234,19 @@ def test_gpu_memory_drops_by_the_layer_inputs_and_gradients_stay_bit_identical()
     peak_and_grads()  # the pinned blocks' first allocation
     tally = offload.tally  # counts over both passes: the measured one's is the difference
     packed, pinned = tally.packed, tally.pinned
+    packs, add = [], tally.add
+
+    def add_and_describe(source, copy):  # what each pack was, for the failure message
+        packs.append((str(source.device), tuple(source.shape), source.dtype, copy.is_pinned()))
+        add(source, copy)
+
+    tally.add = add_and_describe
     offloaded, grads = peak_and_grads()
 
     for name, grad in reference.items():
         assert torch.equal(grads[name], grad), name
-    assert tally.packed - packed == 2 * layers and tally.pinned - pinned == 2 * layers
+    assert tally.packed - packed == 2 * layers, packs
+    assert tally.pinned - pinned == 2 * layers, packs
     assert tally.sources == {"cuda:0"} and tally.live_bytes == 0
     # The pinned blocks the copies held at once: the plan's host figure.
     assert tally.peak_held_bytes == layer_inputs_host_bytes(layers, batch * seq, hidden, 2, True)

@@ -16,12 +16,13 @@ from hf_superoffload.engine.device_tail import DeviceTail, step_scratch_bytes
 from hf_superoffload.zero3.memory_plan import Zero3Run, zero3_memory_plan
 
 
-def _measure_steps(monkeypatch, cuda: bool) -> list[tuple[int, int, int]]:
-    """(peak bytes, largest bucket, largest param) of every tail step."""
+def _measure_steps(monkeypatch, cuda: bool) -> list[tuple[int, int, int, int]]:
+    """(peak bytes, largest bucket, largest param, params) of every tail step."""
     steps, step = [], DeviceTail.step
 
     def measured(self, buckets, hypers, coef):
         largest = max((b.master.numel() for b in buckets), default=0)
+        count = sum(b.param_count for b in buckets)
         param = max(
             (b.views(b.master, i).numel() for b in buckets for i in range(b.param_count)), default=0
         )
@@ -31,11 +32,11 @@ def _measure_steps(monkeypatch, cuda: bool) -> list[tuple[int, int, int]]:
             start = torch.cuda.memory_allocated()
             step(self, buckets, hypers, coef)
             torch.cuda.synchronize()
-            steps.append((torch.cuda.max_memory_allocated() - start, largest, param))
+            steps.append((torch.cuda.max_memory_allocated() - start, largest, param, count))
         else:
             with TensorPeak() as peak:
                 step(self, buckets, hypers, coef)
-            steps.append((peak.peak, largest, param))
+            steps.append((peak.peak, largest, param, count))
 
     monkeypatch.setattr(DeviceTail, "step", measured)
     return steps
@@ -53,7 +54,7 @@ def _check_compact(monkeypatch, device: str, piece: int) -> None:
     got = run_superoffload(cfg, device, moments="compact", gpu_tail=2)
     assert_equal_trajectory(got, run_compact_reference(cfg, got.grad_norms, device))
     assert steps
-    for peak, largest, param in steps:
+    for peak, largest, param, _ in steps:
         assert peak <= step_scratch_bytes(largest, compact=True), (peak, largest)
         floor = 0.85 * device_tail.COMPACT_STEP_SCRATCH_BYTES * min(param, piece)
         assert peak >= floor, (peak, floor)  # the figure is what it costs, not a wide bound
@@ -63,11 +64,13 @@ def _check_exact(monkeypatch, device: str) -> None:
     steps = _measure_steps(monkeypatch, device == "cuda")
     run_superoffload(_config(device), device, gpu_tail=2)
     assert steps
-    for peak, largest, _ in steps:
-        assert peak <= step_scratch_bytes(largest, compact=False), (peak, largest)
-    assert max(p for p, _, _ in steps) >= 0.85 * max(
-        step_scratch_bytes(b, False) for _, b, _ in steps
-    )
+    # The CUDA allocator rounds each tensor up to 512 bytes: one a param here (tiny params; at
+    # the plans' sizes a fraction of a MiB).
+    rounding = 512 if device == "cuda" else 0
+    for peak, largest, _, count in steps:
+        assert peak <= step_scratch_bytes(largest, False) + rounding * count, (peak, largest)
+    most = max(step_scratch_bytes(largest, False) for _, largest, _, _ in steps)
+    assert max(peak for peak, _, _, _ in steps) >= 0.85 * most
 
 
 def test_compact_tail_steps_a_param_in_pieces_within_the_planned_scratch(monkeypatch):

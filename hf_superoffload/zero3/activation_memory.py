@@ -142,7 +142,14 @@ def rms_norm_saved_bytes(rows: int, width: int, dtype_bytes: int) -> int:
     return (4 + dtype_bytes) * rows * width + 4 * rows
 
 
-def layer_saved_bytes(widths: DecoderWidths, tokens: int, dtype_bytes: int) -> int:
+# sdpa's CUDA kernels (flash, memory-efficient) keep their random-number seed and offset, two
+# int64, for backward even without dropout (measured: 16 bytes a layer on an H100).
+SDPA_CUDA_RNG_STATE_BYTES = 16
+
+
+def layer_saved_bytes(
+    widths: DecoderWidths, tokens: int, dtype_bytes: int, cuda: bool = True
+) -> int:
     """The bytes autograd keeps for one decoder layer's backward over ``tokens`` (batch x
     sequence), activations in ``dtype_bytes``, the params not counted:
 
@@ -150,7 +157,8 @@ def layer_saved_bytes(widths: DecoderWidths, tokens: int, dtype_bytes: int) -> i
     - with q/k norms (Qwen3), those of the q and k heads;
     - the attention: q and k after the rotary embedding, v, sdpa's output (o_proj's input is a
       view of it) and its fp32 log-sum-exp a head and token (the rotary embedding keeps only
-      its cos and sin, shared by the layers; grouped-query k and v are not repeated);
+      its cos and sin, shared by the layers; grouped-query k and v are not repeated), and
+      on CUDA (``cuda``) sdpa's random-number state;
     - the MLP: the gate and up projections' outputs, SiLU of the gate, and their product (the
       down projection's input).
     """
@@ -162,11 +170,14 @@ def layer_saved_bytes(widths: DecoderWidths, tokens: int, dtype_bytes: int) -> i
         qk_norms = rms_norm_saved_bytes(tokens * w.heads, w.head_dim, low)
         qk_norms += rms_norm_saved_bytes(tokens * w.kv_heads, w.head_dim, low)
     attention = low * tokens * (2 * q_dim + 2 * kv_dim) + 4 * tokens * w.heads
+    attention += SDPA_CUDA_RNG_STATE_BYTES if cuda else 0
     mlp = 4 * low * tokens * w.intermediate
     return 2 * norm_and_output + qk_norms + attention + mlp
 
 
-def decoder_saved_bytes(widths: DecoderWidths, batch: int, seq: int, dtype_bytes: int) -> int:
+def decoder_saved_bytes(
+    widths: DecoderWidths, batch: int, seq: int, dtype_bytes: int, cuda: bool = True
+) -> int:
     """GPU bytes a decoder run without activation checkpointing keeps from forward to backward,
     the loss's logits apart (``loss_memory.py``): every layer's (``layer_saved_bytes``), the
     embedding's token ids (int64), the rotary cos and sin (one a token of the batch, at most),
@@ -182,4 +193,4 @@ def decoder_saved_bytes(widths: DecoderWidths, batch: int, seq: int, dtype_bytes
         + rms_norm_saved_bytes(tokens, widths.hidden, low)
         + low * tokens * widths.hidden
     )
-    return widths.layers * layer_saved_bytes(widths, tokens, low) + outside_layers
+    return widths.layers * layer_saved_bytes(widths, tokens, low, cuda) + outside_layers
