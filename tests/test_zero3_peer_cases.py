@@ -443,6 +443,73 @@ def _fragments_update_grads(super_offload, world, rank, root):
     return _set_grads_run(super_offload, world, rank, write, clip=0.0, hidden=WHOLE_SHARES_HIDDEN)
 
 
+def _check_padded_writes(plain, ours, world):
+    assert "has 121 elements" in ours["refused"], "a wrong-size value was not refused"
+    _check_equal(plain, {k: v for k, v in ours.items() if k != "refused"}, world)
+
+
+@case("fragments_full_writes_on_padded_partitions", check=_check_padded_writes, worlds=(2,))
+def _full_writes_padded(super_offload, world, rank, root):
+    """Full-size gradients written and updated (vectorized) between backward and step, then fp32
+    params and moments written after it, on params whose partitions end in padding (11 wide over
+    two ranks), with clipping. DeepSpeed's full writers cannot write these (WHOLE_SHARES_HIDDEN):
+    its side writes each rank's share, zero-padded, through its local writers, which set the
+    gradient's norm from what is written as ours does for a full write."""
+    from deepspeed.utils import (
+        safe_get_full_grad,
+        safe_set_full_fp32_param,
+        safe_set_full_grad,
+        safe_set_full_optimizer_state,
+        safe_set_local_fp32_param,
+        safe_set_local_grad,
+        safe_set_local_optimizer_state,
+        safe_update_full_grad_vectorized,
+    )
+
+    def update(old, param):
+        return old * 0.5 + 0.01
+
+    engine = build_engine(PeerSetup(clip=1.0), super_offload, world)
+    params = dict(engine.module.named_parameters())
+    seen, refused = [], ""
+    for step in range(2):
+        engine.backward(engine(*micro_batch(step, 0, rank)))
+        values = values_for(engine, 100 + step, "grad")
+        if super_offload and step == 0:
+            try:  # one element short: refused before anything is written
+                safe_set_full_grad(params["layers.0.weight"], values["layers.0.weight"][1:])
+            except ValueError as error:
+                refused = str(error)
+            for name, param in params.items():
+                safe_set_full_grad(param, values[name])
+        elif super_offload:
+            safe_update_full_grad_vectorized(list(params.values()), update)
+        else:
+            for name, param in params.items():
+                full = values[name] if step == 0 else update(safe_get_full_grad(param), param)
+                safe_set_local_grad(param, _local_part(param, rank, world)(full))
+        seen.append(full_fragments(engine, True, False))
+        engine.step()
+    sync(engine)
+    values = {k: values_for(engine, i, k) for i, k in enumerate(("fp32", "exp_avg", "exp_avg_sq"))}
+    for name, param in params.items():
+        part = _local_part(param, rank, world)
+        if super_offload:
+            safe_set_full_fp32_param(param, values["fp32"][name])
+            for key in ("exp_avg", "exp_avg_sq"):
+                safe_set_full_optimizer_state(param, values[key][name], key)
+        else:
+            safe_set_local_fp32_param(param, part(values["fp32"][name]))
+            for key in ("exp_avg", "exp_avg_sq"):
+                safe_set_local_optimizer_state(param, part(values[key][name]), key)
+    seen.append(full_fragments(engine, False, True))
+    train_steps(engine, range(2, 3), rank)
+    out = {"seen": seen, "state": trainable_state(engine), "padding": padding(engine)}
+    if super_offload:
+        out["refused"] = refused
+    return _destroyed(engine, out)
+
+
 @case("clamp_local_grads_before_step")  # TestZeroGradClip (cpu)
 def _clamp_local_grads(super_offload, world, rank, root):
     from deepspeed.utils import safe_get_local_grad, safe_set_local_grad
