@@ -5,9 +5,8 @@ and ours must give the same tensors: masters, both Adam moments, gradients as De
 accessors return them, checkpoints and what ``zero_to_fp32`` makes of them.
 
 The cases of one world size run in one spawn (DeepSpeed's start-up is the slow part); only the
-selected ones run. The cases that fail on our path today (marked xfail with their issue item)
-run in one spawn per item: a failure on our path leaves the optimizer's failure watch fired for
-the rest of the process (issue 24 item 12).
+selected ones run. A case that fails on any rank ends its spawn, and the cases after it run in a
+fresh one (tests/zero3_peer_runner.py says why).
 """
 
 from __future__ import annotations
@@ -15,13 +14,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import time
 from collections.abc import Callable
 
 import pytest
 import torch
 from engine_reference import EXP_AVG_SQ_TOL, EXP_AVG_TOL
-from ranks import spawn_ranks
 from zero3_peer_reference import (
+    HIDDEN,
+    WHOLE_SHARES_HIDDEN,
     PeerSetup,
     assert_close_dicts,
     build_engine,
@@ -38,7 +39,7 @@ from zero3_peer_reference import (
     trainable_state,
     values_for,
 )
-from zero3_reference import free_port, init_rank
+from zero3_peer_runner import UNFINISHED, failures, spawn_cases
 
 TOLERANCES = {"exp_avg": EXP_AVG_TOL, "exp_avg_sq": EXP_AVG_SQ_TOL}
 
@@ -368,7 +369,7 @@ def _fragments_set_state(super_offload, world, rank, root):
         safe_set_local_optimizer_state,
     )
 
-    engine = build_engine(PeerSetup(hidden=12), super_offload, world)
+    engine = build_engine(PeerSetup(hidden=WHOLE_SHARES_HIDDEN), super_offload, world)
     read_back = []
     for step in range(3):
         train_steps(engine, range(step, step + 1), rank)
@@ -402,19 +403,21 @@ def _local_part(param, rank, world):
     return part
 
 
-def _set_grads_run(super_offload, world, rank, write, clip=1.0):
+def _set_grads_run(super_offload, world, rank, write, clip=1.0, hidden=HIDDEN):
     """``write(engine, step)`` between backward and step; the state after 3 steps."""
-    engine = build_engine(PeerSetup(clip=clip), super_offload, world)
+    engine = build_engine(PeerSetup(clip=clip, hidden=hidden), super_offload, world)
     seen = []
     for step in range(3):
-        engine.backward(engine(*micro_batch(step, 0, rank)))
+        engine.backward(engine(*micro_batch(step, 0, rank, hidden=hidden)))
         seen.append(write(engine, step))
         engine.step()
     return _destroyed(engine, {"seen": seen, "state": trainable_state(engine)})
 
 
-# Without clipping: with it, ours clips by the norm of the written gradients and DeepSpeed by
-# backward's (docs/engine.md, under "Gradients" of the ZeRO-3 path; tests/test_zero3_grad_api.py).
+# The two full writes: without clipping (with it, ours clips by the norm of the written
+# gradients and DeepSpeed by backward's: docs/engine.md, under "Gradients" of the ZeRO-3 path;
+# tests/test_zero3_grad_api.py), and params whose size divides by the ranks (DeepSpeed's writer
+# cannot write the others: zero3_peer_reference.WHOLE_SHARES_HIDDEN; its tests use 1024 wide).
 @case("fragments_set_full_grads_before_step")  # TestTensorFragmentSet (after backward)
 def _fragments_set_grads(super_offload, world, rank, root):
     from deepspeed.utils import safe_set_full_grad
@@ -425,10 +428,10 @@ def _fragments_set_grads(super_offload, world, rank, root):
             safe_set_full_grad(param, values[name])
         return {n: e["grad"] for n, e in full_fragments(engine, True, False).items()}
 
-    return _set_grads_run(super_offload, world, rank, write, clip=0.0)
+    return _set_grads_run(super_offload, world, rank, write, clip=0.0, hidden=WHOLE_SHARES_HIDDEN)
 
 
-@case("fragments_update_full_grads_vectorized")  # TestTensorFragmentUpdate
+@case("fragments_update_full_grads_vectorized")  # TestTensorFragmentUpdate (divisible sizes)
 def _fragments_update_grads(super_offload, world, rank, root):
     from deepspeed.utils import safe_update_full_grad_vectorized
 
@@ -437,7 +440,74 @@ def _fragments_update_grads(super_offload, world, rank, root):
         safe_update_full_grad_vectorized(params, lambda old, param: old * 0.5 + 0.01)
         return {n: e["grad"] for n, e in full_fragments(engine, True, False).items()}
 
-    return _set_grads_run(super_offload, world, rank, write)
+    return _set_grads_run(super_offload, world, rank, write, clip=0.0, hidden=WHOLE_SHARES_HIDDEN)
+
+
+def _check_padded_writes(plain, ours, world):
+    assert "has 121 elements" in ours["refused"], "a wrong-size value was not refused"
+    _check_equal(plain, {k: v for k, v in ours.items() if k != "refused"}, world)
+
+
+@case("fragments_full_writes_on_padded_partitions", check=_check_padded_writes, worlds=(2,))
+def _full_writes_padded(super_offload, world, rank, root):
+    """Full-size gradients written and updated (vectorized) between backward and step, then fp32
+    params and moments written after it, on params whose partitions end in padding (11 wide over
+    two ranks), with clipping. DeepSpeed's full writers cannot write these (WHOLE_SHARES_HIDDEN):
+    its side writes each rank's share, zero-padded, through its local writers, which set the
+    gradient's norm from what is written as ours does for a full write."""
+    from deepspeed.utils import (
+        safe_get_full_grad,
+        safe_set_full_fp32_param,
+        safe_set_full_grad,
+        safe_set_full_optimizer_state,
+        safe_set_local_fp32_param,
+        safe_set_local_grad,
+        safe_set_local_optimizer_state,
+        safe_update_full_grad_vectorized,
+    )
+
+    def update(old, param):
+        return old * 0.5 + 0.01
+
+    engine = build_engine(PeerSetup(clip=1.0), super_offload, world)
+    params = dict(engine.module.named_parameters())
+    seen, refused = [], ""
+    for step in range(2):
+        engine.backward(engine(*micro_batch(step, 0, rank)))
+        values = values_for(engine, 100 + step, "grad")
+        if super_offload and step == 0:
+            try:  # one element short: refused before anything is written
+                safe_set_full_grad(params["layers.0.weight"], values["layers.0.weight"][1:])
+            except ValueError as error:
+                refused = str(error)
+            for name, param in params.items():
+                safe_set_full_grad(param, values[name])
+        elif super_offload:
+            safe_update_full_grad_vectorized(list(params.values()), update)
+        else:
+            for name, param in params.items():
+                full = values[name] if step == 0 else update(safe_get_full_grad(param), param)
+                safe_set_local_grad(param, _local_part(param, rank, world)(full))
+        seen.append(full_fragments(engine, True, False))
+        engine.step()
+    sync(engine)
+    values = {k: values_for(engine, i, k) for i, k in enumerate(("fp32", "exp_avg", "exp_avg_sq"))}
+    for name, param in params.items():
+        part = _local_part(param, rank, world)
+        if super_offload:
+            safe_set_full_fp32_param(param, values["fp32"][name])
+            for key in ("exp_avg", "exp_avg_sq"):
+                safe_set_full_optimizer_state(param, values[key][name], key)
+        else:
+            safe_set_local_fp32_param(param, part(values["fp32"][name]))
+            for key in ("exp_avg", "exp_avg_sq"):
+                safe_set_local_optimizer_state(param, part(values[key][name]), key)
+    seen.append(full_fragments(engine, False, True))
+    train_steps(engine, range(2, 3), rank)
+    out = {"seen": seen, "state": trainable_state(engine), "padding": padding(engine)}
+    if super_offload:
+        out["refused"] = refused
+    return _destroyed(engine, out)
 
 
 @case("clamp_local_grads_before_step")  # TestZeroGradClip (cpu)
@@ -458,11 +528,25 @@ def _clamp_local_grads(super_offload, world, rank, root):
     return _set_grads_run(super_offload, world, rank, write)
 
 
-@case("padding_stays_zero")  # DeepSpeed's plain offload steps padding from zero gradients
+def _check_padding(plain, ours, world):
+    """The steps leave the padding as it was on both (zero gradients, no weight decay); ours
+    starts it at zero. DeepSpeed's holds whatever memory its partitioning left there (a
+    ``torch.empty`` partition of which it copies only the param's elements): no value of its
+    own to compare ours with."""
+    for run in (plain, ours):
+        for name, before in run["before"].items():
+            after = run["after"][name]
+            torch.testing.assert_close(after, before, rtol=0, atol=0, equal_nan=True, msg=name)
+    for name, value in ours["before"].items():
+        assert not value.any(), f"our padding of {name} is not zero: {value}"
+
+
+@case("padding_stays_zero", check=_check_padding)
 def _padding(super_offload, world, rank, root):
     engine = build_engine(PeerSetup(weight_decay=0.0), super_offload, world)
+    before = padding(engine)
     train_steps(engine, range(3), rank)
-    return _destroyed(engine, {"padding": padding(engine)})
+    return _destroyed(engine, {"before": before, "after": padding(engine)})
 
 
 # --------------------------------------------------------------------------- several backwards per step
@@ -521,66 +605,77 @@ def _check_equal(plain, ours, world):
     assert_close_dicts(ours, plain, "ours vs DeepSpeed's plain offload", TOLERANCES)
 
 
-def _run_cases(rank, world, port, names, out_dir) -> None:
-    """Each case on DeepSpeed's plain offload, then on ours; every result is written as soon as
-    it exists, so a later case that hangs keeps the earlier ones."""
-    init_rank(rank, world, port)
-    torch.set_num_threads(1)
-    import hf_superoffload  # noqa: F401  (activates the ZeRO-3 path)
-
-    results = {}
-    for name in names:
-        for mode, super_offload in (("plain", False), ("ours", True)):
-            try:
-                value = CASES[name].run(super_offload, world, rank, out_dir)
-                results[(name, mode)] = {"value": value}
-            except Exception as error:  # recorded; the check says what differs
-                results[(name, mode)] = {"error": f"{type(error).__name__}: {error}"}
-            torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-
-
-def _spawn(names, world, out_dir) -> list[dict]:
-    os.makedirs(out_dir, exist_ok=True)
-    # A rank that failed or hung: the cases it did not finish have no result.
-    with contextlib.suppress(AssertionError):
-        spawn_ranks(_run_cases, (world, free_port(), names, out_dir), world, timeout=600)
-    results = []
-    for rank in range(world):
-        path = os.path.join(out_dir, f"rank{rank}.pt")
-        results.append(torch.load(path, weights_only=False) if os.path.exists(path) else {})
-    return results
-
-
-def _selected(request, world: int, group: int | None) -> list[str]:
-    """The cases of this module selected in this session for ``world`` whose issue item is
-    ``group`` (None: those that pass on our path)."""
+def _selected(request, world: int) -> list[str]:
+    """The cases of this module selected in this session for ``world``."""
     names = []
     for item in request.session.items:
         spec = getattr(item, "callspec", None)
         if item.module.__name__ != __name__ or spec is None or spec.params.get("world") != world:
             continue
-        name = spec.params["name"]
-        if CASES[name].issue_item == group and name not in names:
-            names.append(name)
+        if spec.params["name"] not in names:
+            names.append(spec.params["name"])
     return names
 
 
 @pytest.fixture(scope="module")
 def batches(request, tmp_path_factory):
-    """Results per world size and issue item, computed on first use for all selected cases of
-    that pair: one spawn for the cases that pass on our path, one per issue item for those that
-    fail on it (an item's cases share their fate; the watch left fired by a failure on our path,
-    issue 24 item 12, then stays within them)."""
-    cache: dict[tuple[int, int | None], list[dict]] = {}
+    """Results per world size, computed on first use for all selected cases of that size
+    (zero3_peer_runner: a case that fails ends its spawn, the later ones run in a fresh one, so
+    a failure on our path, which leaves the optimizer's failure watch fired, issue 24 item 12,
+    or a rank left out of step never reaches another case)."""
+    cache: dict[int, list[dict]] = {}
 
-    def results(world: int, group: int | None) -> list[dict]:
-        if (world, group) not in cache:
-            names = _selected(request, world, group)
-            folder = str(tmp_path_factory.mktemp(f"peer_w{world}_item{group}"))
-            cache[world, group] = _spawn(names, world, folder)
-        return cache[world, group]
+    def results(world: int) -> list[dict]:
+        if world not in cache:
+            runs = {name: CASES[name].run for name in _selected(request, world)}
+            folder = str(tmp_path_factory.mktemp(f"peer_w{world}"))
+            cache[world] = spawn_cases(runs, world, folder)
+        return cache[world]
 
     return results
+
+
+# --------------------------------------------------------------------------- the runner itself
+
+
+def _probe_sum(super_offload, world, rank, root):
+    total = torch.tensor([rank + 1.0])
+    torch.distributed.all_reduce(total)
+    return {"sum": total}
+
+
+def _probe_fails_on_last_rank(super_offload, world, rank, root):
+    if rank == world - 1:
+        raise ValueError("probe: this rank fails alone")
+    return _probe_sum(super_offload, world, rank, root)  # waits for the rank that failed
+
+
+def _probe_hangs_on_last_rank(super_offload, world, rank, root):
+    if rank == world - 1:
+        time.sleep(3600)
+    return {}  # no collective: the other ranks finish (the spawn then waits for this one only)
+
+
+@pytest.mark.slow
+def test_a_case_failing_or_hanging_on_one_rank_leaves_the_others_reporting(tmp_path):
+    """A case that raises on one rank only: that rank's error is reported, and the cases after
+    it give their results. A case that hangs on one rank is named unfinished there."""
+    runs = {
+        "before": _probe_sum,
+        "fails_on_one_rank": _probe_fails_on_last_rank,
+        "after": _probe_sum,
+        "hangs_on_one_rank": _probe_hangs_on_last_rank,
+    }
+    per_rank = spawn_cases(runs, 2, str(tmp_path), timeout=45)
+    for results in per_rank:
+        for name in ("before", "after"):
+            for mode in ("plain", "ours"):
+                torch.testing.assert_close(results[name, mode]["value"]["sum"], torch.tensor([3.0]))
+    assert "probe: this rank fails alone" in per_rank[1]["fails_on_one_rank", "plain"]["error"]
+    assert "error" in per_rank[0]["fails_on_one_rank", "plain"]  # its peer left: gloo fails it
+    assert per_rank[0]["hangs_on_one_rank", "ours"] == {"value": {}}
+    assert per_rank[1]["hangs_on_one_rank", "plain"]["error"] == UNFINISHED
+    assert "rank 1 ours: not run" in failures(per_rank, "hangs_on_one_rank")
 
 
 # The default tier's smoke: one spawn of cases whose plain run takes the client's torch
@@ -603,13 +698,13 @@ def _params():
 @pytest.mark.parametrize(("name", "world"), list(_params()))
 def test_follows_deepspeed_plain_offload(name, world, batches):
     spec = CASES[name]
-    per_rank = batches(world, spec.issue_item)
-    for rank, results in enumerate(per_rank):
+    per_rank = batches(world)
+    where = f"case {name}, world {world}; every rank's errors:\n{failures(per_rank, name)}"
+    for results in per_rank:
         plain, ours = results.get((name, "plain")), results.get((name, "ours"))
-        assert plain is not None and ours is not None, f"rank {rank}: no result (failed or hung)"
-        assert "error" not in plain, f"rank {rank}: DeepSpeed's plain offload: {plain['error']}"
+        assert plain is not None and "error" not in plain, f"DeepSpeed's plain offload: {where}"
         if spec.refused is not None:
-            assert spec.refused in ours.get("error", ""), f"rank {rank}: ours: {ours}"
+            assert ours is not None and spec.refused in ours.get("error", ""), where
             continue
-        assert "error" not in ours, f"rank {rank}: ours: {ours['error']}"
+        assert ours is not None and "error" not in ours, f"ours: {where}"
         (spec.check or _check_equal)(plain["value"], ours["value"], world)

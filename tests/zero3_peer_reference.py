@@ -15,6 +15,12 @@ import torch
 from engine_reference import PARAM_TOL
 
 HIDDEN = 11  # odd: every param's partition over two ranks ends in padding
+# DeepSpeed 0.19.8's ZeRO-3 writers of full-size values (set_fp32_grad_for_param,
+# update_fp32_grad_for_param_vectorized, set_full_hp_param in runtime/zero/stage3.py) slice
+# each rank's share as value[share * rank : share * (rank + 1)], past the end of the value on
+# the last rank when the param's size does not divide by the ranks: that rank raises and the
+# others wait in their next collective. Even: every param divides by two ranks.
+WHOLE_SHARES_HIDDEN = 12
 BATCH = 2
 
 
@@ -59,8 +65,7 @@ class PeerSetup:
     frozen: bool = False
     tied: bool = False
     zero_init: bool = False  # build the model under deepspeed.zero.Init
-    # DeepSpeed's safe_set_full_* cannot write a param whose size does not divide by the ranks
-    # (it cuts the last rank's share past the end): an even size for those cases
+    # WHOLE_SHARES_HIDDEN for the cases that write full-size values (safe_set_full_*)
     hidden: int = HIDDEN
 
     def replace(self, **changes) -> PeerSetup:

@@ -13,7 +13,9 @@ undoes that speculation and waits for the worker, so it sees what DeepSpeed's pl
 shows (the state before the step) and a write is what the step uses: the sub group then steps
 after validation, from the written values. A gradient written in full also sets that param's
 norm, so the clip follows the gradient that is stepped (DeepSpeed's ``set_fp32_grad_for_param``
-keeps the norm from backward; its ``set_local_grad_for_param`` sets it, as here).
+keeps the norm from backward; its ``set_local_grad_for_param`` sets it, as here). The full
+writers also take params whose partitions end in padding (their size does not divide by the
+ranks), which DeepSpeed's cannot write (``_share_of``).
 """
 
 from __future__ import annotations
@@ -56,13 +58,32 @@ class HostGradientAccessors:
     def set_fp32_grad_for_param(self, value, param):
         if not param.requires_grad:
             return
+        share = self._share_of(value, param)
         param_id = self.get_param_id(param)
         self._settle_for_access(self.grad_position[param_id][0])
-        super().set_fp32_grad_for_param(value, param)
         written, _ = self._get_fp32_grad_state_partition(param, False)
+        with torch.no_grad():
+            written.copy_(share)
         self.norm_for_param_grads[param_id] = self._constant_buffered_norm2(
             written.narrow(0, 0, self._real_numel(param))
         )
+
+    def _share_of(self, value, param) -> torch.Tensor:
+        """This rank's partition of a full-size ``value`` of ``param``, zeros in the padding
+        that ends the last ranks' partitions. DeepSpeed's full writers slice the partition
+        past the value's end there: its last rank raises, the others go on to their next
+        collective and wait."""
+        if value.numel() != param.ds_numel:
+            raise ValueError(
+                f"a full-size value of this param has {param.ds_numel} elements (shape "
+                f"{tuple(param.ds_shape)}), got {value.numel()}; write one of that shape, or "
+                "this rank's partition through the safe_set_local_* functions."
+            )
+        numel, real = param.partition_numel(), self._real_numel(param)
+        start = numel * self._get_param_partition_rank(param)
+        share = value.detach().new_zeros(numel)
+        share[:real] = value.detach().flatten()[start : start + real]
+        return share
 
     def set_local_grad_for_param(self, value, param):
         if not param.requires_grad:
@@ -107,7 +128,12 @@ class HostGradientAccessors:
 
     def set_full_hp_param(self, value, param, optim_state_key=None):
         self._refuse_compact_write(optim_state_key)
-        super().set_full_hp_param(value, param, optim_state_key)
+        if not param.requires_grad:
+            return
+        share = self._share_of(value, param)
+        written, _ = self._get_fp32_opt_state_partition(param, False, optim_state_key)
+        with torch.no_grad():  # the fp32 masters require grad
+            written.copy_(share)  # (no NVMe swap to write back: options.py refuses NVMe offload)
 
     def set_local_hp_param(self, value, param, optim_state_key=None):
         self._refuse_compact_write(optim_state_key)
