@@ -257,17 +257,18 @@ def test_fewer_gradient_slots_than_partitions_in_flight(slots, monkeypatch):
 
 
 def test_gradient_slots_bookkeeping():
-    from hf_superoffload.engine.grad_slots import GradSlots
+    from hf_superoffload.engine.grad_slots import GRAD_SLOTS, GradSlots
     from hf_superoffload.engine.link import Link
 
     slots = GradSlots(Link(torch.device("cpu")), 10, torch.bfloat16)
-    a, b, c = (slots.take(i, 10 - i) for i in range(3))
-    assert slots.take(3, 1) is None and slots.handed_holder() is None  # all filling
+    a, b, c, *_ = (slots.take(i, 10 - i) for i in range(GRAD_SLOTS))
+    assert slots.take(GRAD_SLOTS, 1) is None and slots.handed_holder() is None  # all filling
     assert (a.numel(), b.numel(), c.numel()) == (10, 9, 8) and a.dtype == torch.bfloat16
     slots.hand_over(b)
     assert slots.handed_holder() == 1
     slots.release(b)
-    assert slots.handed_holder() is None and slots.take(4, 5).data_ptr() == b.data_ptr()
+    assert slots.handed_holder() is None
+    assert slots.take(GRAD_SLOTS + 1, 5).data_ptr() == b.data_ptr()
     with pytest.raises(ValueError, match="does not fit"):
         slots.release(a)
-        slots.take(5, 11)
+        slots.take(GRAD_SLOTS + 2, 11)
