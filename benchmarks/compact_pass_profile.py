@@ -17,6 +17,9 @@ tasks:
 - the tasks' ``outside_kernel_s``: task time spent outside the kernel calls (choosing the
   pieces, the rounded params' copies to the model, Python between pieces).
 
+--commit-early on|off overrides where compact moments write a validated update (default:
+right after validation with a GPU, fused into the next step's pass without one).
+
 Per step figures divide by --steps. On a machine whose cores the training thread shares, wall
 seconds also count the time the worker waited for a core; CPU seconds do not.
 """
@@ -108,7 +111,12 @@ class Recorder:
 
 
 def main() -> None:
-    args = compact_cpu_steps.arguments(__doc__.split("\n")[0]).parse_args()
+    parser = compact_cpu_steps.arguments(__doc__.split("\n")[0])
+    parser.add_argument(
+        "--commit-early", choices=("auto", "on", "off"), default="auto",
+        help="compact moments: write pending updates right after validation (auto: with a GPU)",
+    )  # fmt: skip
+    args = parser.parse_args()
 
     from hf_superoffload import ops
     from hf_superoffload.engine.worker import Worker
@@ -117,6 +125,8 @@ def main() -> None:
     recorder.wrap_kernels(ops)
     recorder.wrap_worker(Worker)
     _, (step, stv, stats, close), batches = compact_cpu_steps.warmed_up(args)
+    if args.commit_early != "auto":  # from the first measured step's validation on
+        stv.commit_early = args.commit_early == "on"
     before = dict(stats())
     recorder.on = True
     started = time.perf_counter()
@@ -128,6 +138,7 @@ def main() -> None:
     after = dict(stats())
     per_step = 1.0 / args.steps
     head = {"engine": args.engine, "moments": args.moments, "threads": ops.get_num_threads(),
+            "commit_early": stv.commit_early,
             "s_per_step": round(elapsed * per_step, 4),
             "cpu_step_seconds": round((after["cpu_step_seconds"] - before["cpu_step_seconds"])
                                       * per_step, 4)}  # fmt: skip
