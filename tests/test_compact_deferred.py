@@ -274,10 +274,11 @@ def test_gradient_slots_bookkeeping():
         slots.take(GRAD_SLOTS + 2, 11)
 
 
-def _commit_early(monkeypatch, commit_delay: float) -> None:
+def _commit_early(monkeypatch, commit_delay: float, early: bool = True) -> None:
     """Every engine built from now on writes its pending updates right after validation (as
-    with a GPU); each write first sleeps ``commit_delay`` s, so that the next backward's
-    gradients may arrive while it is still queued."""
+    with a GPU; with ``early`` False: in the next step's pass, as without one); each write
+    first sleeps ``commit_delay`` s, so that the next backward's gradients may arrive while it
+    is still queued."""
     import time
 
     from hf_superoffload.engine.host_steps import HostSteps
@@ -287,7 +288,7 @@ def _commit_early(monkeypatch, commit_delay: float) -> None:
 
     def early_init(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        self.commit_early = True
+        self.commit_early = early
 
     def slow_commit(self, part, pending):
         if pending is not None and part.state_behind:
