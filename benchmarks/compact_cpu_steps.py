@@ -85,8 +85,9 @@ def zero3(args, model):
     return step, zero._stv, lambda: zero.stats, engine.destroy
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def arguments(description: str) -> argparse.ArgumentParser:
+    """The model, engine and step flags (compact_pass_profile.py takes the same)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--engine", choices=("standalone", "zero3"), default="standalone")
     parser.add_argument("--moments", choices=("fp32", "compact"), default="compact")
     parser.add_argument("--hidden", type=int, default=512)
@@ -100,8 +101,12 @@ def main() -> None:
     parser.add_argument("--bucket-size", type=int, default=1 << 22, help="standalone's")
     parser.add_argument("--sub-group-size", type=int, default=1 << 22, help="ZeRO-3's")
     parser.add_argument("--port", type=int, default=29531)
-    args = parser.parse_args()
+    return parser
 
+
+def warmed_up(args):
+    """The model's param count, the engine (``step``, its STV core, ``stats``, ``close``)
+    after the warm-up steps, and the batches of the measured steps."""
     model = build(args)
     params = sum(p.numel() for p in model.parameters())
     step, stv, stats, close = (standalone if args.engine == "standalone" else zero3)(args, model)
@@ -115,9 +120,15 @@ def main() -> None:
     # The worker's queue, not a flush: each measured step makes its passes (with compact
     # moments, the last warm-up step's update is written during the first measured one).
     stv.worker.wait()
+    return params, (step, stv, stats, close), batches[args.warmup :]
+
+
+def main() -> None:
+    args = arguments(__doc__.split("\n")[0]).parse_args()
+    params, (step, stv, stats, close), batches = warmed_up(args)
     before = dict(stats())
     start, cpu_start = time.perf_counter(), time.process_time()
-    for ids in batches[args.warmup :]:
+    for ids in batches:
         step(ids)
     stv.worker.wait()
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start

@@ -257,17 +257,72 @@ def test_fewer_gradient_slots_than_partitions_in_flight(slots, monkeypatch):
 
 
 def test_gradient_slots_bookkeeping():
-    from hf_superoffload.engine.grad_slots import GradSlots
+    from hf_superoffload.engine.grad_slots import GRAD_SLOTS, GradSlots
     from hf_superoffload.engine.link import Link
 
     slots = GradSlots(Link(torch.device("cpu")), 10, torch.bfloat16)
-    a, b, c = (slots.take(i, 10 - i) for i in range(3))
-    assert slots.take(3, 1) is None and slots.handed_holder() is None  # all filling
+    a, b, c, *_ = (slots.take(i, 10 - i) for i in range(GRAD_SLOTS))
+    assert slots.take(GRAD_SLOTS, 1) is None and slots.handed_holder() is None  # all filling
     assert (a.numel(), b.numel(), c.numel()) == (10, 9, 8) and a.dtype == torch.bfloat16
     slots.hand_over(b)
     assert slots.handed_holder() == 1
     slots.release(b)
-    assert slots.handed_holder() is None and slots.take(4, 5).data_ptr() == b.data_ptr()
+    assert slots.handed_holder() is None
+    assert slots.take(GRAD_SLOTS + 1, 5).data_ptr() == b.data_ptr()
     with pytest.raises(ValueError, match="does not fit"):
         slots.release(a)
-        slots.take(5, 11)
+        slots.take(GRAD_SLOTS + 2, 11)
+
+
+def _commit_early(monkeypatch, commit_delay: float, early: bool = True) -> None:
+    """Every engine built from now on writes its pending updates right after validation (as
+    with a GPU; with ``early`` False: in the next step's pass, as without one); each write
+    first sleeps ``commit_delay`` s, so that the next backward's gradients may arrive while it
+    is still queued."""
+    import time
+
+    from hf_superoffload.engine.host_steps import HostSteps
+    from hf_superoffload.engine.stv import Stv
+
+    init, commit = Stv.__init__, HostSteps.commit_pending
+
+    def early_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.commit_early = early
+
+    def slow_commit(self, part, pending):
+        if pending is not None and part.state_behind:
+            time.sleep(commit_delay)
+        commit(self, part, pending)
+
+    monkeypatch.setattr(Stv, "__init__", early_init)
+    monkeypatch.setattr(HostSteps, "commit_pending", slow_commit)
+
+
+@pytest.mark.parametrize(
+    "commit_delay, slots", [(0.0, 8), (0.05, 8), (0.05, 0)], ids=["done", "slot", "wait"]
+)
+def test_pending_updates_written_early_equal_the_reference(commit_delay, slots, monkeypatch):
+    """Written right after validation (DeferredCommits.commit_early), each pending update is
+    written once, by its early write: the next gradients land in the bucket's own buffer
+    once it is done, in a slot while it is still queued, or wait for it with no slot free.
+    Every way the trajectory is the reference's, and no pass fuses a write."""
+    from hf_superoffload.engine import grad_slots
+    from hf_superoffload.engine.deferred_commits import DeferredCommits
+
+    monkeypatch.setattr(grad_slots, "GRAD_SLOTS", slots)
+    _commit_early(monkeypatch, commit_delay)
+    taken = []
+    free_slot = DeferredCommits._free_slot
+
+    def counted(self, part):
+        slot = free_slot(self, part)
+        taken.append(slot is not None)
+        return slot
+
+    monkeypatch.setattr(DeferredCommits, "_free_slot", counted)
+    got = _engine(CFG)
+    assert_equal_trajectory(got, run_compact_reference(CFG, got.grad_norms))
+    assert got.stats["commits_fused"] == 0 and got.stats["commit_seconds"] > 0
+    if commit_delay:  # 17 buckets: the writes are still queued when the backward starts
+        assert any(taken) if slots else got.stats["slot_wait_seconds"] > 0

@@ -21,6 +21,7 @@ from engine_reference import (
     train_loop,
 )
 
+from hf_superoffload.engine.grad_slots import GRAD_SLOTS
 from hf_superoffload.ops.compact_state import BLOCK
 
 CFG = RunConfig(steps=12)
@@ -203,8 +204,8 @@ def test_host_memory_check_counts_what_the_engine_allocates(moments):
         if compact:
             assert sum(b.compact.exp_avg_scale.numel() for b in buckets) == blocks
     assert held == planned
-    # Compact moments: three bf16 gradient slots of the largest bucket (deferred_commits.py).
-    assert held["grad_slots"] == (3 * largest * 2 if compact else 0)
+    # Compact moments: GRAD_SLOTS bf16 gradient slots of the largest bucket (grad_slots.py).
+    assert held["grad_slots"] == (GRAD_SLOTS * largest * 2 if compact else 0)
     per_param = 8 if compact else 14
     assert held["master"] + held["moments"] + held["gradients"] == per_param * numel + (
         8 * blocks if compact else 0

@@ -31,13 +31,20 @@ def test_compact_engine_on_gpu_equals_its_reference(gpu_tail):
     assert_equal_trajectory(got, run_compact_reference(cfg, got.grad_norms, "cuda"))
 
 
-def test_compact_engine_on_gpu_writes_each_validated_update_in_the_next_pass():
-    """No clipping: each step's validated update is written by the next step's speculative
-    pass, fused with it, while that step's gradients land in a gradient slot (page-locked,
-    copied on the D2H stream); a NaN step and the final state read write it on their own."""
+@pytest.mark.parametrize("early", [True, False], ids=["early", "fused"])
+def test_compact_engine_on_gpu_writes_each_validated_update_in_the_next_pass(early, monkeypatch):
+    """No clipping: each step's validated update is written right after validation, during
+    the next forward (the default with a GPU: DeferredCommits.commit_early), or by the next
+    step's speculative pass, fused with it, while that step's gradients land in a gradient
+    slot (page-locked, copied on the D2H stream); a NaN step and the final state read write
+    it on their own."""
+    from test_compact_deferred import _commit_early
+
+    _commit_early(monkeypatch, 0.0, early)
     torch.backends.cuda.matmul.allow_tf32 = False
     cfg = RunConfig(steps=8, max_grad_norm=None)
     cfg = cfg.replace(inject=((5, "model.layers.0.mlp.up_proj.weight", "nan"),))
     got = run_superoffload(cfg, "cuda", moments="compact", gpu_tail=0)
-    assert got.stats["commits_fused"] > 0
+    assert (got.stats["commits_fused"] > 0) != early
+    assert got.stats["commit_seconds"] > 0
     assert_equal_trajectory(got, run_compact_reference(cfg, got.grad_norms, "cuda"))

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hf_superoffload.engine import host_memory
+from hf_superoffload.engine.grad_slots import GRAD_SLOTS
 from hf_superoffload.engine.host_memory import PAGE, PinnedBuffers
 
 
@@ -237,8 +238,8 @@ def test_zero3_host_parts_follow_the_optimizers_sub_groups_and_count_a_resume():
     compact = zero3_host_parts(optimizer, kwargs, compact=True)
     assert compact["moments"] == 2 * 1100 + 8 * (1 + 4 + 1)
     assert compact["master"] == parts["master"] and compact["param_copy_out"] == 3 * 1000 * 2
-    # And three bf16 gradient slots of the largest host sub group (grad_slots.py).
-    assert compact["grad_slots"] == 3 * 1000 * 2 and parts["grad_slots"] == 0
+    # And GRAD_SLOTS bf16 gradient slots of the largest host sub group (grad_slots.py).
+    assert compact["grad_slots"] == GRAD_SLOTS * 1000 * 2 and parts["grad_slots"] == 0
     assert zero3_sub_groups(optimizer, kwargs, compact=True).blocks == (24, 8, 1, 4, 1)
     compact_split = zero3_sub_groups(optimizer, kwargs, compact=True)
     assert (

@@ -14,6 +14,7 @@ import torch
 from ranks import spawn_ranks
 from zero3_reference import Zero3Case, build_model, free_port, init_rank, make_engine, train
 
+from hf_superoffload.engine.grad_slots import GRAD_SLOTS
 from hf_superoffload.ops.compact_state import BLOCK, compact_adam_pass
 from hf_superoffload.zero3.memory_plan import Zero3Run, zero3_memory_plan
 
@@ -162,8 +163,8 @@ def test_compact_moments_on_zero3_equal_the_flat_compact_reference(world, ratio,
                 assert plan.host[key] == host[key], key
             assert 2 * params < host["moments"] < 2.1 * params
             assert plan.host["param_copy_out"] >= host["param_copy_out"] > 0
-            # Three bf16 gradient slots of the largest host sub group (grad_slots.py).
-            assert host["grad_slots"] == 3 * 2 * ours["largest_host_sub_group"] > 0
+            # GRAD_SLOTS bf16 gradient slots of the largest host sub group (grad_slots.py).
+            assert host["grad_slots"] == GRAD_SLOTS * 2 * ours["largest_host_sub_group"] > 0
             assert plan.host["grad_slots"] >= host["grad_slots"]
 
 

@@ -210,3 +210,29 @@ def test_a_checkpoint_saved_while_an_update_is_deferred_resumes_bit_exactly(tmp_
             assert torch.equal(a[key], b[key]), f"param {a['param']} {key}"
     for name, master in result["masters"].items():
         assert torch.equal(result["fp32"][name], master), f"zero_to_fp32 differs at {name}"
+
+
+def _early_on_rank(rank, world, port, case, out_dir) -> None:
+    """``_train`` with every pending update written right after validation (as with a GPU),
+    each write slowed so that the next backward's partitions arrive while some are queued."""
+    from test_compact_deferred import _commit_early
+
+    _commit_early(pytest.MonkeyPatch(), 0.1)
+    _on_rank(rank, world, port, case, out_dir)
+
+
+def test_gradients_read_and_written_while_updates_are_written_early(tmp_path):
+    """No clipping, the pending updates written right after validation: the gradients read
+    before each step() are this step's (in a slot while the sub group's write is queued, in
+    its buffer once it is done), a gradient written is the one stepped, the state equals the
+    reference's, and every update was written by its early write, none fused."""
+    case = Zero3Case(max_grad_norm=0.0, steps=4)
+    spawn_ranks(_early_on_rank, (1, free_port(), case, str(tmp_path)), 1)
+    result = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    ref, ours = result["reference"], result["superoffload"]
+    for i, (a, b) in enumerate(zip(ours["reads"], ref["reads"], strict=True)):
+        assert torch.equal(a, b), f"gradient read {i}"
+    for a, b in zip(ours["state"], ref["state"], strict=True):
+        for key in ("master", *STATE_KEYS):
+            assert torch.equal(a[key], b[key]), f"param {a['param']} {key}"
+    assert ours["stats"]["commits_fused"] == 0 and ours["stats"]["commit_seconds"] > 0

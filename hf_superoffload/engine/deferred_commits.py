@@ -10,6 +10,16 @@ speculates the new one in one sweep (``ops.compact_adam_commit_speculate``), cop
 gradients over the pending ones. Steady training thus makes one CPU pass per partition and
 step, during backward.
 
+With a GPU the CPU is idle during the next forward: ``commit_early`` then queues the pending
+writes right after validation, in the order the next backward's gradients arrive, under a
+worker key of their own (``commit_key``) so that the forward's waits for params do not wait for
+them. On one H100 host the fused pass did 3.6 G elements/s on 14 threads, the commit alone 6.7
+and the speculative pass alone 9.8: written during the forward, the commits leave the
+backward only the speculative passes. A partition whose early write is done takes its next
+gradients in its own buffer; one whose write is still queued takes a slot (or, with none free,
+waits for that write), and its speculative task finds the state written (``state_behind``
+false) and speculates alone.
+
 Whatever else comes next writes the pending update first, in a pass of its own (``land``):
 a step that does not speculate (withheld, clipping expected, ``speculate=False``), gradients
 that accumulate, and every reader of the host state (``flush``: state dicts, master views,
@@ -31,6 +41,11 @@ from .worker import Worker
 
 if TYPE_CHECKING:
     from .host_steps import HostSteps
+
+
+def commit_key(part: HostPartition) -> int:
+    """The worker key of ``part``'s early write (``commit_early``): never a partition's index."""
+    return -1 - part.index
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +89,10 @@ class DeferredCommits:
         self._wait = wait
         self._parts: dict[int, HostPartition] = {}  # index -> partition with pending/incoming
         self._moves: dict[int, SlotMove] = {}  # index -> its latest move out of a slot
+        # Partitions whose pending update has an early write queued (commit_early). Until it is
+        # done the pending update stays here too, so that whatever lands or flushes it queues
+        # a task under the partition's own key, which runs after the early write.
+        self._early: set[int] = set()
 
     def defer(self, part: HostPartition, pending: Pending) -> None:
         """``part``'s speculation was validated as it ran (``HostSteps.complete`` marks the
@@ -96,6 +115,16 @@ class DeferredCommits:
         if pending is None or pending.grad is not part.host_grad:
             self._wait([part.index])
             return part.host_grad
+        if part.index in self._early:
+            if self.worker.busy([commit_key(part)]):  # its early write is not done yet
+                slot = self._free_slot(part)
+                if slot is not None:
+                    part.incoming = slot
+                    return slot
+                self.host.stats.slot_wait_seconds += self._wait([commit_key(part)])
+            self._forget(part)  # written: the buffer's gradients are no longer needed
+            self._wait([part.index])
+            return part.host_grad
         slot = self._take(part)
         if slot is not None:
             part.incoming = slot
@@ -104,17 +133,39 @@ class DeferredCommits:
         self.host.stats.slot_wait_seconds += self._wait([part.index])
         return part.host_grad
 
+    def _free_slot(self, part: HostPartition) -> torch.Tensor | None:
+        slot = self.slots.take(part.index, part.numel)
+        if slot is not None:
+            for offset, numel in part.padding:  # never written: the kernel reads zeros
+                slot.narrow(0, offset, numel).zero_()
+        return slot
+
     def _take(self, part: HostPartition) -> torch.Tensor | None:
         while True:
-            slot = self.slots.take(part.index, part.numel)
+            slot = self._free_slot(part)
             if slot is not None:
-                for offset, numel in part.padding:  # never written: the kernel reads zeros
-                    slot.narrow(0, offset, numel).zero_()
                 return slot
             holder = self.slots.handed_holder()
             if holder is None:  # every slot waits for gradients still to come
                 return None
             self.host.stats.slot_wait_seconds += self._wait([holder])  # its task frees one
+
+    def commit_early(self, parts: Iterable[HostPartition]) -> None:
+        """Queue, in this order, the writes of these partitions' pending updates under their
+        ``commit_key``: they run while the next forward needs no CPU. A write finds the state
+        behind (the validated speculation's ``complete`` task, queued before it, marked it)
+        and leaves it current, so a later ``land`` or speculative task of the partition
+        writes nothing twice."""
+        host = self.host
+        for part in parts:
+            pending = part.pending
+            if pending is None or part.incoming is not None or part.index in self._early:
+                continue
+            self._early.add(part.index)
+            self.worker.submit(
+                [commit_key(part)],
+                lambda part=part, pending=pending: host.commit_pending(part, pending),
+            )
 
     def land(self, part: HostPartition, event=None) -> None:
         """Queue the write of ``part``'s pending update and the move of gradients in its slot
@@ -189,3 +240,4 @@ class DeferredCommits:
     def _forget(self, part: HostPartition) -> None:
         part.pending = part.incoming = None
         self._parts.pop(part.index, None)
+        self._early.discard(part.index)

@@ -7,6 +7,13 @@ partition's gradient buffer and the new ones from a slot, and copies the new one
 pending ones as it goes. A slot is taken when the partition's first gradient of the step
 lands and released by the task that read it; the worker steps one partition at a time, so a
 ring of a few slots lets the gradients of the next partitions land while it works.
+
+When the CPU passes take longer than the backward, the backward runs ahead of the worker by
+as many partitions as there are slots, then waits for the worker to release one. On one H100
+(3.37B Llama, ZeRO-3 with 32M-element sub groups, ratio 1.0, seq 4096 batch 4: CPU passes of
+about 1.0 s a step against a 0.9 s backward) a step took 1.869 s with 3 slots (0.57 s of it
+waiting for slots), 1.578 s with 8 and 1.508 s with 24: 8 keep most of the gain for a third
+of 24's host memory (bf16 gradients: 8 x 64 MiB a rank with 32M-element sub groups).
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import torch
 
 from .link import Link
 
-GRAD_SLOTS = 3  # one being read by the worker, one filling, one spare
+GRAD_SLOTS = 8  # one read by the worker, one or two filling, the rest queued for the worker
 
 
 def grad_slots_bytes(largest_partition: int, grad_bytes: int) -> int:

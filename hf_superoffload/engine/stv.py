@@ -188,6 +188,10 @@ class Stv:
         self.worker = Worker()
         # Compact moments' deferred writes, and the slots the next gradients land in meanwhile.
         self.deferred = DeferredCommits(self.worker, self.host, grad_slots, self.wait_for_tasks)
+        # Write them right after validation (DeferredCommits.commit_early): with a GPU the CPU
+        # has the next forward to do it in; without one the forward needs the same cores, and
+        # the next step's fused pass writes them with less memory traffic.
+        self.commit_early = link.is_cuda
         self._round = SpeculationRound()
 
     # --------------------------------------------------------------------- backward side
@@ -282,6 +286,8 @@ class Stv:
             self._settle(part, result.verdict, result.clip_coef, undos)
             part.reset_speculation()
         self._round = SpeculationRound()
+        if self.commit_early:  # in the order the next backward's gradients arrive
+            self.deferred.commit_early(reversed(parts))
 
     def _settle(self, part: HostPartition, verdict: Verdict, coef: float, undos) -> None:
         spec, submit, host = part.speculated_with, self.worker.submit, self.host
@@ -342,10 +348,12 @@ class Stv:
         self._order_after_returns(parts, consume)
 
     def synchronize(self, parts: Iterable[HostPartition]) -> None:
-        """Wait for all CPU work in flight; afterwards the params hold the new values (the
-        host state of compact moments may still lack the last update: ``flush``)."""
+        """Wait for the CPU work of these partitions (all of them); afterwards the params hold
+        the new values. The host state of compact moments may still lack the last update
+        (``flush`` first, whose tasks follow any early write of it)."""
+        parts = list(parts)
         start = time.perf_counter()
-        self.worker.wait()
+        self.worker.wait([p.index for p in parts])
         self._order_after_returns(parts, consume=True)
         self.stats.exposed_cpu_seconds += time.perf_counter() - start
 
