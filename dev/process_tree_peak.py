@@ -7,6 +7,10 @@ memory (what training allocates, pinned buffers included), its file-backed resid
 (memory-mapped checkpoints: the kernel can drop these under pressure) and, with ``nvidia-smi``,
 each visible GPU's used memory. Writes the peaks as JSON when the command ends and exits with
 its return code, with a once-a-second timeline of the host figures. Used by the device runbooks to report host peaks next to the memory plan.
+
+With ``TRAIN_LOG`` set to the run's ``log_history.jsonl`` (examples/sft.py writes it as it logs)
+it also reports the peak until training ended (``train_anon_shmem_gib``, ``train_end_s``: the
+trainer's closing ``train_runtime`` entry), apart from the save that follows.
 """
 
 from __future__ import annotations
@@ -73,6 +77,19 @@ def main() -> int:
     timeline = []  # (seconds, anon + shmem GiB, file-backed GiB), once a second
     done = threading.Event()
     began = time.monotonic()
+    train_log = os.environ.get("TRAIN_LOG")
+    log_size = [0]
+
+    def training_ended() -> bool:
+        try:
+            size = os.path.getsize(train_log)
+        except OSError:
+            return False
+        if size == log_size[0]:
+            return False
+        log_size[0] = size
+        with open(train_log) as f:
+            return '"train_runtime"' in f.read()
 
     def sample() -> None:
         while not done.is_set():
@@ -84,6 +101,10 @@ def main() -> int:
             peaks["anon_shmem_gib"] = max(peaks["anon_shmem_gib"], anon * 1024 / GIB)
             peaks["file_gib"] = max(peaks["file_gib"], file * 1024 / GIB)
             now = time.monotonic() - began
+            if train_log and "train_end_s" not in peaks:
+                peaks["train_anon_shmem_gib"] = peaks["anon_shmem_gib"]
+                if training_ended():
+                    peaks["train_end_s"] = round(now, 1)
             if not timeline or now - timeline[-1][0] >= 1.0:
                 timeline.append(
                     (round(now, 1), round(anon * 1024 / GIB, 2), round(file * 1024 / GIB, 2))

@@ -42,7 +42,8 @@ for mode in $MODES; do
   cp "$dir"/plan.json "$OUT/$mode.plan.json" 2>/dev/null
   echo "$mode: $(cat "$dir/command.sh" | tail -1 | cut -c1-200) (limit ${left} s)"
   rm -rf "$OUT/$mode.gpu_peak"
-  GPU_PEAK_DIR="$OUT/$mode.gpu_peak" PYTHONPATH="$PWD/dev/gpu_peak_sitecustomize:${PYTHONPATH:-}" \
+  TRAIN_LOG="$dir/output/log_history.jsonl" GPU_PEAK_DIR="$OUT/$mode.gpu_peak" \
+    PYTHONPATH="$PWD/dev/gpu_peak_sitecustomize:${PYTHONPATH:-}" \
     timeout "$left" python dev/process_tree_peak.py "$OUT/$mode.peak.json" -- bash "$dir/command.sh" \
     > "$OUT/$mode.log" 2>&1
   echo "$mode: rc $? after $(($(date +%s) - BEGAN)) s"
@@ -64,7 +65,10 @@ for mode in ("superoffload", "zerooffload"):
     if os.path.exists(f"{out}/{mode}.log_history.jsonl"):
         rows = [json.loads(x) for x in open(f"{out}/{mode}.log_history.jsonl")]
     steps = [r for r in rows if "tokens_per_second" in r and r["step"] > 2]
-    line = f"{mode}: rc {peak['returncode']}, host peak {peak['anon_shmem_gib']} GiB (all ranks), GPU {peak['gpu_used_gib']} GiB (nvidia-smi)"
+    line = f"{mode}: rc {peak['returncode']}, host peak {peak['anon_shmem_gib']} GiB (all ranks)"
+    if "train_end_s" in peak:
+        line += f" ({peak['train_anon_shmem_gib']} until training ended at {peak['train_end_s']} s)"
+    line += f", GPU {peak['gpu_used_gib']} GiB (nvidia-smi)"
     allocated = sorted(
         (int(r["rank"] or 0), r["max_allocated_bytes"] / gib)
         for r in map(lambda f: json.load(open(f)), glob.glob(f"{out}/{mode}.gpu_peak/*.json"))
