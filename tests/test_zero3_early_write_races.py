@@ -56,3 +56,24 @@ def test_gradients_read_right_after_step_while_early_writes_read_them(tmp_path):
         for key in ("master", *STATE_KEYS):
             assert torch.equal(a[key], b[key]), f"param {a['param']} {key}"
     assert ours["stats"]["commits_fused"] == 0 and ours["stats"]["commit_seconds"] > 0
+
+
+def _early_train_on_rank(rank, world, port, case, out_dir) -> None:
+    _early(0.1)
+    _on_rank(rank, world, port, case, out_dir)
+
+
+def test_accumulated_gradients_read_and_written_while_early_writes_are_queued(tmp_path):
+    """Two micro-batches a step: the window's sums reach the sub groups at the boundary while
+    the last step's writes are queued; the gradients read and written before step() and the
+    state equal the reference's."""
+    case = Zero3Case(max_grad_norm=0.0, steps=4, accumulation=2)
+    spawn_ranks(_early_train_on_rank, (1, free_port(), case, str(tmp_path)), 1)
+    result = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    ref, ours = result["reference"], result["superoffload"]
+    for i, (a, b) in enumerate(zip(ours["reads"], ref["reads"], strict=True)):
+        assert torch.equal(a, b), f"gradient read {i}"
+    for a, b in zip(ours["state"], ref["state"], strict=True):
+        for key in ("master", *STATE_KEYS):
+            assert torch.equal(a[key], b[key]), f"param {a['param']} {key}"
+    assert ours["stats"]["commits_fused"] == 0 and ours["stats"]["commit_seconds"] > 0
