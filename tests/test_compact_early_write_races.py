@@ -194,3 +194,26 @@ def test_training_with_queued_early_writes_equals_the_reference(changes, monkeyp
     got = _engine(cfg)
     assert_equal_trajectory(got, run_compact_reference(cfg, got.grad_norms))
     assert got.stats["commits_fused"] == 0 and got.stats["commit_seconds"] > 0
+
+
+def test_tail_moves_while_early_writes_are_queued(monkeypatch):
+    """Right after a step, while its early writes are queued, the host buckets nearest the
+    tail move to the device (the CPU here) and, two steps later, back: each move writes
+    their pending update first, and the trajectory is the reference's."""
+    _commit_early(monkeypatch, DELAY)
+    moved, queued = [], []
+
+    def probe(when, step, model, opt):
+        if when != "after_step":
+            return
+        if step == AT:
+            host = [b for b in opt._tail._buckets if not b.on_device]
+            moved.extend(host[-2:])
+            queued.append(opt._stv.worker.busy(-1 - b.index for b in moved))
+            opt._tail.move(moved, to_device=True, why="test")
+        elif step == AT + 2:
+            opt._tail.move(moved, to_device=False, why="test")
+
+    got = _engine(CFG, probe=probe)
+    assert_equal_trajectory(got, run_compact_reference(CFG, got.grad_norms))
+    assert queued == [True] and got.stats["tail_moves"] == 2
