@@ -1,0 +1,219 @@
+"""Compact moments' early writes (DeferredCommits.commit_early, forced here on the CPU and
+slowed so that they are still queued or running) against whatever comes next: readers of the
+host state right after step(), close(), a skipped step, accumulation, discarded gradients, an
+lr change, clipping, a resume. Params, master and both moments are compared with the
+plain-PyTorch compact reference (tests/compact_reference.py), bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from compact_reference import assert_equal_trajectory, run_compact_reference
+from engine_reference import (
+    build_model,
+    engine_do_step,
+    engine_state,
+    make_batches,
+    make_engine,
+    train_loop,
+)
+from test_compact_deferred import (
+    AT,
+    CFG,
+    CLIP,
+    ONE,
+    _assert_state_equal,
+    _commit_early,
+    _custom_run,
+    _engine,
+    _read_master_state,
+    _read_master_views,
+    _read_state_dict,
+)
+
+DELAY = 0.02  # each early write sleeps first: the next step's work finds it queued
+
+
+@pytest.mark.parametrize(
+    "read",
+    [_read_state_dict, _read_master_views, _read_master_state],
+    ids=["state_dict", "master_view", "master_state"],
+)
+def test_a_reader_right_after_a_step_waits_for_the_early_writes(read, monkeypatch):
+    _commit_early(monkeypatch, DELAY)
+    seen, queued = {}, []
+
+    def probe(when, step, model, opt):
+        if when == "after_step" and step == AT:
+            deferred = opt._stv.deferred
+            queued.append(opt._stv.worker.busy(-1 - i for i in deferred._early))
+            seen.update(read(opt, model, CFG))
+
+    got = _engine(CFG, probe=probe)
+    norms = got.grad_norms
+    _assert_state_equal(seen, run_compact_reference(CFG.replace(steps=AT + 1), norms), "read")
+    assert_equal_trajectory(got, run_compact_reference(CFG, norms))
+    assert queued == [True] and got.stats["commits_fused"] == 0
+
+
+def test_close_right_after_early_writes_were_queued(monkeypatch):
+    _commit_early(monkeypatch, DELAY)
+    model = build_model(CFG)
+    opt = make_engine(model, CFG, moments="compact", gpu_tail=0)
+    records = train_loop(CFG, model, opt, make_batches(CFG), engine_do_step(opt))
+    opt.close()
+    after_close = _read_state_dict(opt, model, CFG)
+    _assert_state_equal(after_close, run_compact_reference(CFG, records[1]), "after close")
+
+
+def test_a_skip_while_early_writes_are_queued(monkeypatch):
+    _commit_early(monkeypatch, DELAY)
+    cfg = CFG.replace(steps=10, inject=((4, "model.layers.0.mlp.up_proj.weight", "nan"),))
+    got = _engine(cfg)
+    assert_equal_trajectory(got, run_compact_reference(cfg, got.grad_norms))
+    assert got.stats["rollbacks_nonfinite"] == 1 and got.skipped[4]
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        [ONE, ONE, {"backwards": 2}, ONE, {"backwards": 2}, ONE],
+        [ONE, {"backwards": 1, "discard": 1}, ONE, {"backwards": 2, "discard": 2}, ONE],
+        [ONE, ONE, {"backwards": 1, "lr": 3e-3}, ONE],
+        [ONE, ONE, {"backwards": 1, "clip": 0.1}, ONE],
+        [CLIP, CLIP, CLIP, {**CLIP, "scale": 4.0}, CLIP, CLIP, CLIP],
+    ],
+    ids=["accumulation", "discarded", "lr-changed", "clip", "clip-at-a-threshold"],
+)
+@pytest.mark.parametrize("slots", [8, 0])
+def test_what_follows_queued_early_writes(plan, slots, monkeypatch):
+    from hf_superoffload.engine import grad_slots
+    from hf_superoffload.engine.deferred_commits import DeferredCommits
+
+    monkeypatch.setattr(grad_slots, "GRAD_SLOTS", slots)
+    _commit_early(monkeypatch, DELAY)
+    taken, free_slot = [], DeferredCommits._free_slot
+
+    def counted(self, part):
+        slot = free_slot(self, part)
+        if self.worker.busy([-1 - part.index]):  # its early write is queued
+            taken.append(slot is not None)
+        return slot
+
+    monkeypatch.setattr(DeferredCommits, "_free_slot", counted)
+    got, stats, norms = _custom_run(CFG, plan)
+    want, _, _ = _custom_run(CFG, plan, norms)
+    for name in want:
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            a, b = got[name][key].reshape(-1), want[name][key].reshape(-1)
+            assert torch.equal(a, b), f"{key}[{name}]"
+    assert stats["commits_fused"] == 0 and stats["commit_seconds"] > 0
+    assert any(taken) if slots else stats["slot_wait_seconds"] > 0  # gradients met queued writes
+
+
+def test_a_resume_over_queued_early_writes(monkeypatch):
+    _commit_early(monkeypatch, DELAY)
+    first, batches = CFG.replace(steps=AT), make_batches(CFG)
+    model = build_model(first)
+    with make_engine(model, first, moments="compact", gpu_tail=0) as opt:
+        train_loop(first, model, opt, batches, engine_do_step(opt))
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+        checkpoint = opt.state_dict()
+        checkpoint = {**checkpoint, "state": {
+            i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in e.items()}
+            for i, e in checkpoint["state"].items()
+        }}  # fmt: skip
+    other = CFG.replace(steps=2, data_seed=7)
+    model = build_model(other.replace(model_seed=5))
+    with make_engine(model, other, moments="compact", gpu_tail=0) as opt:
+        train_loop(other, model, opt, make_batches(other), engine_do_step(opt))
+        assert opt._stv.deferred.any  # its last updates' early writes are queued
+        model.load_state_dict(saved)
+        opt.load_state_dict(checkpoint)
+        records = train_loop(CFG, model, opt, batches, engine_do_step(opt), start=AT)
+        state = engine_state(opt, model)
+    whole = _engine(CFG)
+    assert records[0] == whole.losses[AT:]
+    for name, entry in state.items():
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(entry[key], getattr(whole, key)[name]), (key, name)
+
+
+@pytest.mark.parametrize("then", ["train", "save", "close"])
+def test_a_failed_early_write_surfaces_at_the_next_call(then, monkeypatch):
+    """An early write that raises stops the worker: the next training step or state read
+    raises WorkerError (it does not hang, nor train on), and close() returns."""
+    from hf_superoffload.engine.host_steps import HostSteps
+    from hf_superoffload.engine.worker import WorkerError
+
+    _commit_early(monkeypatch, 0.0)
+    commit = HostSteps.commit_pending
+
+    def failing(self, part, pending):
+        if pending is not None and part.state_behind:
+            raise OSError("early write failed")
+        commit(self, part, pending)
+
+    monkeypatch.setattr(HostSteps, "commit_pending", failing)
+    cfg = CFG.replace(steps=1)
+    model = build_model(cfg)
+    opt = make_engine(model, cfg, moments="compact", gpu_tail=0)
+    batches = make_batches(CFG)
+    train_loop(cfg, model, opt, batches, engine_do_step(opt))  # queues the failing writes
+    with pytest.raises(WorkerError):
+        if then == "train":
+            train_loop(CFG.replace(steps=3), model, opt, batches, engine_do_step(opt), start=1)
+        elif then == "save":
+            opt.state_dict()
+        else:
+            opt.close()  # returns: the write it would flush cannot run
+            assert not opt._stv.worker.alive
+            opt.state_dict()  # a read after close says the write failed
+    opt.close()
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"schedule": "onecycle", "two_groups": True},
+        {"accum": 2},
+        {"steps": 12, "max_grad_norm": "some"},
+    ],
+    ids=["lr-schedule-two-groups", "accumulation-every-step", "some-steps-clip"],
+)
+def test_training_with_queued_early_writes_equals_the_reference(changes, monkeypatch):
+    """An lr that changes every step (the write takes its own step's hyperparameters), two
+    param groups, accumulation in every step, and clipping in some steps only (a replayed
+    step leaves nothing pending, the next one defers again)."""
+    from engine_reference import clip_threshold
+
+    _commit_early(monkeypatch, DELAY)
+    cfg = CFG.replace(**changes)
+    if changes.get("max_grad_norm") == "some":
+        cfg = cfg.replace(max_grad_norm=clip_threshold(cfg.replace(max_grad_norm=1.0), "some"))
+    got = _engine(cfg)
+    assert_equal_trajectory(got, run_compact_reference(cfg, got.grad_norms))
+    assert got.stats["commits_fused"] == 0 and got.stats["commit_seconds"] > 0
+
+
+def test_tail_moves_while_early_writes_are_queued(monkeypatch):
+    """Right after a step, while its early writes are queued, the host buckets nearest the
+    tail move to the device (the CPU here) and, two steps later, back: each move writes
+    their pending update first, and the trajectory is the reference's."""
+    _commit_early(monkeypatch, DELAY)
+    moved, queued = [], []
+
+    def probe(when, step, model, opt):
+        if when != "after_step":
+            return
+        if step == AT:
+            host = [b for b in opt._tail._buckets if not b.on_device]
+            moved.extend(host[-2:])
+            queued.append(opt._stv.worker.busy(-1 - b.index for b in moved))
+            opt._tail.move(moved, to_device=True, why="test")
+        elif step == AT + 2:
+            opt._tail.move(moved, to_device=False, why="test")
+
+    got = _engine(CFG, probe=probe)
+    assert_equal_trajectory(got, run_compact_reference(CFG, got.grad_norms))
+    assert queued == [True] and got.stats["tail_moves"] == 2
