@@ -137,3 +137,21 @@ def test_the_plans_gpu_figure_is_its_larger_phase():
         step = sum(plan.gpu[k] for k in STEP_PHASE_GPU)
         assert plan.gpu_bytes == max(training, step)
     assert step > training  # the short sequence with all state on the GPU: the step's phase
+
+
+def test_the_table_and_a_gpu_shortfall_name_the_peak_phase():
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=8,
+    )  # fmt: skip
+    plan = zero3_memory_plan(config, Zero3Run(seq=64, batch=1, ratio=0.0))
+    assert plan.gpu_peak_phase == "step"
+    table = plan.table()
+    assert "step phase" in table and "forward/backward phase" in table
+    step_row = next(line for line in table.splitlines() if "step phase" in line)
+    assert step_row.endswith("(the peak)")
+    (gpu,) = [r for r in plan.shortfalls(2**20, 10**15) if r.startswith("GPU")]
+    parts = plan.gpu_phases["step"]
+    assert "in the step phase" in gpu and f"largest part: {max(parts, key=parts.get)}" in gpu

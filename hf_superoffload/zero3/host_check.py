@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from ..engine.host_memory import check_host_memory
 from ..engine.replicas import Replicas
-from .memory_plan import (
+from .host_parts import (
     copy_out_bytes,
     optimizer_host_parts,
     resume_extra_host_bytes,

@@ -40,15 +40,18 @@ import dataclasses
 import math
 
 from ..engine.compact_moments import compact_moment_bytes
-from ..engine.copy_out import COPY_OUT_PIECE, COPY_OUT_SLOTS
 from ..engine.device_tail import step_scratch_bytes
-from ..engine.grad_slots import grad_slots_bytes
-from . import checkpoint_memory
 from .activation_memory import (
     DecoderWidths,
     decoder_saved_bytes,
     layer_inputs_gpu_bytes,
     layer_inputs_host_bytes,
+)
+from .host_parts import (
+    copy_out_bytes,
+    optimizer_host_parts,
+    resume_extra_host_bytes,
+    start_up_host_bytes,
 )
 from .loss_memory import loss_bytes
 from .model_shape import ModelShape
@@ -136,13 +139,25 @@ class MemoryPlan:
     host_save: int = 0
 
     @property
-    def gpu_bytes(self) -> int:
-        """The larger of the two GPU phases: forward and backward (everything but the step's
+    def gpu_phases(self) -> dict[str, dict[str, int]]:
+        """The GPU's parts in each phase: forward and backward (everything but the step's
         scratch), and the optimizer step after backward, when the layers' activations are
         freed and the device sub groups' step makes its scratch."""
-        training = sum(v for k, v in self.gpu.items() if k != "optimizer_step_scratch")
-        step = sum(self.gpu.get(k, 0) for k in STEP_PHASE_GPU)
-        return max(training, step)
+        return {
+            "forward/backward": {
+                k: v for k, v in self.gpu.items() if k != "optimizer_step_scratch"
+            },
+            "step": {k: self.gpu[k] for k in STEP_PHASE_GPU if k in self.gpu},
+        }
+
+    @property
+    def gpu_peak_phase(self) -> str:
+        return max(self.gpu_phases.items(), key=lambda item: sum(item[1].values()))[0]
+
+    @property
+    def gpu_bytes(self) -> int:
+        """The larger phase's bytes (``gpu_phases``)."""
+        return sum(self.gpu_phases[self.gpu_peak_phase].values())
 
     @property
     def host_training(self) -> int:
@@ -194,11 +209,12 @@ class MemoryPlan:
         reasons = []
         gpu_need = self.gpu_bytes * (1 + GPU_HEADROOM) + CUDA_CONTEXT_BYTES
         if gpu_need > gpu_memory:
-            biggest = max(self.gpu, key=self.gpu.get)
+            parts = self.gpu_phases[self.gpu_peak_phase]
+            biggest = max(parts, key=parts.get)
             reasons.append(
                 f"GPU: needs {gpu_need / 2**30:.1f} GiB per rank with the allocator's headroom, "
-                f"has {gpu_memory / 2**30:.1f} "
-                f"(largest part: {biggest}, {self.gpu[biggest] / 2**30:.1f} GiB); lower the "
+                f"has {gpu_memory / 2**30:.1f} (in the {self.gpu_peak_phase} phase; largest "
+                f"part: {biggest}, {parts[biggest] / 2**30:.1f} GiB); lower the "
                 "batch or sequence length, add GPUs, or set offload_param / a ratio of 1.0"
             )
         host_need = self.host_bytes_per_host * (1 + HOST_HEADROOM)
@@ -233,6 +249,14 @@ class MemoryPlan:
                 f"{self.run.seq} x batch {self.run.batch} per GPU",
                 f"GPU per rank (allocated; +{CUDA_CONTEXT_BYTES / 2**30:.1f} GiB CUDA context):",
                 *(row(name, nbytes) for name, nbytes in self.gpu.items()),
+                *(
+                    row(
+                        f"{phase} phase",
+                        sum(parts.values()),
+                        " (the peak)" * (phase == self.gpu_peak_phase),
+                    )
+                    for phase, parts in self.gpu_phases.items()
+                ),
                 row("total", self.gpu_bytes),
                 "host per rank, while training:",
                 *(row(name, nbytes) for name, nbytes in self.host.items()),
@@ -269,63 +293,6 @@ def plan_sub_groups(shape: ModelShape, run: Zero3Run) -> SubGroupSplit:
     numels = sub_group_numels(groups, run.ranks, run.sub_group_size)
     blocks = sub_group_blocks(groups, run.ranks, run.sub_group_size) if run.compact_moments else ()
     return split_sub_groups(numels, run.ratio, blocks)
-
-
-def copy_out_bytes(largest_host_sub_group: int, low_bytes: int, compact: bool = False) -> int:
-    """The copy-out ring (engine/copy_out.py): a few pieces of the largest host sub group,
-    in the model's 16-bit dtype (``low_bytes`` 0: an fp32 model has none, unless its moments
-    are compact: then fp32)."""
-    element = (low_bytes or 4) if compact else low_bytes
-    return COPY_OUT_SLOTS * min(largest_host_sub_group, COPY_OUT_PIECE) * element
-
-
-def optimizer_host_parts(
-    partition: int,
-    on_host: int,
-    grad_bytes: int,
-    copy_out: int,
-    accumulating: bool,
-    compact_blocks: int | None = None,
-    largest_host_sub_group: int = 0,
-) -> dict[str, int]:
-    """The optimizer's host bytes per rank while training, by what holds them (the names of
-    ``SuperOffloadZero3Optimizer.host_bytes``): the plan's and the start-up check's.
-    ``compact_blocks``: the moments are compact, in that many blocks, and the next gradients
-    of a sub group whose update is deferred land in a few gradient slots of the largest host
-    sub group (engine/grad_slots.py)."""
-    compact = compact_blocks is not None
-    moments = compact_moment_bytes(on_host, compact_blocks) if compact else 8 * on_host
-    slots = grad_slots_bytes(largest_host_sub_group, grad_bytes) if compact and on_host else 0
-    return {
-        "master": 4 * on_host,
-        "moments": moments,
-        "gradients": grad_bytes * on_host,
-        "param_copy_out": copy_out if on_host else 0,
-        "accumulation": grad_bytes * partition if accumulating else 0,
-        "grad_slots": slots,
-    }
-
-
-def start_up_host_bytes(partition: int, grad_bytes: int) -> int:
-    """Held while the optimizer is built: DeepSpeed's fp32 masters of the whole partition and
-    its accumulation buffer, before the GPU tail's masters move and that buffer goes."""
-    return (4 + grad_bytes) * partition
-
-
-def resume_extra_host_bytes(split: SubGroupSplit, compact: bool = False) -> int:
-    """Host bytes per rank that loading a checkpoint into the built optimizer holds beyond
-    training's (``split``: the rank's sub groups): the optimizer file is mapped from disk and
-    copied into the live state a sub group at a time, so about two saved sub groups' masters and
-    moments at once (``checkpoint_memory.resume_extra_host_bytes`` says why). The one place the
-    plan and the host check take this figure from."""
-    per_param = (
-        checkpoint_memory.COMPACT_SAVED_BYTES_PER_PARAM
-        if compact
-        else checkpoint_memory.SAVED_BYTES_PER_PARAM
-    )
-    return checkpoint_memory.resume_extra_host_bytes(
-        split.partition, split.largest_sub_group, saved_bytes_per_param=per_param
-    )
 
 
 def save_extra_host_bytes(shape: ModelShape, run: Zero3Run) -> int:

@@ -1,0 +1,68 @@
+"""The optimizer's host bytes per rank on the ZeRO-3 path, part by part: the figures the
+memory plan (memory_plan.py) and the start-up host check (host_check.py) both count, so that
+what is planned, what is checked and what the optimizer allocates are one number."""
+
+from __future__ import annotations
+
+from ..engine.compact_moments import compact_moment_bytes
+from ..engine.copy_out import COPY_OUT_PIECE, COPY_OUT_SLOTS
+from ..engine.grad_slots import grad_slots_bytes
+from . import checkpoint_memory
+from .sub_group_cut import SubGroupSplit
+
+
+def copy_out_bytes(largest_host_sub_group: int, low_bytes: int, compact: bool = False) -> int:
+    """The copy-out ring (engine/copy_out.py): a few pieces of the largest host sub group,
+    in the model's 16-bit dtype (``low_bytes`` 0: an fp32 model has none, unless its moments
+    are compact: then fp32)."""
+    element = (low_bytes or 4) if compact else low_bytes
+    return COPY_OUT_SLOTS * min(largest_host_sub_group, COPY_OUT_PIECE) * element
+
+
+def optimizer_host_parts(
+    partition: int,
+    on_host: int,
+    grad_bytes: int,
+    copy_out: int,
+    accumulating: bool,
+    compact_blocks: int | None = None,
+    largest_host_sub_group: int = 0,
+) -> dict[str, int]:
+    """The optimizer's host bytes per rank while training, by what holds them (the names of
+    ``SuperOffloadZero3Optimizer.host_bytes``): the plan's and the start-up check's.
+    ``compact_blocks``: the moments are compact, in that many blocks, and the next gradients
+    of a sub group whose update is deferred land in a few gradient slots of the largest host
+    sub group (engine/grad_slots.py)."""
+    compact = compact_blocks is not None
+    moments = compact_moment_bytes(on_host, compact_blocks) if compact else 8 * on_host
+    slots = grad_slots_bytes(largest_host_sub_group, grad_bytes) if compact and on_host else 0
+    return {
+        "master": 4 * on_host,
+        "moments": moments,
+        "gradients": grad_bytes * on_host,
+        "param_copy_out": copy_out if on_host else 0,
+        "accumulation": grad_bytes * partition if accumulating else 0,
+        "grad_slots": slots,
+    }
+
+
+def start_up_host_bytes(partition: int, grad_bytes: int) -> int:
+    """Held while the optimizer is built: DeepSpeed's fp32 masters of the whole partition and
+    its accumulation buffer, before the GPU tail's masters move and that buffer goes."""
+    return (4 + grad_bytes) * partition
+
+
+def resume_extra_host_bytes(split: SubGroupSplit, compact: bool = False) -> int:
+    """Host bytes per rank that loading a checkpoint into the built optimizer holds beyond
+    training's (``split``: the rank's sub groups): the optimizer file is mapped from disk and
+    copied into the live state a sub group at a time, so about two saved sub groups' masters and
+    moments at once (``checkpoint_memory.resume_extra_host_bytes`` says why). The one place the
+    plan and the host check take this figure from."""
+    per_param = (
+        checkpoint_memory.COMPACT_SAVED_BYTES_PER_PARAM
+        if compact
+        else checkpoint_memory.SAVED_BYTES_PER_PARAM
+    )
+    return checkpoint_memory.resume_extra_host_bytes(
+        split.partition, split.largest_sub_group, saved_bytes_per_param=per_param
+    )
