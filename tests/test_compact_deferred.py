@@ -214,6 +214,13 @@ def test_what_follows_a_deferred_update(plan):
 def test_a_resume_into_an_optimizer_with_a_deferred_update():
     """load_state_dict into an optimizer whose last update is still pending: the pending
     write must not land on the loaded state."""
+    _check_resume_over_a_pending_update()
+
+
+def _check_resume_over_a_pending_update() -> None:
+    """Train AT steps and save; train another optimizer 2 steps on other data (its last
+    update left pending, or its write queued), load the save into it, train on: equal to one
+    run of CFG."""
     first, batches = CFG.replace(steps=AT), make_batches(CFG)
     model = build_model(first)
     with make_engine(model, first, moments="compact", gpu_tail=0) as opt:
@@ -229,7 +236,7 @@ def test_a_resume_into_an_optimizer_with_a_deferred_update():
     model = build_model(other.replace(model_seed=5))
     with make_engine(model, other, moments="compact", gpu_tail=0) as opt:
         train_loop(other, model, opt, make_batches(other), engine_do_step(opt))
-        assert opt._stv.deferred.any  # its last update is pending
+        assert opt._stv.deferred.any  # its last update is pending (or its write queued)
         model.load_state_dict(saved)
         opt.load_state_dict(checkpoint)
         records = train_loop(CFG, model, opt, batches, engine_do_step(opt), start=AT)

@@ -12,7 +12,6 @@ from compact_reference import assert_equal_trajectory, run_compact_reference
 from engine_reference import (
     build_model,
     engine_do_step,
-    engine_state,
     make_batches,
     make_engine,
     train_loop,
@@ -23,6 +22,7 @@ from test_compact_deferred import (
     CLIP,
     ONE,
     _assert_state_equal,
+    _check_resume_over_a_pending_update,
     _commit_early,
     _custom_run,
     _engine,
@@ -113,30 +113,7 @@ def test_what_follows_queued_early_writes(plan, slots, monkeypatch):
 
 def test_a_resume_over_queued_early_writes(monkeypatch):
     _commit_early(monkeypatch, DELAY)
-    first, batches = CFG.replace(steps=AT), make_batches(CFG)
-    model = build_model(first)
-    with make_engine(model, first, moments="compact", gpu_tail=0) as opt:
-        train_loop(first, model, opt, batches, engine_do_step(opt))
-        saved = {k: v.clone() for k, v in model.state_dict().items()}
-        checkpoint = opt.state_dict()
-        checkpoint = {**checkpoint, "state": {
-            i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in e.items()}
-            for i, e in checkpoint["state"].items()
-        }}  # fmt: skip
-    other = CFG.replace(steps=2, data_seed=7)
-    model = build_model(other.replace(model_seed=5))
-    with make_engine(model, other, moments="compact", gpu_tail=0) as opt:
-        train_loop(other, model, opt, make_batches(other), engine_do_step(opt))
-        assert opt._stv.deferred.any  # its last updates' early writes are queued
-        model.load_state_dict(saved)
-        opt.load_state_dict(checkpoint)
-        records = train_loop(CFG, model, opt, batches, engine_do_step(opt), start=AT)
-        state = engine_state(opt, model)
-    whole = _engine(CFG)
-    assert records[0] == whole.losses[AT:]
-    for name, entry in state.items():
-        for key in ("master", "exp_avg", "exp_avg_sq"):
-            assert torch.equal(entry[key], getattr(whole, key)[name]), (key, name)
+    _check_resume_over_a_pending_update()
 
 
 @pytest.mark.parametrize("then", ["train", "save", "close"])

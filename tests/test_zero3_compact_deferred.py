@@ -74,16 +74,35 @@ def test_gradients_read_and_written_while_an_update_is_deferred(accumulation, tm
     _assert_as_the_reference(tmp_path)
 
 
-def _assert_as_the_reference(out_dir) -> None:
-    """Every gradient read and the final state of ours equal the reference's, bit for bit."""
+def _assert_as_the_reference(out_dir, written_early: bool = False) -> None:
+    """Every gradient read and the final state of ours equal the reference's, bit for bit;
+    the pending updates were written by the next step's pass (fused), or with
+    ``written_early`` each by its early write, none fused."""
     result = torch.load(out_dir / "rank0.pt", weights_only=False)
     ref, ours = result["reference"], result["superoffload"]
     for i, (a, b) in enumerate(zip(ours["reads"], ref["reads"], strict=True)):
         assert torch.equal(a, b), f"gradient read {i}"
     for a, b in zip(ours["state"], ref["state"], strict=True):
-        for key in ("master", "exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale"):
+        for key in ("master", *STATE_KEYS):
             assert torch.equal(a[key], b[key]), f"param {a['param']} {key}"
-    assert ours["stats"]["commits_fused"] > 0
+    stats = ours["stats"]
+    if written_early:
+        assert stats["commits_fused"] == 0 and stats["commit_seconds"] > 0
+    else:
+        assert stats["commits_fused"] > 0
+
+
+def _assert_resumed_as_straight(out_dir) -> None:
+    """The resumed run's losses and state (and zero_to_fp32's masters) equal the straight
+    run's, bit for bit (test_zero3_compact._resume_on_rank's output)."""
+    result = torch.load(out_dir / "rank0.pt", weights_only=False)
+    straight, resumed = result["straight"], result["resumed"]
+    assert resumed["losses"] == straight["losses"]
+    for a, b in zip(resumed["state"], straight["state"], strict=True):
+        for key in ("master", *STATE_KEYS):
+            assert torch.equal(a[key], b[key]), f"param {a['param']} {key}"
+    for name, master in result["masters"].items():
+        assert torch.equal(result["fp32"][name], master), f"zero_to_fp32 differs at {name}"
 
 
 def _read_after_step(engine, case: Zero3Case, rank: int) -> list[torch.Tensor]:
@@ -202,14 +221,7 @@ def test_a_checkpoint_saved_while_an_update_is_deferred_resumes_bit_exactly(tmp_
     (tests/test_zero3_compact.py's resume, where clipping leaves nothing deferred)."""
     case = Zero3Case(max_grad_norm=0.0, steps=4)
     spawn_ranks(_resume_on_rank, (1, free_port(), case, str(tmp_path)), 1)
-    result = torch.load(tmp_path / "rank0.pt", weights_only=False)
-    straight, resumed = result["straight"], result["resumed"]
-    assert resumed["losses"] == straight["losses"]
-    for a, b in zip(resumed["state"], straight["state"], strict=True):
-        for key in ("master", *STATE_KEYS):
-            assert torch.equal(a[key], b[key]), f"param {a['param']} {key}"
-    for name, master in result["masters"].items():
-        assert torch.equal(result["fp32"][name], master), f"zero_to_fp32 differs at {name}"
+    _assert_resumed_as_straight(tmp_path)
 
 
 def _early_on_rank(rank, world, port, case, out_dir) -> None:
@@ -228,11 +240,4 @@ def test_gradients_read_and_written_while_updates_are_written_early(tmp_path):
     reference's, and every update was written by its early write, none fused."""
     case = Zero3Case(max_grad_norm=0.0, steps=4)
     spawn_ranks(_early_on_rank, (1, free_port(), case, str(tmp_path)), 1)
-    result = torch.load(tmp_path / "rank0.pt", weights_only=False)
-    ref, ours = result["reference"], result["superoffload"]
-    for i, (a, b) in enumerate(zip(ours["reads"], ref["reads"], strict=True)):
-        assert torch.equal(a, b), f"gradient read {i}"
-    for a, b in zip(ours["state"], ref["state"], strict=True):
-        for key in ("master", *STATE_KEYS):
-            assert torch.equal(a[key], b[key]), f"param {a['param']} {key}"
-    assert ours["stats"]["commits_fused"] == 0 and ours["stats"]["commit_seconds"] > 0
+    _assert_as_the_reference(tmp_path, written_early=True)

@@ -7,10 +7,15 @@ update (tests/test_zero3_compact.py's reference), bit for bit."""
 from __future__ import annotations
 
 import pytest
-import torch
 from ranks import spawn_ranks
-from test_zero3_compact import STATE_KEYS, _resume_on_rank
-from test_zero3_compact_deferred import _on_rank, _read_after_step
+from test_zero3_compact import _resume_on_rank
+from test_zero3_compact_deferred import (
+    _assert_as_the_reference,
+    _assert_resumed_as_straight,
+    _early_on_rank,
+    _on_rank,
+    _read_after_step,
+)
 from zero3_reference import Zero3Case, free_port
 
 
@@ -28,14 +33,7 @@ def _early_resume_on_rank(rank, world, port, case, out_dir) -> None:
 def test_a_checkpoint_saved_while_early_writes_are_queued_resumes_bit_exactly(tmp_path):
     case = Zero3Case(max_grad_norm=0.0, steps=4)
     spawn_ranks(_early_resume_on_rank, (1, free_port(), case, str(tmp_path)), 1)
-    result = torch.load(tmp_path / "rank0.pt", weights_only=False)
-    straight, resumed = result["straight"], result["resumed"]
-    assert resumed["losses"] == straight["losses"]
-    for a, b in zip(resumed["state"], straight["state"], strict=True):
-        for key in ("master", *STATE_KEYS):
-            assert torch.equal(a[key], b[key]), f"param {a['param']} {key}"
-    for name, master in result["masters"].items():
-        assert torch.equal(result["fp32"][name], master), f"zero_to_fp32 differs at {name}"
+    _assert_resumed_as_straight(tmp_path)
 
 
 def _early_read_after_step_on_rank(rank, world, port, case, out_dir) -> None:
@@ -48,19 +46,7 @@ def test_gradients_read_right_after_step_while_early_writes_read_them(tmp_path):
     buffers) still queued; the full gradients read then are the step's."""
     case = Zero3Case(max_grad_norm=0.0, steps=4, persistence_threshold=0)
     spawn_ranks(_early_read_after_step_on_rank, (1, free_port(), case, str(tmp_path)), 1)
-    result = torch.load(tmp_path / "rank0.pt", weights_only=False)
-    ref, ours = result["reference"], result["superoffload"]
-    for i, (a, b) in enumerate(zip(ours["reads"], ref["reads"], strict=True)):
-        assert torch.equal(a, b), f"gradient read {i}"
-    for a, b in zip(ours["state"], ref["state"], strict=True):
-        for key in ("master", *STATE_KEYS):
-            assert torch.equal(a[key], b[key]), f"param {a['param']} {key}"
-    assert ours["stats"]["commits_fused"] == 0 and ours["stats"]["commit_seconds"] > 0
-
-
-def _early_train_on_rank(rank, world, port, case, out_dir) -> None:
-    _early(0.1)
-    _on_rank(rank, world, port, case, out_dir)
+    _assert_as_the_reference(tmp_path, written_early=True)
 
 
 def test_accumulated_gradients_read_and_written_while_early_writes_are_queued(tmp_path):
@@ -68,12 +54,5 @@ def test_accumulated_gradients_read_and_written_while_early_writes_are_queued(tm
     the last step's writes are queued; the gradients read and written before step() and the
     state equal the reference's."""
     case = Zero3Case(max_grad_norm=0.0, steps=4, accumulation=2)
-    spawn_ranks(_early_train_on_rank, (1, free_port(), case, str(tmp_path)), 1)
-    result = torch.load(tmp_path / "rank0.pt", weights_only=False)
-    ref, ours = result["reference"], result["superoffload"]
-    for i, (a, b) in enumerate(zip(ours["reads"], ref["reads"], strict=True)):
-        assert torch.equal(a, b), f"gradient read {i}"
-    for a, b in zip(ours["state"], ref["state"], strict=True):
-        for key in ("master", *STATE_KEYS):
-            assert torch.equal(a[key], b[key]), f"param {a['param']} {key}"
-    assert ours["stats"]["commits_fused"] == 0 and ours["stats"]["commit_seconds"] > 0
+    spawn_ranks(_early_on_rank, (1, free_port(), case, str(tmp_path)), 1)
+    _assert_as_the_reference(tmp_path, written_early=True)
