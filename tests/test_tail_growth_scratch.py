@@ -4,15 +4,16 @@ the tail it has (device_tail.step_scratch_bytes: the temporaries of the tail's s
 of a larger bucket it adds: the budget of a move counts the scratch growth too, so the next
 step's peak stays within the room it promised.
 
-On the CPU the "device" is CPU memory: a simulated card stands in for the GPU's allocator, its
-peak being the tail's state (16 B an element) plus what the tail's step creates, measured by
-counting the tensors its ops create (tests/tensor_peak.py), and its room what that peak leaves
-of a limit. A scripted tuner asks for every bucket, so only the budget bounds the growth.
+A simulated card stands in for the GPU's memory: its peak is the tail's state (16 B an
+element) plus what the tail's step creates, measured on the CPU by counting the tensors its ops
+create (tests/tensor_peak.py), on a GPU by the allocator's peak; its room is what that peak
+leaves of a limit. A scripted tuner asks for every bucket, so only the budget bounds the growth.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 from compact_reference import assert_equal_trajectory, run_compact_reference
 from engine_reference import RunConfig, assert_same_trajectory, clip_threshold, run_reference
 from engine_reference import run_superoffload as run_engine
@@ -31,13 +32,21 @@ class SimulatedCard:
     ``limit`` by the highest one so far, as device_headroom_bytes and lean_tail_elements give
     it on a GPU from the allocator's peak."""
 
-    def __init__(self, monkeypatch):
+    def __init__(self, monkeypatch, cuda: bool):
         self.limit = 0
         self.peaks: list[int] = []  # one a step
         step = DeviceTail.step
 
         def measured(tail, buckets, hypers, coef):
             state = DEVICE_BYTES_PER_ELEMENT * sum(b.master.numel() for b in buckets)
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                start = torch.cuda.memory_allocated()
+                step(tail, buckets, hypers, coef)
+                torch.cuda.synchronize()
+                self.peaks.append(state + torch.cuda.max_memory_allocated() - start)
+                return
             with TensorPeak() as temporaries:
                 step(tail, buckets, hypers, coef)
             self.peaks.append(state + temporaries.peak)
@@ -59,14 +68,12 @@ def _scratch(buckets, compact: bool) -> int:
     return max(step_scratch_bytes(b.plan.numel, compact) for b in buckets)
 
 
-@pytest.mark.parametrize("bound", ["device headroom", "lean budget"])
-@pytest.mark.parametrize("moments", ["fp32", "compact"])
-def test_growth_counts_the_step_scratch_of_a_larger_bucket(monkeypatch, moments, bound):
+def _check_growth(monkeypatch, device: str, moments: str, bound: str) -> None:
     """From an empty tail (auto's start when the tail-most bucket does not fit, or after an
     out-of-memory release), the first two host buckets fit the room by their state, not with
     the step scratch the larger of them brings: only the first may move, and no step's peak
     passes the limit. The trajectory stays the reference's."""
-    card = SimulatedCard(monkeypatch)
+    card = SimulatedCard(monkeypatch, cuda=device == "cuda")
     if bound == "device headroom":
         monkeypatch.setattr(tail_moves, "device_headroom_bytes", card.headroom)
     else:  # no cap: the lean budget bounds the growth, the card itself is roomy
@@ -87,13 +94,29 @@ def test_growth_counts_the_step_scratch_of_a_larger_bucket(monkeypatch, moments,
             card.limit = state + _scratch([first, second], compact) - short // 2
 
     cfg = RunConfig(steps=STEPS, two_groups=True, schedule="warmup_decay")
-    cfg = cfg.replace(max_grad_norm=clip_threshold(cfg, "some"))
+    cfg = cfg.replace(max_grad_norm=clip_threshold(cfg, "some", device))
     extra = {"moments": "compact", "speculate_after_clip": True} if compact else {}
-    got = run_engine(cfg, gpu_tail=0, probe=probe, **extra)
+    got = run_engine(cfg, device, gpu_tail=0, probe=probe, **extra)
     if compact:
-        assert_equal_trajectory(got, run_compact_reference(cfg, got.grad_norms))
+        assert_equal_trajectory(got, run_compact_reference(cfg, got.grad_norms, device))
     else:
-        assert_same_trajectory(got, run_reference(cfg))
+        assert_same_trajectory(got, run_reference(cfg, device))
     assert len(card.peaks) == STEPS and card.peak() <= card.limit, (card.peaks, card.limit)
     assert got.stats["gpu_tail_buckets"] == 1  # the first moved, the second did not fit with it
     assert "full" in tuner.settled[0]
+
+
+@pytest.mark.parametrize("bound", ["device headroom", "lean budget"])
+@pytest.mark.parametrize("moments", ["fp32", "compact"])
+def test_growth_counts_the_step_scratch_of_a_larger_bucket(monkeypatch, moments, bound):
+    _check_growth(monkeypatch, "cpu", moments, bound)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("moments", ["fp32", "compact"])
+def test_growth_on_a_gpu_counts_the_step_scratch_the_allocator_sees(monkeypatch, moments):
+    """The same on a GPU, the step's temporaries as the CUDA allocator counts them."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    _check_growth(monkeypatch, "cuda", moments, "device headroom")
