@@ -291,20 +291,20 @@ UPSTREAM = [
 
 @pytest.mark.parametrize("settings, argv", UPSTREAM, ids=["new", "old", "recipe"])
 def test_the_launcher_plans_transformers_own_offload_as_the_same_request(settings, argv):
-    from hf_superoffload.cli import finetune
+    from hf_superoffload.cli.script_arguments import activation_checkpoint_offload
 
-    assert finetune._activation_checkpoint_offload(settings, argv) is True
+    assert activation_checkpoint_offload(settings, argv) is True
     off = ["--activation_checkpointing_kwargs", '{"offload": false, "use_reentrant": true}']
-    assert finetune._activation_checkpoint_offload(settings, off) is False  # the new name wins
+    assert activation_checkpoint_offload(settings, off) is False  # the new name wins
 
 
 def test_the_launcher_refuses_both_offloads_before_writing_anything():
-    from hf_superoffload.cli import finetune
     from hf_superoffload.cli.errors import UsageError
+    from hf_superoffload.cli.script_arguments import activation_checkpoint_offload
 
     both = ["--activation_checkpoint_offload", "--activation_checkpointing_kwargs", '{"offload":1}']
     with pytest.raises(UsageError, match="both move the checkpointed inputs to the host"):
-        finetune._activation_checkpoint_offload({}, both)
+        activation_checkpoint_offload({}, both)
 
 
 def test_transformers_own_offload_is_refused_where_transformers_has_none(monkeypatch):
@@ -368,13 +368,13 @@ def test_the_recipe_refuses_every_n_layers_before_building_the_model(tmp_path, m
 
 
 def test_the_launcher_refuses_every_n_layers_with_the_flag():
-    from hf_superoffload.cli import finetune
     from hf_superoffload.cli.errors import UsageError
+    from hf_superoffload.cli.script_arguments import activation_checkpoint_offload
 
     argv = ["--activation_checkpoint_offload", "--gradient_checkpointing_kwargs",
             '{"every_n_layers": 2}']  # fmt: skip
     with pytest.raises(UsageError, match="Drop every_n_layers"):
-        finetune._activation_checkpoint_offload({}, argv)
+        activation_checkpoint_offload({}, argv)
 
 
 @pytest.mark.parametrize(
@@ -382,8 +382,8 @@ def test_the_launcher_refuses_every_n_layers_with_the_flag():
 )
 def test_ratio_auto_refuses_every_n_layers_it_cannot_plan(kwargs):
     """The plan counts every layer checkpointed, transformers' offload or none."""
-    from hf_superoffload.cli import finetune
     from hf_superoffload.cli.errors import UsageError
+    from hf_superoffload.cli.script_arguments import activation_checkpoint_offload
 
     with pytest.raises(UsageError, match=r"every_n_layers 2.*give --ratio"):
-        finetune._activation_checkpoint_offload({}, ["--activation_checkpointing_kwargs", kwargs])
+        activation_checkpoint_offload({}, ["--activation_checkpointing_kwargs", kwargs])

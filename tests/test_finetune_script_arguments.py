@@ -9,7 +9,12 @@ from __future__ import annotations
 import pytest
 from transformers import HfArgumentParser
 
-from hf_superoffload.cli import finetune
+from hf_superoffload.cli.script_arguments import (
+    activation_checkpoint_offload,
+    checkpointing,
+    moments,
+    never_saves,
+)
 from hf_superoffload.recipes.arguments import RecipeArguments
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -31,21 +36,14 @@ def _script_reads(argv: list[str]) -> RecipeArguments:
 @pytest.mark.parametrize("argv", SPELLINGS, ids=" ".join)
 def test_the_offload_flag_reads_as_the_script_reads_it(argv):
     expected = _script_reads(argv).activation_checkpoint_offload
-    assert finetune._activation_checkpoint_offload({}, argv) is expected
+    assert activation_checkpoint_offload({}, argv) is expected
 
 
 def test_the_recipes_value_is_the_default():
-    assert (
-        finetune._activation_checkpoint_offload({"activation_checkpoint_offload": True}, []) is True
-    )
-    assert finetune._activation_checkpoint_offload(
-        {"activation_checkpoint_offload": True}, ["--a", "n"]
-    )
+    assert activation_checkpoint_offload({"activation_checkpoint_offload": True}, []) is True
+    assert activation_checkpoint_offload({"activation_checkpoint_offload": True}, ["--a", "n"])
     off = ["--activation_checkpoint_offload", "n"]
-    assert (
-        finetune._activation_checkpoint_offload({"activation_checkpoint_offload": True}, off)
-        is False
-    )
+    assert activation_checkpoint_offload({"activation_checkpoint_offload": True}, off) is False
 
 
 SAVE_SPELLINGS = [
@@ -59,22 +57,22 @@ SAVE_SPELLINGS = [
 def test_a_run_that_saves_nothing_reads_as_the_script_reads_it(argv):
     saves = _script_reads(argv).save_model
     no_strategy = {"save_strategy": "no"}
-    assert finetune._never_saves(no_strategy, argv) is (not saves)
+    assert never_saves(no_strategy, argv) is (not saves)
     dashed = [*argv, "--save-strategy", "steps"]  # the script saves checkpoints
-    assert finetune._never_saves(no_strategy, dashed) is False
+    assert never_saves(no_strategy, dashed) is False
 
 
 def test_the_moments_read_as_the_script_reads_them():
     for argv in (["--superoffload-moments", "compact"], ["--superoffload_moments=compact"]):
-        assert finetune._moments({}, argv) == "compact"
-    assert finetune._moments({"superoffload_moments": "compact"}, []) == "compact"
+        assert moments({}, argv) == "compact"
+    assert moments({"superoffload_moments": "compact"}, []) == "compact"
 
 
 def test_a_value_the_script_refuses_is_refused():
     from hf_superoffload.cli.errors import UsageError
 
     with pytest.raises(UsageError, match=r"--activation_checkpoint_offload.*maybe"):
-        finetune._activation_checkpoint_offload({}, ["--activation_checkpoint_offload", "maybe"])
+        activation_checkpoint_offload({}, ["--activation_checkpoint_offload", "maybe"])
 
 
 CHECKPOINTING_CASES = [
@@ -102,4 +100,4 @@ def test_activation_checkpointing_reads_as_the_script_reads_it(settings, argv, t
     script_argv = ["--config", str(recipe), "--bf16", "false", "--output_dir", str(tmp_path)]
     _, training = arguments.parse("sft", [*script_argv, *argv])
     expected = getattr(training, arguments.checkpointing_name(type(training)))
-    assert finetune._checkpointing(settings, argv) is expected
+    assert checkpointing(settings, argv) is expected

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import yaml
 
-from .. import env
 from .checkout import find_checkout
 from .errors import EXIT_DOES_NOT_FIT, UsageError
+from .finetune_plan import DoesNotFit, check_gpus, plan_ratio, planned_machine
 from .ratio_auto import check_ratio
 
 PASSES_THROUGH = True  # arguments it does not know go to examples/sft.py
@@ -46,14 +46,6 @@ RECIPE_GPUS = {
 }
 DEEPSPEED_JSON = {"superoffload": "zero3_superoffload.json", "zerooffload": "zero3_offload.json"}
 DEFAULT_BATCH = 4  # per GPU, the paper's; a recipe's per_device_train_batch_size wins
-# The loss the plan counts (`plan --loss`): examples/sft.py trains under TRL's SFTTrainer, whose
-# fused LM head never holds a batch's logits; --use_liger_kernel true leaves that loss in place
-# (TRL refuses Liger's fused cross-entropy beside it) and adds Liger's layer kernels only.
-RECIPE_LOSS = "trl"
-
-
-class DoesNotFit(Exception):
-    """The run does not fit the machine (exit code 1); the message says why."""
 
 
 def add_parser(commands) -> None:
@@ -135,165 +127,6 @@ def _ratio(args: argparse.Namespace) -> str:
     return ratio
 
 
-def _planned_machine(args: argparse.Namespace) -> list[str]:
-    options = []
-    if args.hardware:
-        options += ["--hardware", args.hardware]
-    if args.gpu_mem is not None:
-        options += ["--gpu-mem", str(args.gpu_mem)]
-    if args.cpu_mem is not None:
-        options += ["--cpu-mem", str(args.cpu_mem)]
-    return options
-
-
-def _suggested_hardware() -> str:
-    """The preset a refusal's plan command names: this machine's kind of node."""
-    return "gh200" if platform.machine() == "aarch64" else "h100-sxm-8"
-
-
-def _check_gpus(args, gpus: int, recipe: Path) -> None:
-    import torch
-
-    found = torch.cuda.device_count()
-    if found < gpus:
-        raise DoesNotFit(
-            f"{args.model} runs on {gpus} GPU(s); this machine has {found}. `hf-superoffload "
-            f"plan {recipe} --gpus {gpus} --hardware {_suggested_hardware()}` shows what each "
-            f"GPU and host needs; run on such a machine, or with --dry-run to write the run "
-            "directory only."
-        )
-
-
-def _script(settings: dict, script_args: list[str]):
-    """The script's arguments the plan depends on (imported here: it loads transformers)."""
-    from .script_arguments import read
-
-    return read(settings, script_args)
-
-
-def _never_saves(settings: dict, script_args: list[str]) -> bool:
-    """Whether the run saves nothing (``--save_model false``, ``save_strategy`` no), so the plan
-    leaves out the save's shard of the 16-bit model in rank 0's host memory."""
-    script = _script(settings, script_args)
-    return not script.save_model and str(script.save_strategy).lower() == "no"
-
-
-MOMENTS_ENV = "HF_SUPEROFFLOAD_MOMENTS"
-
-
-def _moments(settings: dict, script_args: list[str]) -> str:
-    """The moments the run keeps: ``--superoffload_moments``, the recipe's, else
-    HF_SUPEROFFLOAD_MOMENTS (the trainers' order), else fp32."""
-    moments = _script(settings, script_args).superoffload_moments
-    return str(moments or env.read(MOMENTS_ENV) or "fp32").lower()
-
-
-def _checkpointing(settings: dict, script_args: list[str]) -> bool:
-    """Whether the run checkpoints activations: ``--activation_checkpointing``, else
-    ``--gradient_checkpointing``, the recipe's as defaults, else TRL's default (on). Without
-    it the plan counts every layer's saved tensors, or refuses a model it cannot count."""
-    return _script(settings, script_args).checkpointing
-
-
-def _activation_checkpoint_offload(settings: dict, script_args: list[str]) -> bool:
-    """Whether the run keeps the checkpointed layer inputs on the host, which the plan counts:
-    ``--activation_checkpoint_offload``, or transformers' own (``--activation_checkpointing_kwargs
-    '{"offload": true}'``, the same). UsageError for what the script would refuse, and for
-    transformers' ``every_n_layers`` other than 1, which the plan does not count."""
-    from ..integrations.activation_offload import offload_requested
-
-    script = _script(settings, script_args)
-    kwargs = script.checkpointing_kwargs
-    if script.activation_checkpoint_offload and not script.checkpointing:
-        raise UsageError(
-            "examples/sft.py would refuse its arguments: --activation_checkpoint_offload moves "
-            "the inputs activation checkpointing keeps, and --activation_checkpointing is off: "
-            "pass --activation_checkpointing true, or drop the flag"
-        )
-    try:
-        offload = offload_requested(
-            script.activation_checkpoint_offload, kwargs, "activation_checkpointing"
-        )
-    except ValueError as error:
-        raise UsageError(f"examples/sft.py would refuse its arguments: {error}") from None
-    if not script.checkpointing:
-        return False  # transformers' own offload has no checkpointed inputs to move
-    every_n_layers = kwargs.get("every_n_layers", 1)
-    if every_n_layers != 1:
-        raise UsageError(
-            f"RATIO=auto plans every layer checkpointed; every_n_layers {every_n_layers} leaves "
-            "the others holding all their activations on the GPU, which the plan does not count: "
-            "give --ratio (RATIO) a number in [0, 1], or drop every_n_layers"
-        )
-    return offload
-
-
-def _plan_ratio(
-    args,
-    recipe: Path,
-    settings: dict,
-    gpus: int,
-    batch: int,
-    never_saves: bool,
-    moments: str,
-    activation_checkpoint_offload: bool = False,
-    checkpointing: bool = True,
-):
-    """(ratio, plan JSON or None) for ``--ratio auto``; UsageError or a refusal otherwise."""
-    import torch
-
-    from . import build_parser
-    from . import plan as plan_command
-
-    if args.dry_run and not _planned_machine(args) and not torch.cuda.is_available():
-        print(
-            "RATIO=auto: no GPU here to plan for, so this dry run writes ratio 1.0; give "
-            "--hardware NAME (PLAN_HARDWARE) or --ratio R (RATIO) to choose it",
-            file=sys.stderr,
-        )
-        return "1.0", None
-
-    model, options = str(recipe), []
-    if not args.random_init and args.model_path and Path(args.model_path).is_dir():
-        model = args.model_path  # its config, at the recipe's sequence length
-        options += ["--seq", str(settings.get("max_length", 4096))]
-    accumulation = settings.get("gradient_accumulation_steps", 1)
-    argv = ["plan", model, "--gpus", str(gpus), "--batch", str(batch), "--ratio", "auto"]
-    argv += ["--gradient-accumulation-steps", str(accumulation), "--loss", RECIPE_LOSS, *options]
-    if never_saves:
-        argv.append("--no-save")
-    if activation_checkpoint_offload:
-        argv.append("--activation-checkpoint-offload")
-    argv += ["--activation-checkpointing", "on" if checkpointing else "off"]
-    argv += ["--moments", moments, *_planned_machine(args)]
-    where = "the machine given" if _planned_machine(args) else "this machine"
-    try:
-        found = plan_command.answer(build_parser().parse_args(argv))
-    except UsageError as error:
-        raise UsageError(
-            f"{error}\nRATIO=auto could not plan {args.model} (above); give --ratio (RATIO) a "
-            "number in [0, 1]"
-        ) from None
-    if not found.fits:
-        plan = found.as_json
-        lines = [*plan["reasons"], *("change: " + s for s in plan["suggestions"])]
-        if any(s.startswith("--no-save") for s in plan["suggestions"]):
-            lines.append(
-                "(this command plans a run that saves nothing when given --save_model false)"
-            )
-        raise DoesNotFit(
-            f"RATIO=auto: {args.model} fits {gpus} GPU(s) of {where} at no ratio from 1.0 to "
-            f"0.5 with room on the GPU; the plan says:\n" + "\n".join(lines) + "\n"
-            f"`hf-superoffload {shlex.join(argv)}` shows the whole plan"
-        )
-    ratio = str(found.as_json["run"]["ratio"])
-    print(
-        f"RATIO=auto: ratio {ratio}, the lowest the memory plan fits on {gpus} GPU(s) of "
-        f"{where} (plan.json)"
-    )
-    return ratio, found.as_json
-
-
 def _run_dir(runs: Path, name: str) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     folder, count = runs / f"{name}_{stamp}", 1
@@ -312,7 +145,7 @@ def prepare(args: argparse.Namespace) -> tuple[Path, list[str], dict[str, str]]:
     if not recipe.is_file():
         raise UsageError(f"no recipe {recipe}; the recipes are {', '.join(RECIPE_GPUS)}")
     ratio = _ratio(args)
-    if args.mode == "zerooffload" and _planned_machine(args):
+    if args.mode == "zerooffload" and planned_machine(args):
         raise UsageError("--hardware/--gpu-mem/--cpu-mem (PLAN_HARDWARE) plan superoffload runs")
     gpus = RECIPE_GPUS.get(args.model, 1) if args.gpus is None else args.gpus
     if gpus < 1:
@@ -320,7 +153,7 @@ def prepare(args: argparse.Namespace) -> tuple[Path, list[str], dict[str, str]]:
     settings = yaml.safe_load(recipe.read_text()) or {}
     batch = args.batch or settings.get("per_device_train_batch_size", DEFAULT_BATCH)
     if not args.dry_run:
-        _check_gpus(args, gpus, recipe)
+        check_gpus(args, gpus, recipe)
     # GH200 nodes are aarch64 (Grace); anything else gets the x86 configs. The shipped ones
     # (1, 2 and 4 GPUs) differ in num_processes only, which is set to --gpus below.
     machine = "gh200" if platform.machine() == "aarch64" else "x86"
@@ -334,13 +167,8 @@ def prepare(args: argparse.Namespace) -> tuple[Path, list[str], dict[str, str]]:
         extra = extra[1:]
     plan = None
     if ratio == "auto":
-        never_saves, moments = _never_saves(settings, extra), _moments(settings, extra)
-        offload = _activation_checkpoint_offload(settings, extra)
-        checkpointing = _checkpointing(settings, extra)
-        ratio, plan = _plan_ratio(
-            args, recipe, settings, gpus, batch, never_saves, moments, offload, checkpointing
-        )
-    elif _planned_machine(args):
+        ratio, plan = plan_ratio(args, recipe, settings, gpus, batch, extra)
+    elif planned_machine(args):
         print(
             f"--hardware/--gpu-mem/--cpu-mem (PLAN_HARDWARE) are used by --ratio auto only; "
             f"ratio {ratio} is written as given",

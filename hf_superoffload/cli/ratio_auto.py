@@ -1,5 +1,5 @@
 """``plan --ratio auto``: the lowest ``offload_optimizer.ratio`` a run fits, so that a launcher
-sizes the GPU tail to the machine it runs on (``hf-superoffload finetune``, cli/finetune.py).
+sizes the GPU tail to the machine it runs on (``hf-superoffload finetune``, cli/finetune_plan.py).
 
 A lower ``ratio`` keeps the first sub groups' optimizer state on the GPU (16 B/param there
 instead of 14 on the host). Each step of it makes a clipped step faster, since less of the CPU

@@ -6,7 +6,8 @@ After each step the tuner (tail_tuner.TailTuner, ``gpu_tail="auto"`` on a GPU) s
 many elements the device should step more (the GPU waited for the CPU) or fewer (a smaller
 tail measured as fast, or the wait vanished); ``gpu_tail_cap`` is honoured at every step,
 whatever the tuner says. Growth takes the host buckets nearest the tail, within the device
-memory the training's peak leaves free; giving back returns the device buckets farthest from
+memory the training's peak leaves free (their state, and the step scratch a bucket larger
+than any on the device adds); giving back returns the device buckets farthest from
 the tail, so the tail stays one run of buckets. With replicas every rank moves the same
 buckets (agreed first), so that every bucket keeps one arithmetic on all ranks.
 """
@@ -15,11 +16,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 
 import torch
 
 from .bucket import Bucket
-from .device_tail import DeviceTail
+from .device_tail import DeviceTail, step_scratch_bytes
 from .link import Link
 from .placement import (
     DEVICE_BYTES_PER_ELEMENT,
@@ -32,6 +34,15 @@ from .stv import Stv
 from .tail_tuner import TailTuner
 
 logger = logging.getLogger("hf_superoffload")
+
+
+def _step_scratch(buckets: Iterable[Bucket]) -> int:
+    """Device bytes of temporaries while the tail steps these buckets: the largest one's, as
+    the tail steps one bucket at a time."""
+    return max(
+        (step_scratch_bytes(b.plan.numel, compact=b.compact is not None) for b in buckets),
+        default=0,
+    )
 
 
 def cap_bytes(gib: float | None) -> int | None:
@@ -64,6 +75,7 @@ class TailMoves:
         self.tuner = tuner
         self.cap_bytes = cap_bytes  # most bytes of tail state (gpu_tail_cap), or None
         self._lean_elements: float | None = None  # auto's default budget, measured once
+        self._lean_scratch = 0  # the tail's step scratch in the peak it was measured from
         self._adamw = DeviceTail()
         for bucket in buckets:
             if bucket.on_device:
@@ -141,25 +153,31 @@ class TailMoves:
         return -((held - cap + DEVICE_BYTES_PER_ELEMENT - 1) // DEVICE_BYTES_PER_ELEMENT)
 
     def _buckets_to_grow(self, want: int) -> list[Bucket]:
-        """Host buckets nearest the tail, about ``want`` elements, within the device headroom
-        (the smallest over ranks) and the cap."""
-        headroom = self._replicas.agree(device_headroom_bytes(self._link.device), "min")
-        if self.cap_bytes is not None:
-            held = self.device_elements() * DEVICE_BYTES_PER_ELEMENT
-            headroom = min(headroom, self.cap_bytes - held)
-        elif self.tuner is not None:
-            lean = self._lean_tail_elements()
-            headroom = min(headroom, (lean - self.device_elements()) * DEVICE_BYTES_PER_ELEMENT)
-        chosen, numel = [], 0
+        """Host buckets nearest the tail, about ``want`` elements, within the cap (of tail
+        state) and the room the GPU peak leaves: the device headroom (the smallest over ranks)
+        and, without a cap, the lean budget. The peak they are measured from holds the step
+        scratch of the tail as it is, so a bucket larger than any on the device is charged
+        the scratch it adds beside its state."""
+        room = self._replicas.agree(device_headroom_bytes(self._link.device), "min")
+        held = self.device_elements() * DEVICE_BYTES_PER_ELEMENT
+        cap_room = float("inf") if self.cap_bytes is None else self.cap_bytes - held
+        scratch_now = _step_scratch(b for b in self._buckets if b.on_device)
+        if self.cap_bytes is None and self.tuner is not None:
+            lean = self._lean_tail_elements() * DEVICE_BYTES_PER_ELEMENT
+            # Measured once: the scratch the tail added since is not in it.
+            room = min(room, lean - held - (scratch_now - self._lean_scratch))
+        scratch, chosen, numel = scratch_now, [], 0
         for bucket in reversed(self._buckets):
             if numel >= want:
                 break
             if bucket.on_device:
                 continue
-            if (numel + bucket.plan.numel) * DEVICE_BYTES_PER_ELEMENT > headroom:
+            state = (numel + bucket.plan.numel) * DEVICE_BYTES_PER_ELEMENT
+            grown = max(scratch, _step_scratch([bucket]))
+            if state > cap_room or state + grown - scratch_now > room:
                 break
             chosen.append(bucket)
-            numel += bucket.plan.numel
+            numel, scratch = numel + bucket.plan.numel, grown
         return chosen
 
     def _lean_tail_elements(self) -> float:
@@ -167,6 +185,7 @@ class TailMoves:
             params = sum(b.plan.numel for b in self._buckets)
             lean = lean_tail_elements(self._link.device, params, self.device_elements())
             self._lean_elements = self._replicas.agree(lean, "min")
+            self._lean_scratch = _step_scratch(b for b in self._buckets if b.on_device)
             if self._lean_elements != float("inf"):
                 logger.info(
                     "hf_superoffload: gpu_tail='auto' grows the GPU tail to at most %.1fM params "

@@ -1,0 +1,137 @@
+"""Whether a run of ``hf-superoffload finetune`` fits the machine: the GPUs its recipe runs on,
+and for ``--ratio auto`` (RATIO=auto) the lowest ``offload_optimizer.ratio`` whose memory plan
+fits (`hf-superoffload plan --ratio auto`), planned for the run the recipe and the script's
+arguments describe (cli/script_arguments.py reads those)."""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import shlex
+import sys
+from pathlib import Path
+
+from .errors import UsageError
+
+# The loss the plan counts (`plan --loss`): examples/sft.py trains under TRL's SFTTrainer, whose
+# fused LM head never holds a batch's logits; --use_liger_kernel true leaves that loss in place
+# (TRL refuses Liger's fused cross-entropy beside it) and adds Liger's layer kernels only.
+RECIPE_LOSS = "trl"
+
+
+class DoesNotFit(Exception):
+    """The run does not fit the machine (exit code 1); the message says why."""
+
+
+def planned_machine(args: argparse.Namespace) -> list[str]:
+    """The plan's options naming the machine given (--hardware, --gpu-mem, --cpu-mem)."""
+    options = []
+    if args.hardware:
+        options += ["--hardware", args.hardware]
+    if args.gpu_mem is not None:
+        options += ["--gpu-mem", str(args.gpu_mem)]
+    if args.cpu_mem is not None:
+        options += ["--cpu-mem", str(args.cpu_mem)]
+    return options
+
+
+def _suggested_hardware() -> str:
+    """The preset a refusal's plan command names: this machine's kind of node."""
+    return "gh200" if platform.machine() == "aarch64" else "h100-sxm-8"
+
+
+def check_gpus(args: argparse.Namespace, gpus: int, recipe: Path) -> None:
+    import torch
+
+    found = torch.cuda.device_count()
+    if found < gpus:
+        raise DoesNotFit(
+            f"{args.model} runs on {gpus} GPU(s); this machine has {found}. `hf-superoffload "
+            f"plan {recipe} --gpus {gpus} --hardware {_suggested_hardware()}` shows what each "
+            f"GPU and host needs; run on such a machine, or with --dry-run to write the run "
+            "directory only."
+        )
+
+
+def plan_ratio(
+    args: argparse.Namespace,
+    recipe: Path,
+    settings: dict,
+    gpus: int,
+    batch: int,
+    script_args: list[str],
+) -> tuple[str, dict | None]:
+    """(ratio, plan JSON or None) for ``--ratio auto``; UsageError or a refusal otherwise."""
+    # Imported here: it loads transformers.
+    from . import script_arguments as script
+
+    never_saves = script.never_saves(settings, script_args)
+    moments = script.moments(settings, script_args)
+    offload = script.activation_checkpoint_offload(settings, script_args)
+    checkpointing = script.checkpointing(settings, script_args)
+    return _plan(args, recipe, settings, gpus, batch, never_saves, moments, offload, checkpointing)
+
+
+def _plan(
+    args: argparse.Namespace,
+    recipe: Path,
+    settings: dict,
+    gpus: int,
+    batch: int,
+    never_saves: bool,
+    moments: str,
+    activation_checkpoint_offload: bool,
+    checkpointing: bool,
+) -> tuple[str, dict | None]:
+    import torch
+
+    from . import build_parser
+    from . import plan as plan_command
+
+    if args.dry_run and not planned_machine(args) and not torch.cuda.is_available():
+        print(
+            "RATIO=auto: no GPU here to plan for, so this dry run writes ratio 1.0; give "
+            "--hardware NAME (PLAN_HARDWARE) or --ratio R (RATIO) to choose it",
+            file=sys.stderr,
+        )
+        return "1.0", None
+
+    model, options = str(recipe), []
+    if not args.random_init and args.model_path and Path(args.model_path).is_dir():
+        model = args.model_path  # its config, at the recipe's sequence length
+        options += ["--seq", str(settings.get("max_length", 4096))]
+    accumulation = settings.get("gradient_accumulation_steps", 1)
+    argv = ["plan", model, "--gpus", str(gpus), "--batch", str(batch), "--ratio", "auto"]
+    argv += ["--gradient-accumulation-steps", str(accumulation), "--loss", RECIPE_LOSS, *options]
+    if never_saves:
+        argv.append("--no-save")
+    if activation_checkpoint_offload:
+        argv.append("--activation-checkpoint-offload")
+    argv += ["--activation-checkpointing", "on" if checkpointing else "off"]
+    argv += ["--moments", moments, *planned_machine(args)]
+    where = "the machine given" if planned_machine(args) else "this machine"
+    try:
+        found = plan_command.answer(build_parser().parse_args(argv))
+    except UsageError as error:
+        raise UsageError(
+            f"{error}\nRATIO=auto could not plan {args.model} (above); give --ratio (RATIO) a "
+            "number in [0, 1]"
+        ) from None
+    if not found.fits:
+        plan = found.as_json
+        lines = [*plan["reasons"], *("change: " + s for s in plan["suggestions"])]
+        if any(s.startswith("--no-save") for s in plan["suggestions"]):
+            lines.append(
+                "(this command plans a run that saves nothing when given --save_model false)"
+            )
+        raise DoesNotFit(
+            f"RATIO=auto: {args.model} fits {gpus} GPU(s) of {where} at no ratio from 1.0 to "
+            f"0.5 with room on the GPU; the plan says:\n" + "\n".join(lines) + "\n"
+            f"`hf-superoffload {shlex.join(argv)}` shows the whole plan"
+        )
+    ratio = str(found.as_json["run"]["ratio"])
+    print(
+        f"RATIO=auto: ratio {ratio}, the lowest the memory plan fits on {gpus} GPU(s) of "
+        f"{where} (plan.json)"
+    )
+    return ratio, found.as_json
