@@ -5,6 +5,9 @@
 #
 #   bash dev/compact_check.sh                  # RATIO=1.0, CLIPS="1.0" by default
 #   TESTS=0 CLIPS="1.0 0" bash dev/compact_check.sh   # the suite only, clipping every step and never
+#   TESTS=0 CLIPS=0 VARIANTS="HF_SUPEROFFLOAD_CPU_ADAM_ISA=avx2 HF_SUPEROFFLOAD_CPU_THREADS=12" \
+#       bash dev/compact_check.sh   # then compact moments again under each variable (one a run),
+#                                   # against the fp32 row measured in the same call
 #
 # Run from the repo root on a GPU machine with `.whl` carried (dev/gpu_env.sh). Writes under
 # $OUT (default ./results): pytest_gpu.log, pytest_kernel.log, suite.csv and the suite's logs;
@@ -36,17 +39,34 @@ for clip in $CLIPS; do
     echo "suite clip $clip rc=$?"
     tail -n 4 "$OUT/suite_clip$clip.log"
 done
+VARIANTS="${VARIANTS:-}"
+for variant in $VARIANTS; do
+    for clip in $CLIPS; do
+        mkdir -p "$OUT/$variant"
+        env "$variant" timeout 200 python benchmarks/suite.py --hidden 3072 --layers 28 --seq 4096 \
+            --batch 4 --steps 6 --warmup 3 --clip "$clip" --ratio "$RATIO" --timeout 160 \
+            --systems superoffload_zero3_compact --out-dir "$OUT/$variant" \
+            > "$OUT/$variant/suite_clip$clip.log" 2>&1
+        echo "$variant clip $clip rc=$? $(grep -o '"s_per_step": [0-9.]*' "$OUT/$variant/suite_clip$clip.log" | tail -1)"
+    done
+done
 # Per step (warm-up included): the CPU passes before and after validation, the compact
 # commits written by a pass of their own, and the partitions whose commit ran fused.
-python - "$OUT/suite.csv" <<'PY'
-import csv, json, sys
-for row in csv.DictReader(open(sys.argv[1])):
-    if not row.get("stats"):
+python - "$OUT"/suite.csv "$OUT"/*/suite.csv <<'PY'
+import csv, json, os, sys
+for path in sys.argv[1:]:
+    if not os.path.exists(path):
         continue
-    s = json.loads(row["stats"])
-    n = s["steps"] or 1
-    print(f"{row['system']:<28} clip {row['clip']:<4} s/step {row['s_per_step']:<7} "
-          f"cpu_step {s['cpu_step_seconds'] / n:.3f} commit {s['commit_seconds'] / n:.3f} "
-          f"exposed {s['exposed_cpu_seconds'] / n:.3f} (slots {s.get('slot_wait_seconds', 0) / n:.3f}) "
-          f"fused/step {s.get('commits_fused', 0) / n:.1f}")
+    label = os.path.basename(os.path.dirname(path)) if path != sys.argv[1] else ""
+    for row in csv.DictReader(open(path)):
+        if not row.get("stats"):
+            continue
+        s, p = json.loads(row["stats"]), json.loads(row.get("phases") or "{}")
+        n = s["steps"] or 1
+        print(f"{row['system']:<28} {label} clip {row['clip']:<4} s/step {row['s_per_step']:<7} "
+              f"fwd/bwd/step {p.get('gpu_forward_s', 0):.3f}/{p.get('gpu_backward_s', 0):.3f}/"
+              f"{p.get('gpu_optimizer_step_s', 0):.3f} "
+              f"cpu_step {s['cpu_step_seconds'] / n:.3f} commit {s['commit_seconds'] / n:.3f} "
+              f"exposed {s['exposed_cpu_seconds'] / n:.3f} (slots {s.get('slot_wait_seconds', 0) / n:.3f}) "
+              f"fused/step {s.get('commits_fused', 0) / n:.1f}")
 PY
