@@ -50,7 +50,9 @@ class Timeline:
         from hf_superoffload.engine import host_steps, link, stv
 
         timeline = self
-        for name in ("speculate", "step", "replay", "rollback", "accumulate"):
+        # commit_pending: compact moments' validated update written by a pass of its own (the
+        # early write after validation, or before another use of the partition).
+        for name in ("speculate", "step", "replay", "rollback", "accumulate", "commit_pending"):
             original = getattr(host_steps.HostSteps, name)
 
             def timed(self, part, *args, _original=original, _name=name, **kwargs):
@@ -164,7 +166,11 @@ def _write_profile(profiler: cProfile.Profile, path: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--system", choices=["superoffload", "superoffload_zero3"], required=True)
+    parser.add_argument(
+        "--system",
+        choices=["superoffload", "superoffload_zero3", "superoffload_zero3_compact"],
+        required=True,
+    )
     add_model_arguments(parser)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--clip", type=float, default=1.0)
