@@ -47,3 +47,18 @@ class TensorPeak(TorchDispatchMode):
 def _storages(args, kwargs) -> set[int]:
     leaves = torch.utils._pytree.tree_leaves((args, kwargs or {}))
     return {t.untyped_storage().data_ptr() for t in leaves if isinstance(t, torch.Tensor)}
+
+
+def temporaries_of(call, cuda: bool) -> int:
+    """The peak bytes of the tensors ``call()`` creates: the CUDA allocator's peak above what
+    was allocated before it, or, on the CPU, ``TensorPeak``'s count."""
+    if not cuda:
+        with TensorPeak() as peak:
+            call()
+        return peak.peak
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    call()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - start

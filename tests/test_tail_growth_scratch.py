@@ -17,7 +17,7 @@ import torch
 from compact_reference import assert_equal_trajectory, run_compact_reference
 from engine_reference import RunConfig, assert_same_trajectory, clip_threshold, run_reference
 from engine_reference import run_superoffload as run_engine
-from tensor_peak import TensorPeak
+from tensor_peak import temporaries_of
 from test_engine_tail_moves import ScriptedTuner
 
 from hf_superoffload.engine import tail_moves
@@ -39,17 +39,9 @@ class SimulatedCard:
 
         def measured(tail, buckets, hypers, coef):
             state = DEVICE_BYTES_PER_ELEMENT * sum(b.master.numel() for b in buckets)
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                start = torch.cuda.memory_allocated()
-                step(tail, buckets, hypers, coef)
-                torch.cuda.synchronize()
-                self.peaks.append(state + torch.cuda.max_memory_allocated() - start)
-                return
-            with TensorPeak() as temporaries:
-                step(tail, buckets, hypers, coef)
-            self.peaks.append(state + temporaries.peak)
+            self.peaks.append(
+                state + temporaries_of(lambda: step(tail, buckets, hypers, coef), cuda)
+            )
 
         monkeypatch.setattr(DeviceTail, "step", measured)
 

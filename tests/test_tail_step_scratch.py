@@ -9,7 +9,7 @@ import pytest
 import torch
 from compact_reference import assert_equal_trajectory, run_compact_reference
 from engine_reference import RunConfig, clip_threshold, run_superoffload
-from tensor_peak import TensorPeak
+from tensor_peak import temporaries_of
 
 from hf_superoffload.engine import device_tail
 from hf_superoffload.engine.device_tail import DeviceTail, step_scratch_bytes
@@ -26,17 +26,8 @@ def _measure_steps(monkeypatch, cuda: bool) -> list[tuple[int, int, int, int]]:
         param = max(
             (b.views(b.master, i).numel() for b in buckets for i in range(b.param_count)), default=0
         )
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            start = torch.cuda.memory_allocated()
-            step(self, buckets, hypers, coef)
-            torch.cuda.synchronize()
-            steps.append((torch.cuda.max_memory_allocated() - start, largest, param, count))
-        else:
-            with TensorPeak() as peak:
-                step(self, buckets, hypers, coef)
-            steps.append((peak.peak, largest, param, count))
+        peak = temporaries_of(lambda: step(self, buckets, hypers, coef), cuda)
+        steps.append((peak, largest, param, count))
 
     monkeypatch.setattr(DeviceTail, "step", measured)
     return steps
