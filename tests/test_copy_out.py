@@ -100,3 +100,63 @@ def test_passes_through_the_ring_in_pieces_equal_whole_passes_to_the_bit(runs):
     for name in ("master", "exp_avg", "exp_avg_sq", "flat_param"):
         assert torch.equal(getattr(ours, name), getattr(ref, name)), name
     assert ring.piece_numel == 96
+
+
+def test_compact_passes_cut_at_the_ring_only_when_they_send_and_equal_whole_calls():
+    """Compact moments: a speculative pass goes to the model through the ring in buffer-sized
+    pieces, a commit (nothing sent) makes one kernel call a param; both give the bits of one
+    ``ops.compact_adam`` call per param."""
+    from hf_superoffload import ops
+    from hf_superoffload.engine.compact_moments import CompactMoments
+    from hf_superoffload.engine.host_steps import HostSteps
+    from hf_superoffload.engine.stv import StvStats, adam_hyper
+
+    spans, salts = [(0, 2000), (2048, 300)], [5, 9]  # a gap between the params: padding
+    link = Link(torch.device("cpu"))
+    ring = CopyOutRing(link, 2348, torch.bfloat16, slots=2, piece=512)
+    steps = HostSteps(link, StvStats(), torch.zeros(1), copy_out=ring)
+    part = _partition(2348, 0)
+    part.compact = CompactMoments(spans, salts, 2348)
+    calls = []
+    kernel = ops.compact_adam
+
+    def counted(master, *args, **kwargs):
+        calls.append((master.numel(), kwargs["commit"]))
+        return kernel(master, *args, **kwargs)
+
+    hyper = adam_hyper({"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}, 1)
+    runs = [(0, 2348, 1)]
+    reference_master = part.master.clone()
+    reference = CompactMoments(spans, salts, 2348)
+    sent = torch.empty(2348, dtype=torch.bfloat16)
+    kwargs = {k: v for k, v in hyper.items() if k != "step"}
+    for index, ((offset, n), salt) in enumerate(zip(spans, salts, strict=True)):
+        kernel(
+            reference_master[offset : offset + n], part.host_grad[offset : offset + n],
+            *reference.param_moments(index), step=1, grad_scale=1.0, salt=salt, commit=False,
+            out_lowp=sent[offset : offset + n], **kwargs,
+        )  # fmt: skip
+    try:
+        ops.compact_adam = counted
+        steps.compact.run(
+            part, hyper, 1.0, runs, part.host_grad, commit=False, send=True, seconds="cpu_step_seconds"
+        )  # fmt: skip
+        speculative = list(calls)
+        calls.clear()
+        steps.compact.run(
+            part, hyper, 1.0, runs, part.host_grad, commit=True, send=False, seconds="commit_seconds"
+        )  # fmt: skip
+    finally:
+        ops.compact_adam = kernel
+    assert speculative == [(512, False)] * 3 + [(464, False), (300, False)]
+    assert calls == [(2000, True), (300, True)]
+    for (offset, n), salt, index in zip(spans, salts, range(2), strict=True):
+        assert torch.equal(part.flat_param[offset : offset + n], sent[offset : offset + n])
+        kernel(
+            reference_master[offset : offset + n], part.host_grad[offset : offset + n],
+            *reference.param_moments(index), step=1, grad_scale=1.0, salt=salt, commit=True,
+            **kwargs,
+        )  # fmt: skip
+    assert torch.equal(part.master, reference_master)
+    for ours, theirs in zip(part.compact.tensors(), reference.tensors(), strict=True):
+        assert torch.equal(ours, theirs)

@@ -54,7 +54,9 @@ class CompactPasses:
         kwargs = {k: v for k, v in hyper.items() if k != "step"}
         stats = host.stats
         for offset, numel, step in runs:
-            for segment, start, n in moments.pieces(offset, numel, self._most()):
+            # A piece a copy-out buffer when it goes to the model, else a param a kernel call.
+            most = self._most() if send else numel
+            for segment, start, n in moments.pieces(offset, numel, most):
                 at = segment.offset + start
                 low = host.take_copy_out(part, at, n) if send else None
                 began = time.perf_counter()
