@@ -3,7 +3,8 @@
 Each ends with the original error promptly (no hang), leaves nothing running, and a new optimizer
 in the same process (a notebook) trains as torch AdamW does. The model, data and reference are
 `engine_reference`'s; tolerances are stated there. Worker errors themselves reaching the training
-thread and close() stopping the worker are in tests/test_engine_behaviour.py.
+thread and close() stopping the worker are in tests/test_engine_behaviour.py; where a failure after
+step() surfaces, and what a failure leaves, in tests/test_worker_failure_surfaces.py.
 """
 
 from __future__ import annotations

@@ -227,8 +227,8 @@ def _zero3_on_rank(rank, world, port, then, out_dir) -> None:
     _commit_early(monkeypatch, 0.0)
     writes = FailingWrites(monkeypatch)
     case = Zero3Case(max_grad_norm=0.0, steps=3, persistence_threshold=0)
-    engine, optimizer = make_engine(case, True, world)
     before = set(worker_threads())
+    engine, optimizer = make_engine(case, True, world)
     for step in range(case.steps):
         if step == case.steps - 1:
             optimizer._stv.worker.wait()
@@ -243,7 +243,7 @@ def _zero3_on_rank(rank, world, port, then, out_dir) -> None:
     for name, call in [*calls, ("destroy", engine.destroy)]:
         finished, _, exc = call_with_timeout(call, TIMEOUT_S)
         outcome[name] = "hung" if not finished else type(exc).__name__ if exc else None
-    outcome["workers_left"] = len([t for t in worker_threads() if t not in before])
+    outcome["workers_left"] = len([t for t in worker_threads() if t not in before and t.is_alive()])
     torch.save(outcome, os.path.join(out_dir, "outcome.pt"))
 
 
