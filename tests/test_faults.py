@@ -3,7 +3,8 @@
 Each ends with the original error promptly (no hang), leaves nothing running, and a new optimizer
 in the same process (a notebook) trains as torch AdamW does. The model, data and reference are
 `engine_reference`'s; tolerances are stated there. Worker errors themselves reaching the training
-thread and close() stopping the worker are in tests/test_engine_behaviour.py.
+thread and close() stopping the worker are in tests/test_engine_behaviour.py; where a failure after
+step() surfaces, and what a failure leaves, in tests/test_worker_failure_surfaces.py.
 """
 
 from __future__ import annotations
@@ -195,10 +196,21 @@ def _fail(*args, **kwargs):
     raise RuntimeError("injected worker failure")
 
 
+def assert_left_as_stepped(model, stepped: dict) -> None:
+    """What a WorkerError leaves (its docstring): the params of the last step() that returned
+    (``stepped``; the failed task was the first of the next update, so no bucket had begun
+    it), and no gradient of the failed backward, which a new optimizer would add to its
+    first step's."""
+    for name, p in model.named_parameters():
+        assert p.grad is None, f"{name} kept a gradient of the failed backward"
+        assert torch.equal(p.detach(), stepped[name]), f"param {name}"
+
+
 def test_worker_exception_is_a_worker_error_then_a_new_optimizer_trains(monkeypatch):
     from hf_superoffload.engine.host_steps import HostSteps
 
     cfg, batches, before, model, opt = _after_one_step(RunConfig(max_grad_norm=1e6))
+    stepped = {name: p.detach().clone() for name, p in model.named_parameters()}
     with monkeypatch.context() as patch:
         patch.setattr(HostSteps, "_pass", _fail)
         start = time.perf_counter()
@@ -210,6 +222,7 @@ def test_worker_exception_is_a_worker_error_then_a_new_optimizer_trains(monkeypa
     assert isinstance(exc, WorkerError), repr(exc)
     assert isinstance(exc.__cause__, RuntimeError) and "injected" in str(exc.__cause__)
     assert "close() it and build a new one" in str(exc)
+    assert_left_as_stepped(model, stepped)
 
     exc = None  # its traceback holds the optimizer
     holder = [opt]

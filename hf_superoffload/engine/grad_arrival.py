@@ -144,15 +144,17 @@ class GradArrival:
         check_dense_grad(param, param.grad)
         bucket, i = self._slot[id(param)]
         last = self.counts.arrive(id(param))
-        with torch.no_grad():
-            if bucket.launched and bucket.speculated_with is not None:
-                self._refuse_gradient_after_speculation(bucket)
-            if bucket.launched:
-                self._reopen(bucket)
-            elif bucket.staged[i] and self._sums_on_host(bucket):
-                self._send_round(bucket)  # a second arrival: this round to the host sum
-            self._stage(bucket, i, param.grad)
-        param.grad = None  # the bucket owns it now; frees device memory early
+        try:
+            with torch.no_grad():
+                if bucket.launched and bucket.speculated_with is not None:
+                    self._refuse_gradient_after_speculation(bucket)
+                if bucket.launched:
+                    self._reopen(bucket)
+                elif bucket.staged[i] and self._sums_on_host(bucket):
+                    self._send_round(bucket)  # a second arrival: this round to the host sum
+                self._stage(bucket, i, param.grad)
+        finally:  # raised or not (a failed worker): the step's gradients are ours, not left
+            param.grad = None  # the bucket owns it now; frees device memory early
         bucket.last_seen[i] = last
         if bucket.complete:
             self._launch_complete(bucket)
@@ -349,8 +351,10 @@ class GradArrival:
             with torch.no_grad():
                 for i, param in enumerate(bucket.plan.params):
                     if not bucket.staged[i]:
-                        self._stage(bucket, i, param.grad)
-                        param.grad = None
+                        try:
+                            self._stage(bucket, i, param.grad)
+                        finally:  # as in on_grad
+                            param.grad = None
             flushed.append((bucket, self._launch(bucket, last=True, hand_over=False)))
         self._next_launch = len(self._buckets)
         self._agree_presence()

@@ -262,6 +262,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         """Discard the gradients of this step so far, as AdamW's zero_grad does: buckets that
         already speculated on them are rolled back, and the next backward starts afresh."""
         super().zero_grad(set_to_none)  # params whose gradients we do not take (frozen ones)
+        self._stv.raise_if_failed()  # a task failed since step() (an early write): say so now
         if self._arrival.any_arrived:  # else nothing arrived since the last step (the usual)
             self._arrival.discard()
 
@@ -356,13 +357,17 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
     def _give_up_params(self) -> None:
         """A newer optimizer takes these params over (``ownership.claim``): a step begun is
         rolled back (the params get their values from before it), the worker stops, the hooks
-        go, and the buffers are dropped before the newer one allocates its own."""
-        if self._arrival.any_arrived:
+        go, and the buffers are dropped before the newer one allocates its own. A failed
+        worker rolls nothing back (worker.WorkerError says what the params hold then), and
+        its failure, if nobody was told of it, raises here once all that is done."""
+        if self._arrival.any_arrived and self._stv.worker.healthy:
             self._arrival.discard()
-        self.close()
-        self._taken_over = True
-        self._buckets, self._slot = [], {}  # parts over no buckets: every buffer goes
-        self._compose([], None, self.gradient_accumulation_steps, None, self._tail.cap_bytes)
+        try:
+            self.close()
+        finally:
+            self._taken_over = True
+            self._buckets, self._slot = [], {}  # parts over no buckets: every buffer goes
+            self._compose([], None, self.gradient_accumulation_steps, None, self._tail.cap_bytes)
 
     def __enter__(self):
         return self
@@ -409,5 +414,7 @@ def _shutdown(
             handle.remove()
         handles.clear()
     ownership.release(param_ids)
-    stv.close()
-    link.close()  # after the worker: its last tasks may still use the host buffers
+    try:
+        stv.close()  # raises a worker failure nobody was told of
+    finally:
+        link.close()  # after the worker: its last tasks may still use the host buffers

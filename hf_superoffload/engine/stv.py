@@ -265,6 +265,7 @@ class Stv:
     def conclude(self, result: Validation, parts: Iterable[HostPartition]) -> None:
         """Count the verdict and turn every host partition's step into the validated one,
         in the order given (the one the next forward needs them in)."""
+        self.worker.raise_if_failed()  # before anything is counted or queued
         parts = list(parts)
         stats = self.stats
         stats.steps += 1
@@ -325,11 +326,18 @@ class Stv:
 
     # --------------------------------------------------------------------- waiting
 
+    def raise_if_failed(self) -> None:
+        """Raise the worker's failure, if a task failed (worker.WorkerError says what then)."""
+        self.worker.raise_if_failed()
+
     def wait_for_tasks(self, keys: Iterable[int]) -> float:
         """Wait for the worker's tasks on these partitions (by index), counted as exposed CPU
         time when there were any (e.g. backward needs a host buffer a task still reads);
-        returns the seconds waited."""
+        returns the seconds waited. A failed task raises here even when none of these waits:
+        the failed one may be another's (an early write, deferred_commits.py), and a wait is
+        where the training thread learns of it (the next forward's, the next gradients')."""
         keys = list(keys)
+        self.worker.raise_if_failed()
         if not self.worker.busy(keys):
             return 0.0
         start = time.perf_counter()
@@ -377,7 +385,12 @@ class Stv:
         self.wait_for_tasks(p.index for p in parts)
 
     def close(self) -> None:
-        """Write the deferred updates (the state stays readable), then stop the worker."""
-        if self.deferred.any and self.worker.healthy:
-            self.flush()
-        self.worker.close()
+        """Write the deferred updates (the state stays readable), then stop the worker. A
+        failure nobody was told of raises here once the worker has stopped: that of this
+        write, or of an earlier task (an early write after the last step), whose update the
+        state then lacks. One already raised elsewhere does not: closing is the way out."""
+        try:
+            if self.deferred.any and self.worker.healthy:
+                self.flush()
+        finally:
+            self.worker.close()

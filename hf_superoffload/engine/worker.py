@@ -3,8 +3,11 @@
 Threads, not processes: tasks share tensors with the training thread (no pickling, pinned
 buffers stay pinned), and the kernels release the GIL. Each task names the buckets it touches;
 ``wait`` blocks until those buckets have no queued or running task. An exception in a task
-stops the worker and is re-raised, promptly, in whichever thread waits next; with other
-data-parallel ranks it is also published for them (``replicas.publish_failure``).
+stops the worker (the tasks queued after it never run) and is re-raised, as ``WorkerError``,
+by the next ``submit``, ``wait`` or ``raise_if_failed``, whatever they name; with other
+data-parallel ranks it is also published for them (``replicas.publish_failure``). ``close``
+raises it too unless a caller was told already: a failure is never lost, and closing is how
+one recovers from a failure already seen.
 """
 
 from __future__ import annotations
@@ -22,7 +25,18 @@ _STOP = object()
 
 
 class WorkerError(RuntimeError):
-    """The optimizer worker failed; the original exception is the ``__cause__``."""
+    """The optimizer worker failed; the original exception is the ``__cause__``.
+
+    The optimizers raise it at their first call after the failure (zero_grad(), the next
+    forward's first module, a gradient in backward, step(), a state read, close()). What the
+    failure leaves (tests/test_worker_failure_surfaces.py): each bucket's params in the model
+    hold its last update that the worker completed, or, for a bucket whose update was under
+    way (speculated in backward, replayed or rolled back after step()), part of it. A failed
+    early write of compact moments changes no param: they hold the update of the step() it
+    followed, and no later task runs. No param the optimizer trains keeps a gradient of the
+    call that raised it. Its master weights and moments may lack updates; nothing reads them
+    again. Either close() it and build a new optimizer over the model, which trains from the
+    params as they are, or resume from the last checkpoint."""
 
 
 class Worker:
@@ -31,6 +45,7 @@ class Worker:
         self._cond = threading.Condition()
         self._pending: dict[int, int] = {}
         self._error: BaseException | None = None
+        self._told = False  # the error was raised in some caller's thread
         self._closed = False
         # Tells the other ranks of a failed task: the optimizer passes its replicas' (scoped to
         # it); the default publishes for the latest optimizer built.
@@ -65,17 +80,31 @@ class Worker:
                 self._cond.wait()
 
     def busy(self, buckets: Iterable[int]) -> bool:
+        """Whether these buckets have a queued or running task (a failed one stays queued);
+        a query only: ``raise_if_failed`` says whether the worker failed."""
         with self._cond:
             return any(self._pending.get(k, 0) for k in buckets)
 
+    def raise_if_failed(self) -> None:
+        """Raise the failure of a task, if one failed (``WorkerError``, or KeyboardInterrupt)."""
+        with self._cond:
+            self._raise_if_failed()
+
     def close(self) -> None:
+        """Stop the thread once the tasks queued so far have run (idempotent, and it never
+        waits for more). Then raise a failure no caller has been told of: one of those tasks
+        (a final flush of state) or an earlier one nobody waited for since."""
         with self._cond:
             if self._closed:
                 return
             self._closed = True
         self._tasks.put(_STOP)
-        if threading.current_thread() is not self._thread:
-            self._thread.join()
+        if threading.current_thread() is self._thread:
+            return  # a finalizer run on the worker: it stops after this task
+        self._thread.join()
+        with self._cond:
+            if not self._told:
+                self._raise_if_failed()
 
     @property
     def alive(self) -> bool:
@@ -88,6 +117,8 @@ class Worker:
             return not self._closed and self._error is None and self._thread.is_alive()
 
     def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            self._told = True
         if isinstance(self._error, KeyboardInterrupt):
             # An interrupt stays an interrupt (a notebook's stop button, a Trainer's handler).
             raise KeyboardInterrupt(

@@ -311,8 +311,10 @@ class SuperOffloadZero3Optimizer(
             self.persistent_parameters[0].partition(self.persistent_parameters)
 
     def destroy(self):
-        self._finalizer()
-        super().destroy()
+        try:
+            self._finalizer()  # raises a worker failure nobody was told of
+        finally:
+            super().destroy()
 
 
 def _zero3_params(module: torch.nn.Module, groups) -> list[torch.nn.Parameter]:
@@ -324,5 +326,7 @@ def _zero3_params(module: torch.nn.Module, groups) -> list[torch.nn.Parameter]:
 
 def _shutdown(stv: Stv, link: Link, replicas: Replicas) -> None:
     replicas.close()
-    stv.close()
-    link.close()  # after the worker: its last tasks may still use the host buffers
+    try:
+        stv.close()  # raises a worker failure nobody was told of
+    finally:
+        link.close()  # after the worker: its last tasks may still use the host buffers
