@@ -247,15 +247,18 @@ def test_zero3_host_parts_follow_the_optimizers_sub_groups_and_count_a_resume():
         < resume_extra_host_bytes(compact_split, compact=True)
         < 0.51 * resume_extra_host_bytes(split)
     )
-    # All on the device and nothing accumulating: nothing while training, and the larger of
-    # building the optimizer (DeepSpeed's fp32 masters of the partition and its accumulation
-    # buffer) and a resume.
-    kwargs.update(offload_ratio=0.0, gradient_accumulation_steps=1)
-    parts = zero3_host_parts(optimizer, kwargs)
-    assert parts["master"] == parts["accumulation"] == 0
+    # All on the device: nothing while training, and the larger of building the optimizer
+    # (DeepSpeed's fp32 masters of the partition, and its accumulation buffer if micro-batches
+    # accumulate) and a resume.
+    kwargs.update(offload_ratio=0.0)
     resume = resume_extra_host_bytes(zero3_sub_groups(optimizer, kwargs))
-    peak = max(start_up_host_bytes(9100, 2), resume)
-    assert sum(parts.values()) == peak
+    for steps, start_up in ((2, 6 * 9100), (1, 4 * 9100)):
+        kwargs.update(gradient_accumulation_steps=steps)
+        parts = zero3_host_parts(optimizer, kwargs)
+        assert parts["master"] == 0 and parts["accumulation"] == (2 * 9100 if steps > 1 else 0)
+        assert start_up_host_bytes(9100, 2, steps > 1) == start_up
+        training = parts["accumulation"]  # the only training part with all on the device
+        assert sum(parts.values()) == training + max(start_up - training, resume)
 
 
 def _count_ranks(rank: int, rendezvous: str, out_dir: str) -> None:

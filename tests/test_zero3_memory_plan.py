@@ -64,8 +64,11 @@ MEASURED = {
     ("3b", 1, 0.8): (25.73, 36.99),
     ("3b", 1, 0.6): (35.71, 28.29),
     ("3b", 1, 0.5): (40.35, 24.19),
-    ("3b", 1, 0.4): (45.04, 20.45),  # the start-up's peak, from here down
-    ("3b", 1, 0.3): (50.10, 20.46),
+    # The host at 0.4 and 0.3 was measured when DeepSpeed's accumulation buffer was still made
+    # at start-up (20.45 and 20.46 GiB, that start-up's peak): GPU figures only until measured
+    # again (tests/test_zero3_start_up_memory.py checks the buffer is no longer made).
+    ("3b", 1, 0.4): (45.04, None),
+    ("3b", 1, 0.3): (50.10, None),
     ("llama-3.1-8b", 1, 1.0): (43.07, 107.09),
     ("llama-3.1-8b", 1, 0.9): (60.65, 91.58),
     ("llama-3.1-8b", 1, 0.85): (65.40, 87.43),
@@ -83,7 +86,8 @@ def test_predicts_every_measured_peak_within_five_percent(model, gpus, ratio):
     )  # fmt: skip
     gpu, host = MEASURED[model, gpus, ratio]
     assert plan.gpu_bytes / GIB == pytest.approx(gpu, rel=0.05)
-    assert plan.host_bytes_without_resume / GIB == pytest.approx(host, rel=0.05)
+    if host is not None:
+        assert plan.host_bytes_without_resume / GIB == pytest.approx(host, rel=0.05)
 
 
 def test_predicts_the_recipe_launchers_run_with_trls_fused_head():
@@ -164,9 +168,12 @@ def test_only_rank_0_holds_the_gathered_model_while_saving():
 
 def test_start_up_exceeds_training_when_nearly_all_state_is_on_the_gpu():
     plan = _plan("3b", ratio=0.1)
-    # DeepSpeed's fp32 masters of the whole partition and its bf16 accumulation buffer.
-    assert plan.host_start_up == 6 * plan.split.partition + plan.host["process"]
+    # DeepSpeed's fp32 masters of the whole partition, and its bf16 accumulation buffer only
+    # when micro-batches accumulate.
+    assert plan.host_start_up == 4 * plan.split.partition + plan.host["process"]
     assert plan.host_bytes_without_resume == plan.host_start_up > plan.host_training
+    accumulating = _plan("3b", ratio=0.1, gradient_accumulation=2)
+    assert accumulating.host_start_up == 6 * plan.split.partition + plan.host["process"]
     mostly_host = _plan("3b", ratio=0.8)
     assert mostly_host.host_bytes_without_resume == mostly_host.host_training
 

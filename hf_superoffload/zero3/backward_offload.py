@@ -81,8 +81,8 @@ class BackwardOffload:
         """DeepSpeed's engine forwards a boundary the user sets by hand (its documented way to
         accumulate a variable number of micro-batches, with ``coalesce_grad_reduction`` or
         without): a backward that is not at the boundary accumulates, so with
-        ``gradient_accumulation_steps`` 1 the accumulation buffer dropped at start-up is made
-        again (``host_bytes()["accumulation"]`` counts it)."""
+        ``gradient_accumulation_steps`` 1 the accumulation buffer left out at start-up is made
+        after all (``host_bytes()["accumulation"]`` counts it)."""
         if not is_boundary and not self._accumulates:
             self._restore_accumulation_buffer()
             self._accumulates = True

@@ -102,7 +102,7 @@ def zero3_host_parts(init_optimizer, kwargs: dict, compact: bool = False) -> dic
         split.partition, split.host_numel, grad, copy_out, accumulating,
         split.host_blocks if compact else None, split.largest_host_sub_group,
     )  # fmt: skip
-    start_up = start_up_host_bytes(split.partition, grad) - sum(parts.values())
+    start_up = start_up_host_bytes(split.partition, grad, accumulating) - sum(parts.values())
     resume = resume_extra_host_bytes(split, compact)
     parts["start_up_beyond_training"] = start_up if start_up > max(resume, 0) else 0
     parts["resume_beyond_training"] = resume if resume >= start_up else 0

@@ -46,10 +46,11 @@ def optimizer_host_parts(
     }
 
 
-def start_up_host_bytes(partition: int, grad_bytes: int) -> int:
-    """Held while the optimizer is built: DeepSpeed's fp32 masters of the whole partition and
-    its accumulation buffer, before the GPU tail's masters move and that buffer goes."""
-    return (4 + grad_bytes) * partition
+def start_up_host_bytes(partition: int, grad_bytes: int, accumulating: bool) -> int:
+    """Held while the optimizer is built, before the GPU tail's masters move: DeepSpeed's fp32
+    masters of the whole partition, and its accumulation buffer when micro-batches accumulate
+    (host_state.py leaves it out otherwise)."""
+    return (4 + (grad_bytes if accumulating else 0)) * partition
 
 
 def resume_extra_host_bytes(split: SubGroupSplit, compact: bool = False) -> int:

@@ -6,10 +6,10 @@ partition of the fp32 master (4 B/param) and both moments (8), its gradients in 
 accumulation dtype (2 in bf16), DeepSpeed's host accumulation buffer when micro-batches
 accumulate (2), the 16-bit params when ``offload_param`` puts them there (2), the copy-out ring,
 with compact moments a few gradient slots of the largest host sub group, and the process
-itself (CUDA context, libraries: measured, ``HOST_PROCESS_BYTES``). While the optimizer is built, DeepSpeed holds the whole partition's fp32 masters and its accumulation
-buffer (6 B/param in bf16) before the GPU tail's masters move: below a ``ratio`` of about 0.4
-that start-up is the host's peak (measured at 0.6 before its fp32 gradient buffers were
-dropped too: 33.0 GiB at start-up against 28.3 while training, 3.37B params).
+itself (CUDA context, libraries: measured, ``HOST_PROCESS_BYTES``). While the optimizer is
+built, DeepSpeed holds the whole partition's fp32 masters (4 B/param), and its accumulation
+buffer (2 in bf16) when micro-batches accumulate, before the GPU tail's masters move: when
+nearly all the state is on the GPU that start-up is the host's peak.
 
 GPU, per rank, as torch's allocator counts it (``max_memory_allocated``; the CUDA context comes
 on top): the 16-bit param partition, the params ZeRO-3 gathers around the layer being computed
@@ -383,7 +383,11 @@ def zero3_memory_plan(config, run: Zero3Run, shape: ModelShape | None = None) ->
         **activation_gpu_bytes(config, shape, run),
         "logits_and_loss": loss_bytes(config, shape, run, tokens),
     }
-    start_up = start_up_host_bytes(partition, low) + host["offloaded_params"] + host["process"]
+    start_up = (
+        start_up_host_bytes(partition, low, run.gradient_accumulation > 1)
+        + host["offloaded_params"]
+        + host["process"]
+    )
     # A resume loads before the first forward, before the offloaded layer inputs take their
     # pinned blocks.
     resume = (

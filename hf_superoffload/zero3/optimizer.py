@@ -177,8 +177,6 @@ class SuperOffloadZero3Optimizer(
         )
         self._finalizer = weakref.finalize(self, _shutdown, self._stv, self._link, self._replicas)
         self._stv.clip_threshold = self.clip_grad or None
-        if not self._accumulates:  # before ours are allocated: the host's peak is at start-up
-            self._drop_accumulation_buffer()
         self._host_parts = self._build_host_partitions(params_on_device)
         self._host_part_at = {part.index: part for part in self._host_parts}
         self._pending_params = self._params_expecting_gradients()
