@@ -193,6 +193,11 @@ def test_deepspeed_config_launches_the_example_through_our_zero3_optimizer(tmp_p
     assert result.returncode == 0, result.stderr[-3000:]
     output = result.stdout + result.stderr
     assert "SuperOffload on ZeRO-3 runs in place of DeepSpeed's" in output, output[-3000:]
+    # How long the optimizer took to build, and DeepSpeed's share.
+    built = re.search(
+        r"built in ([0-9.]+) s, ([0-9.]+) of them in DeepSpeed's partitioning", output
+    )
+    assert built and 0 < float(built[2]) <= float(built[1]), output[-3000:]
     summary = json.loads((tmp_path / "out" / "sft_summary.json").read_text())
     assert summary["optimizer"] == "SuperOffloadZero3Optimizer"
     # The optimizer that ran and the bytes its state held on this rank (not 0, as counted from

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 import weakref
 
 import torch
@@ -112,6 +113,7 @@ class SuperOffloadZero3Optimizer(
     @closes_replicas_on_failure
     @_shuts_down_on_failure
     def __init__(self, module, init_optimizer, param_names, timers, ds_config, **kwargs):
+        began = time.perf_counter()  # start-up is long for big models: the log says where
         device = torch.device(get_accelerator().current_device_name())
         # Its failure watch runs from the first collective on (the host check's): NCCL's wait
         # through a peer's death ends by its abort.
@@ -135,6 +137,7 @@ class SuperOffloadZero3Optimizer(
         self.moments = "compact" if options.compact else "fp32"
         self._salt_of = compact_salts(init_optimizer, kwargs.get("dp_process_group"))
         super().__init__(module, init_optimizer, param_names, timers, ds_config, **kwargs)
+        deepspeed_seconds = time.perf_counter() - began
         use_team(options.team)  # its thread count, and its CPUs for the worker
         ops.prepare()  # build or load the CPU Adam now, visibly, not inside step 1
         self._zero_padding()
@@ -203,7 +206,9 @@ class SuperOffloadZero3Optimizer(
             f"hf_superoffload: SuperOffload on ZeRO-3 runs in place of DeepSpeed's "
             f"({len(self._host_parts)} of {len(self.fp32_partitioned_groups_flat)} sub groups "
             f"on the host, {options.cpu_threads} CPU Adam threads, speculate={options.speculate}, "
-            f"moments={self.moments}; {OPT_OUT_ENV}=0 runs DeepSpeed's own)",
+            f"moments={self.moments}; {OPT_OUT_ENV}=0 runs DeepSpeed's own); built in "
+            f"{time.perf_counter() - began:.1f} s, {deepspeed_seconds:.1f} of them in "
+            "DeepSpeed's partitioning",
             ranks=[0],
             level=logging.WARNING,  # once per run, and the user must see which engine runs
         )
