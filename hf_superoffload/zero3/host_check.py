@@ -25,6 +25,7 @@ from ..engine.host_memory import check_host_memory
 from ..engine.replicas import Replicas
 from .host_parts import (
     copy_out_bytes,
+    micro_batches_accumulate,
     optimizer_host_parts,
     resume_extra_host_bytes,
     start_up_host_bytes,
@@ -88,7 +89,9 @@ def _numel(param) -> int:
     return getattr(param, "ds_numel", param.numel())
 
 
-def zero3_host_parts(init_optimizer, kwargs: dict, compact: bool = False) -> dict[str, int]:
+def zero3_host_parts(
+    init_optimizer, kwargs: dict, compact: bool = False, ds_config: dict | None = None
+) -> dict[str, int]:
     """Host bytes per rank of the optimizer DeepSpeed is about to build, by what holds them:
     training's parts, and what start-up or a resume holds beyond them (the larger);
     ``compact``: its moments are compact."""
@@ -97,7 +100,7 @@ def zero3_host_parts(init_optimizer, kwargs: dict, compact: bool = False) -> dic
     grad = kwargs.get("gradient_accumulation_dtype", torch.float32).itemsize
     low = params[0].dtype.itemsize if params and params[0].dtype != torch.float32 else 0
     copy_out = copy_out_bytes(split.largest_host_sub_group, low, compact)
-    accumulating = kwargs.get("gradient_accumulation_steps", 1) > 1
+    accumulating = micro_batches_accumulate(kwargs, ds_config or {})
     parts = optimizer_host_parts(
         split.partition, split.host_numel, grad, copy_out, accumulating,
         split.host_blocks if compact else None, split.largest_host_sub_group,
@@ -110,12 +113,12 @@ def zero3_host_parts(init_optimizer, kwargs: dict, compact: bool = False) -> dic
 
 
 def check_zero3_host_memory(
-    init_optimizer, kwargs: dict, replicas: Replicas, compact: bool = False
+    init_optimizer, kwargs: dict, replicas: Replicas, compact: bool, ds_config: dict
 ) -> None:
     """Refuse this rank's host state if the host cannot hold it for all of its ranks, then
     wait for the other ranks' checks: each measures the available memory before any of them
     allocates (else a late rank would count an early one's buffers twice), and a rank that
     refused ends the others' wait at once, with its error (the optimizer's ``replicas``, whose
     failure watch also ends an NCCL wait)."""
-    check_host_memory(zero3_host_parts(init_optimizer, kwargs, compact), REMEDIES)
+    check_host_memory(zero3_host_parts(init_optimizer, kwargs, compact, ds_config), REMEDIES)
     replicas.agree(0.0, "max")

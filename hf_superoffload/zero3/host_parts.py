@@ -46,6 +46,14 @@ def optimizer_host_parts(
     }
 
 
+def micro_batches_accumulate(kwargs: dict, ds_config: dict) -> bool:
+    """Whether gradients accumulate over micro-batches on the host (DeepSpeed's accumulation
+    buffer is then made): ``gradient_accumulation_steps`` above 1, or a config whose
+    ``managed_gradient_accumulation`` is false (the script accumulates by hand)."""
+    managed = ds_config.get("managed_gradient_accumulation", True) is not False
+    return kwargs.get("gradient_accumulation_steps", 1) > 1 or not managed
+
+
 def start_up_host_bytes(partition: int, grad_bytes: int, accumulating: bool) -> int:
     """Held while the optimizer is built, before the GPU tail's masters move: DeepSpeed's fp32
     masters of the whole partition, and its accumulation buffer when micro-batches accumulate

@@ -58,6 +58,7 @@ from .checkpoint_load import load_rank_state
 from .checkpoint_universal import load_universal_state
 from .device_sub_groups import DeviceSubGroups, device_sub_group_count
 from .gather_waits import wrap_gathers
+from .host_parts import micro_batches_accumulate
 from .host_state import HostState, compact_salts
 from .norms import sub_group_norms
 from .options import (
@@ -126,13 +127,12 @@ class SuperOffloadZero3Optimizer(
             kwargs.get("reduce_bucket_size", DEEPSPEED_DEFAULT_REDUCE_BUCKET_SIZE),
             kwargs["sub_group_size"],
         )
-        managed = ds_config.get("managed_gradient_accumulation", True) is not False
         # The sub groups "ratio" keeps on the GPU are ours to step (device_sub_groups.py says
         # why); DeepSpeed offloads all and builds none of its partial-offload machinery.
         ratio, kwargs["offload_ratio"] = kwargs.get("offload_ratio", 1.0), 1.0
         self._holds_elements: dict[int, bool] = {}  # ds_id -> _has_gradient_partition
         # Read by the set-up hooks below, which DeepSpeed's constructor calls.
-        self._accumulates = kwargs.get("gradient_accumulation_steps", 1) > 1 or not managed
+        self._accumulates = micro_batches_accumulate(kwargs, ds_config)
         self._compact = options.compact
         self.moments = "compact" if options.compact else "fp32"
         self._salt_of = compact_salts(init_optimizer, kwargs.get("dp_process_group"))

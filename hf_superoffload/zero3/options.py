@@ -126,7 +126,7 @@ def check_supported(
             '"zero_optimization", or "super_offload" from "offload_optimizer".'
         )
     check_adamw(init_optimizer)
-    check_zero3_host_memory(init_optimizer, kwargs, replicas, compact)  # last: cheap ones first
+    check_zero3_host_memory(init_optimizer, kwargs, replicas, compact, ds_config)  # last
 
 
 def warn_unused_offload_keys(offload_optimizer_config) -> None:
