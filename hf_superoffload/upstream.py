@@ -100,6 +100,9 @@ SURFACE: tuple[Name, ...] = (
         "_get_fp32_opt_state_partition",
         "_get_norm_groups",
         "_offload_grad_partition_at_boundary",
+        # Hides fp16_groups from it without accumulation: it sizes its host accumulation
+        # buffer from them and reads them for nothing else on this path (zero3/host_state.py).
+        "_setup_for_real_optimizer",
     ),
     # ... and calls.
     *_stage3(
