@@ -5,13 +5,16 @@ made only when micro-batches accumulate: without accumulation every gradient par
 our boundary path, and the buffer would only have raised the start-up peak.
 
 Counted on a one-rank CPU run by a dispatch mode on the constructing thread: every tensor
-created while the optimizer is built, by dtype and size.
+created while the optimizer is built, by dtype and size. The start-up line rank 0 logs says
+how long that took.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import os
+import re
 
 import pytest
 import torch
@@ -58,9 +61,22 @@ def _on_rank(rank, world, port, out_dir) -> None:
         built["tensors"] = created.tensors
 
     SuperOffloadZero3Optimizer.__init__ = counted
+    from deepspeed.utils import logger
+
+    class Lines(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.lines: list[str] = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    lines = Lines()
+    logger.addHandler(lines)
     results = {}
     for accumulation in (1, 2):
         case = Zero3Case(bf16=True, sub_group_size=2000, accumulation=accumulation)
+        seen = len(lines.lines)
         engine, optimizer = make_engine(case, True, world)
         partition = sum(m.numel() for m in optimizer.fp32_partitioned_groups_flat)
         results[accumulation] = {
@@ -70,6 +86,7 @@ def _on_rank(rank, world, port, out_dir) -> None:
             "dtype": optimizer.gradient_accumulation_dtype,
             "buffer": optimizer.grad_partitions_flat_buffer.numel(),
             "host_bytes": optimizer.host_bytes(),
+            "log": [line for line in lines.lines[seen:] if "runs in place of DeepSpeed's" in line],
         }
         engine.destroy()
     torch.save(results, os.path.join(out_dir, "rank0.pt"))
@@ -97,6 +114,13 @@ def test_deepspeeds_accumulation_buffer_is_made_only_when_micro_batches_accumula
     assert single["buffer"] == 0 and accumulating["buffer"] == partition
     assert single["host_bytes"]["accumulation"] == 0
     assert accumulating["host_bytes"]["accumulation"] == 2 * partition
+    # The start-up line says how long building the optimizer took, and DeepSpeed's share.
+    for got in (single, accumulating):
+        (line,) = got["log"]
+        built = re.search(
+            r"built in ([0-9.]+) s, ([0-9.]+) of them in DeepSpeed's partitioning", line
+        )
+        assert built and 0 < float(built[2]) <= float(built[1]), line
     # The start-up figure counts the buffer where it is made, and only there.
     assert start_up_host_bytes(partition, 2, True) - start_up_host_bytes(partition, 2, False) == (
         2 * partition
