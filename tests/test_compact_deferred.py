@@ -82,20 +82,33 @@ def test_a_reader_right_after_a_step_sees_its_update(read):
     """Right after step() the update of a validated speculation is not in the host state yet
     (the next step's pass writes it): a reader gets it written first, and training goes on
     exactly as without the reader."""
+    got = _check_a_reader_right_after_a_step(read)
+    assert got.stats["commits_fused"] > 0
+
+
+def _check_a_reader_right_after_a_step(read, before_reading=None):
+    """Train CFG with ``read`` right after step AT (``before_reading(opt)`` first): what it
+    read, and the whole trajectory, are the compact reference's. Returns the run."""
     seen = {}
 
     def probe(when, step, model, opt):
         if when == "after_step" and step == AT:
+            if before_reading is not None:
+                before_reading(opt)
             seen.update(read(opt, model, CFG))
 
     got = _engine(CFG, probe=probe)
-    assert got.stats["commits_fused"] > 0
     norms = got.grad_norms
     _assert_state_equal(seen, run_compact_reference(CFG.replace(steps=AT + 1), norms), "read")
     assert_equal_trajectory(got, run_compact_reference(CFG, norms))
+    return got
 
 
 def test_close_writes_the_deferred_updates_and_the_state_stays_readable():
+    _check_close_writes_the_deferred_updates()
+
+
+def _check_close_writes_the_deferred_updates() -> None:
     model = build_model(CFG)
     opt = make_engine(model, CFG, moments="compact", gpu_tail=0)
     records = train_loop(CFG, model, opt, make_batches(CFG), engine_do_step(opt))

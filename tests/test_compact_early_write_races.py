@@ -21,7 +21,8 @@ from test_compact_deferred import (
     CFG,
     CLIP,
     ONE,
-    _assert_state_equal,
+    _check_a_reader_right_after_a_step,
+    _check_close_writes_the_deferred_updates,
     _check_resume_over_a_pending_update,
     _commit_early,
     _custom_run,
@@ -41,29 +42,19 @@ DELAY = 0.02  # each early write sleeps first: the next step's work finds it que
 )
 def test_a_reader_right_after_a_step_waits_for_the_early_writes(read, monkeypatch):
     _commit_early(monkeypatch, DELAY)
-    seen, queued = {}, []
+    queued = []
 
-    def probe(when, step, model, opt):
-        if when == "after_step" and step == AT:
-            deferred = opt._stv.deferred
-            queued.append(opt._stv.worker.busy(-1 - i for i in deferred._early))
-            seen.update(read(opt, model, CFG))
+    def still_queued(opt):
+        deferred = opt._stv.deferred
+        queued.append(opt._stv.worker.busy(-1 - i for i in deferred._early))
 
-    got = _engine(CFG, probe=probe)
-    norms = got.grad_norms
-    _assert_state_equal(seen, run_compact_reference(CFG.replace(steps=AT + 1), norms), "read")
-    assert_equal_trajectory(got, run_compact_reference(CFG, norms))
+    got = _check_a_reader_right_after_a_step(read, still_queued)
     assert queued == [True] and got.stats["commits_fused"] == 0
 
 
 def test_close_right_after_early_writes_were_queued(monkeypatch):
     _commit_early(monkeypatch, DELAY)
-    model = build_model(CFG)
-    opt = make_engine(model, CFG, moments="compact", gpu_tail=0)
-    records = train_loop(CFG, model, opt, make_batches(CFG), engine_do_step(opt))
-    opt.close()
-    after_close = _read_state_dict(opt, model, CFG)
-    _assert_state_equal(after_close, run_compact_reference(CFG, records[1]), "after close")
+    _check_close_writes_the_deferred_updates()
 
 
 def test_a_skip_while_early_writes_are_queued(monkeypatch):
