@@ -152,9 +152,9 @@ class HostState:
 
     def _restore_accumulation_buffer(self) -> None:
         """Make DeepSpeed's host accumulation buffer (and its per-param views), left out at
-        start-up, as its constructor does, unpinned: the user set the accumulation boundary by hand, so
-        backward passes without a step in between accumulate after all. ``host_bytes``
-        counts it from then on."""
+        start-up, as its constructor does, unpinned: the user set the accumulation boundary
+        by hand, so backward passes without a step in between accumulate after all.
+        ``host_bytes`` counts it from then on."""
         params = [p for group in self.fp16_groups for p in group]
         buffer = torch.zeros(
             sum(p.partition_numel() for p in params),
