@@ -12,7 +12,7 @@
 set -u
 OUT="${OUT:-results}"
 CLIP="${CLIP:-0}"
-VARIANTS="${VARIANTS:-HF_SUPEROFFLOAD_CPU_THREADS=12 HF_SUPEROFFLOAD_CPU_ADAM_ISA=avx2}"
+VARIANTS="${VARIANTS:-HF_SUPEROFFLOAD_CPU_THREADS=12;HF_SUPEROFFLOAD_CPU_ADAM_ISA=avx2}"
 mkdir -p "$OUT"
 source dev/gpu_env.sh || exit 1
 timeout 120 python -m pytest -q -m gpu tests/test_tail_growth_scratch.py > "$OUT/pytest_tail.log" 2>&1
