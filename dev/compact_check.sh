@@ -8,7 +8,8 @@
 #   TESTS=0 CLIPS=0 ROUNDS=2 VARIANTS="HF_SUPEROFFLOAD_CPU_THREADS=14;OMP_WAIT_POLICY=PASSIVE" \
 #       bash dev/compact_check.sh   # then compact moments again under each variant (one a run;
 #                                   # variants split by ';', each one or more VAR=VALUE words),
-#                                   # the whole set ROUNDS times in turn
+#                                   # the whole set ROUNDS times in turn; VARIANT_SYSTEMS=
+#                                   # superoffload_zero3,superoffload_zero3_compact runs both
 #
 # Run from the repo root on a GPU machine with `.whl` carried (dev/gpu_env.sh). Writes under
 # $OUT (default ./results): pytest_gpu.log, pytest_kernel.log, round<R>/<label>/suite.csv
@@ -23,7 +24,8 @@ TESTS="${TESTS:-1}"
 mkdir -p "$OUT"
 source dev/gpu_env.sh || exit 1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-lscpu | grep -E "Model name|^CPU\(s\)|Flags" | cut -c1-300 > "$OUT/cpu.txt"
+lscpu | grep -E "Model name|^CPU\(s\)|Thread|Core|Socket|NUMA|L3|Flags" | cut -c1-300 > "$OUT/cpu.txt"
+echo "transparent huge pages: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null)" | tee -a "$OUT/cpu.txt"
 if [ "$TESTS" = 1 ]; then
     timeout 150 python -m pytest -q -x -m gpu tests/test_compact_gpu.py > "$OUT/pytest_gpu.log" 2>&1
     echo "gpu tests rc=$? $(tail -n 1 "$OUT/pytest_gpu.log")"
@@ -36,6 +38,7 @@ if [ "$TESTS" = 1 ]; then
 fi
 ROUNDS="${ROUNDS:-1}"
 VARIANTS="${VARIANTS:-}"
+VARIANT_SYSTEMS="${VARIANT_SYSTEMS:-superoffload_zero3_compact}"  # the systems a variant runs
 IFS=';' read -r -a variant_list <<< "$VARIANTS"
 : > "$OUT/variants.txt"
 for i in "${!variant_list[@]}"; do echo "v$((i + 1)) ${variant_list[$i]}" >> "$OUT/variants.txt"; done
@@ -54,7 +57,7 @@ for round in $(seq 1 "$ROUNDS"); do
         suite base "$clip" superoffload_zero3,superoffload_zero3_compact
         for i in "${!variant_list[@]}"; do
             read -r -a words <<< "${variant_list[$i]}"
-            suite "v$((i + 1))" "$clip" superoffload_zero3_compact "${words[@]}"
+            suite "v$((i + 1))" "$clip" "$VARIANT_SYSTEMS" "${words[@]}"
         done
     done
 done
@@ -84,7 +87,8 @@ for path in sorted(glob.glob(os.path.join(out, "round*", "*", "suite.csv"))):
               f"fused/step {s.get('commits_fused', 0) / n:.1f}")
 print(f"\n{'system':<27} {'variant':<32} clip  runs  median s/step  (min-max)      over fp32")
 for (system, variant, clip), values in sorted(times.items()):
-    fp32 = times.get(("superoffload_zero3", "", clip))
+    # against fp32 moments under the same variant where it ran, else without one
+    fp32 = times.get(("superoffload_zero3", variant, clip)) or times.get(("superoffload_zero3", "", clip))
     ratio = statistics.median(values) / statistics.median(fp32) if fp32 else float("nan")
     print(f"{system:<27} {variant or '-':<32} {clip:<5} {len(values):<5} "
           f"{statistics.median(values):<14.3f} ({min(values):.3f}-{max(values):.3f})  {ratio:.3f}x")
