@@ -25,8 +25,10 @@ while the main thread only waits. Rows, one per pass, condition and memory kind:
 - + dma (CUDA): alone, while a side stream copies --dma-mb of pinned memory to the GPU and
   back without pause, as the engine's transfers of params and gradients do.
 - + python thread + dma (CUDA).
---memory: the state in pageable memory, pinned memory (cudaHostAlloc, as the engine's), or
-both, one after the other. "ratio" is a row's M el/s over alone's, same pass and memory kind.
+--memory: the state in pageable memory, or held as the ZeRO-3 engine holds it ("pinned":
+master, gradients and copy-out page-locked with cudaHostRegister, moments pageable), or both,
+one after the other. Run it again under THP_MEM_ALLOC_ENABLE=1 (torch's allocations of 2 MB and
+more on transparent huge pages) to see what the pages' size does. "ratio" is a row's M el/s over alone's, same pass and memory kind.
 Times are medians over --repeats passes after one warm-up pass (time.perf_counter).
 """
 
@@ -78,18 +80,24 @@ def cut(spans: list[tuple[int, int]], piece: int) -> list[tuple[int, int, int]]:
 
 
 class State:
-    """The flat state of both kinds of moments, every tensor pageable or pinned."""
+    """The flat state of both kinds of moments, every tensor pageable, or (``pinned``) held as
+    the ZeRO-3 engine holds it: master, gradients and copy-out page-locked by the engine's
+    PinnedBuffers (torch's allocation, cudaHostRegister), the moments pageable."""
 
     def __init__(self, numel: int, pinned: bool, out_numel: int):
-        def empty(n, dtype):
-            return torch.empty(n, dtype=dtype, pin_memory=pinned)
+        from hf_superoffload.engine.host_memory import PinnedBuffers
+
+        self._pinned = PinnedBuffers() if pinned else None  # unpins when collected
+
+        def locked(n, dtype):
+            return self._pinned.empty(n, dtype) if pinned else torch.empty(n, dtype=dtype)
 
         blocks = -(-numel // BLOCK)
-        self.master, self.grad = empty(numel, torch.float32), empty(numel, torch.bfloat16)
-        self.codes = [empty(numel, torch.uint8), empty(numel, torch.uint8)]
-        self.scales = [empty(blocks, torch.float32), empty(blocks, torch.float32)]
-        self.exp_avg, self.exp_avg_sq = empty(numel, torch.float32), empty(numel, torch.float32)
-        self.out = empty(out_numel, torch.bfloat16)
+        self.master, self.grad = locked(numel, torch.float32), locked(numel, torch.bfloat16)
+        self.codes = [torch.empty(numel, dtype=torch.uint8) for _ in "mv"]
+        self.scales = [torch.empty(blocks, dtype=torch.float32) for _ in "mv"]
+        self.exp_avg, self.exp_avg_sq = (torch.empty(numel, dtype=torch.float32) for _ in "mv")
+        self.out = locked(out_numel, torch.bfloat16)
         gen, chunk = torch.Generator().manual_seed(0), min(numel, 16 * 2**20)
         master, grad = torch.randn(chunk, generator=gen), torch.randn(chunk, generator=gen) * 1e-3
         for at in range(0, numel, chunk):  # the random chunk tiled: fast to fill, same values
