@@ -219,6 +219,11 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         return self._arrival.counts.accumulation_steps
 
     @property
+    def replica_count(self) -> int:
+        """Ranks holding this optimizer's whole state as data-parallel replicas (1 alone)."""
+        return self._replicas.size
+
+    @property
     def gpu_tail_cap(self) -> float | None:
         """Most GPU memory (GiB) the GPU tail's optimizer state may hold, or None. Lowering
         it between steps gives buckets back at the next step()."""

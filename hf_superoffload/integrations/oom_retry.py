@@ -2,23 +2,29 @@
 
 ``gpu_tail="auto"`` grows the GPU tail into the memory the training's peak has left so
 far; a later batch that needs more (a longer sequence, say) can then run out. Rather than end
-a run of hours there, the Trainer's training_step gives the tail back and retries the batch
-once:
+a run of hours there, the Trainer's training_step gives the tail back and retries once:
 
 1. the step's gradients so far are discarded (``zero_grad``: speculated updates are rolled
    back, so params and moments are those of the last step);
 2. every tail bucket moves to the host, the allocator's cache is emptied, and later growth
    stays under half of what the tail held (``release_device_tail``);
-3. the batch runs again. A second out-of-memory error, or one with no tail to give back (an
-   integer ``gpu_tail``, no GPU), is raised as it came.
+3. the accumulation window runs again from its first micro-batch (``MicroBatchWindow``): the
+   earlier micro-batches with the inputs and the random-number state each began with, then the
+   failing one, so the step takes the gradients it would have taken without the error (the
+   window's losses were logged the first time and are not counted again).
 
-With gradient accumulation, the micro-batches of the window before the failing one are lost
-with the discarded gradients: the step then averages fewer micro-batches, and the log says so.
+A second out-of-memory error is raised as it came, and so is one with no tail to give back
+(an integer ``gpu_tail``, no GPU) or under data-parallel replicas: there the other ranks are
+in the failing step's collectives, and a rank that moved its tail alone would step its buckets
+with other arithmetic than theirs.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+
+import torch
 
 from ..engine import SuperOffloadOptimizer
 from ..engine.placement import DEVICE_BYTES_PER_ELEMENT
@@ -26,34 +32,82 @@ from ..engine.placement import DEVICE_BYTES_PER_ELEMENT
 logger = logging.getLogger("hf_superoffload")
 
 
+class MicroBatchWindow:
+    """The micro-batches run since the last optimizer step, each with the random-number state
+    (CPU and every initialised CUDA device) it began with: dropout and other random ops of a
+    replay draw what they drew the first time."""
+
+    def __init__(self) -> None:
+        self._done: list[tuple[dict, object, tuple]] = []  # inputs, num_items, RNG state
+
+    def __len__(self) -> int:
+        return len(self._done)
+
+    @staticmethod
+    def rng_state() -> tuple:
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        return torch.get_rng_state(), cuda
+
+    @staticmethod
+    def restore(state: tuple) -> None:
+        cpu, cuda = state
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+    def finish(self, inputs: dict, num_items, rng: tuple, ends_window: bool) -> None:
+        """A micro-batch ran, from ``rng``; with ``ends_window`` the step follows and the
+        window starts afresh."""
+        if ends_window:
+            self._done.clear()
+        else:  # a copy: a trainer may pop or add keys of the dict it was handed
+            self._done.append((dict(inputs), num_items, rng))
+
+    def replay(self, run: Callable[[dict, object], object]) -> None:
+        """Run the window's micro-batches again, in order, each from its random-number state."""
+        for inputs, num_items, rng in self._done:
+            self.restore(rng)
+            run(dict(inputs), num_items)
+
+
 def release_for_retry(
     optimizer: SuperOffloadOptimizer, error: BaseException, earlier_micro_batches: int, step: int
 ) -> bool:
     """Free the GPU tail after ``error`` (a torch.OutOfMemoryError in forward or backward);
-    True if the batch may be retried, False if there was nothing to give back."""
+    True if the window may run again, False if the error is to be raised as it came: under
+    data-parallel replicas (before anything changes), or with no tail to give back."""
+    if optimizer.replica_count > 1:
+        logger.warning(
+            "hf_superoffload: CUDA out of memory at optimizer step %d with %d data-parallel "
+            "replicas: not retried (the other ranks wait in this step's collectives). Set "
+            "gpu_tail_cap (HF_SUPEROFFLOAD_GPU_TAIL_CAP) below what the longest batches leave "
+            "free.",
+            step,
+            optimizer.replica_count,
+        )
+        return False
     held = optimizer.stats["gpu_tail_params"] * DEVICE_BYTES_PER_ELEMENT
     optimizer.zero_grad()
     moved = optimizer.release_device_tail("CUDA out of memory in forward/backward")
     if not moved:
         return False
     optimizer.stats_counters.oom_retries += 1
-    lost = (
-        f"; the {earlier_micro_batches} earlier micro-batches of this accumulation window were "
-        f"discarded with the step's gradients"
+    again = (
+        f"the {earlier_micro_batches + 1} micro-batches of this accumulation window"
         if earlier_micro_batches
-        else ""
+        else "the batch"
     )
     cap = optimizer.gpu_tail_cap
     logger.warning(
         "hf_superoffload: CUDA out of memory at optimizer step %d (%s). Moved the %.2f GiB of "
-        "optimizer state on the GPU to the host and retrying the batch once; gpu_tail_cap is "
-        "now %.2f GiB%s. To avoid this, set gpu_tail_cap (HF_SUPEROFFLOAD_GPU_TAIL_CAP) below "
-        "what the longest batches leave free.",
+        "optimizer state on the GPU to the host and running %s again; gpu_tail_cap is now "
+        "%.2f GiB. To avoid this, set gpu_tail_cap (HF_SUPEROFFLOAD_GPU_TAIL_CAP) below what "
+        "the longest batches leave free.",
         step,
         _first_line(error),
         held / 2**30,
+        again,
         cap if cap is not None else float("nan"),
-        lost,
     )
     return True
 

@@ -48,7 +48,7 @@ from .arguments import resolve_save_dtype
 from .checks import DATA_PARALLEL, check_optimizer_arguments, check_supported
 from .metrics import ThroughputMeter, all_ranks_stats, peak_tflops, stv_metrics
 from .model_card import add_superoffload_section, dataset_names, trainer_kind_tags
-from .oom_retry import release_for_retry
+from .oom_retry import MicroBatchWindow, release_for_retry
 from .plugin import SuperOffloadOptions
 from .save import (
     BF16_CAST_WARNING,
@@ -87,7 +87,7 @@ class SuperOffloadTrainerMixin:
         self._throughput = ThroughputMeter()
         self._superoffload_built: SuperOffloadOptimizer | None = None
         self._superoffload_warned_bf16 = False
-        self._micro_batches_in_window = 0  # done since the last optimizer step (OOM retry)
+        self._micro_batch_window = MicroBatchWindow()  # what an OOM retry runs again
         super().__init__(*args, **kwargs)
         if self._on_deepspeed:  # DeepSpeed builds our ZeRO-3 optimizer when train() starts
             require_super_offload(self.accelerator.state.deepspeed_plugin.deepspeed_config)
@@ -249,21 +249,28 @@ class SuperOffloadTrainerMixin:
         self._throughput.add_batch(
             inputs, self.accelerator.unwrap_model(model), self._sequence_parallel_size()
         )
-        earlier = self._micro_batches_in_window
+        window, rng = self._micro_batch_window, MicroBatchWindow.rng_state()
         try:
             loss = super().training_step(model, inputs, num_items_in_batch)
         except torch.OutOfMemoryError as error:
             if optimizer is None:
                 raise
             error.__traceback__ = None  # its frames hold the failed pass's activations
-            if not release_for_retry(optimizer, error, earlier, self.state.global_step):
+            if not release_for_retry(optimizer, error, len(window), self.state.global_step):
                 raise
             # Out of the except block: the failed pass's tensors are freed before the retry.
             loss = None
-        if loss is None:
+        if loss is None:  # the whole window again, as it ran the first time
+
+            def earlier(micro_batch, num_items):
+                optimizer.set_accumulation_boundary(False)
+                super(SuperOffloadTrainerMixin, self).training_step(model, micro_batch, num_items)
+
+            window.replay(earlier)
+            MicroBatchWindow.restore(rng)
             optimizer.set_accumulation_boundary(self.accelerator.sync_gradients)
             loss = super().training_step(model, inputs, num_items_in_batch)
-        self._micro_batches_in_window = 0 if self.accelerator.sync_gradients else earlier + 1
+        window.finish(inputs, num_items_in_batch, rng, self.accelerator.sync_gradients)
         return loss
 
     def _sequence_parallel_size(self) -> int:
