@@ -244,17 +244,17 @@ class SuperOffloadTrainerMixin:
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         optimizer = self.superoffload_optimizer
-        if optimizer is not None:  # the Trainer decided before this backward if it syncs
-            optimizer.set_accumulation_boundary(self.accelerator.sync_gradients)
         self._throughput.add_batch(
             inputs, self.accelerator.unwrap_model(model), self._sequence_parallel_size()
         )
+        if optimizer is None:  # DeepSpeed's engine runs the backward
+            return super().training_step(model, inputs, num_items_in_batch)
+        # The Trainer decided before this backward if it syncs.
+        optimizer.set_accumulation_boundary(self.accelerator.sync_gradients)
         window, rng = self._micro_batch_window, MicroBatchWindow.rng_state()
         try:
             loss = super().training_step(model, inputs, num_items_in_batch)
         except torch.OutOfMemoryError as error:
-            if optimizer is None:
-                raise
             error.__traceback__ = None  # its frames hold the failed pass's activations
             if not release_for_retry(optimizer, error, len(window), self.state.global_step):
                 raise
