@@ -56,15 +56,16 @@ class MicroBatchWindow:
             torch.cuda.set_rng_state_all(cuda)
 
     def finish(self, inputs: dict, num_items, rng: tuple, ends_window: bool) -> None:
-        """A micro-batch ran, from ``rng``; with ``ends_window`` the step follows and the
-        window starts afresh."""
+        """A micro-batch ran, from ``inputs`` as they came (a copy nothing else holds) and
+        ``rng``; with ``ends_window`` the step follows and the window starts afresh."""
         if ends_window:
             self._done.clear()
-        else:  # a copy: a trainer may pop or add keys of the dict it was handed
-            self._done.append((dict(inputs), num_items, rng))
+        else:
+            self._done.append((inputs, num_items, rng))
 
     def replay(self, run: Callable[[dict, object], object]) -> None:
-        """Run the window's micro-batches again, in order, each from its random-number state."""
+        """Run the window's micro-batches again, in order, each from its random-number state
+        (``run`` gets a copy of the inputs, which a trainer may change)."""
         for inputs, num_items, rng in self._done:
             self.restore(rng)
             run(dict(inputs), num_items)

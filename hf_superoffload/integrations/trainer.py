@@ -251,7 +251,8 @@ class SuperOffloadTrainerMixin:
             return super().training_step(model, inputs, num_items_in_batch)
         # The Trainer decided before this backward if it syncs.
         optimizer.set_accumulation_boundary(self.accelerator.sync_gradients)
-        window, rng = self._micro_batch_window, MicroBatchWindow.rng_state()
+        # As the micro-batch came (a trainer may add or pop keys of the dict it is handed).
+        window, rng, fresh = self._micro_batch_window, MicroBatchWindow.rng_state(), dict(inputs)
         try:
             loss = super().training_step(model, inputs, num_items_in_batch)
         except torch.OutOfMemoryError as error:
@@ -269,8 +270,8 @@ class SuperOffloadTrainerMixin:
             window.replay(earlier)
             MicroBatchWindow.restore(rng)
             optimizer.set_accumulation_boundary(self.accelerator.sync_gradients)
-            loss = super().training_step(model, inputs, num_items_in_batch)
-        window.finish(inputs, num_items_in_batch, rng, self.accelerator.sync_gradients)
+            loss = super().training_step(model, dict(fresh), num_items_in_batch)
+        window.finish(fresh, num_items_in_batch, rng, self.accelerator.sync_gradients)
         return loss
 
     def _sequence_parallel_size(self) -> int:
