@@ -181,6 +181,12 @@ SURFACE: tuple[Name, ...] = (
     # TRL
     Name("trl:SFTTrainer", "_tag_names", "reads (the model card)"),
     Name("trl:DPOTrainer", "_tag_names", "reads (the model card)"),
+    # The records an out-of-memory retry rolls back (integrations/trl.py).
+    *(
+        Name(f"trl:{cls}", name, "reads and restores (OOM retry)", kind="attribute")
+        for cls in ("SFTTrainer", "DPOTrainer")
+        for name in ("_metrics", "_total_train_tokens")
+    ),
 )
 
 LIBRARIES = ("deepspeed", "transformers", "accelerate", "trl")

@@ -234,6 +234,10 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
     def gpu_tail_cap(self, gib: float | None) -> None:
         self._tail.cap_bytes = cap_bytes(gib)
 
+    def releasable_device_tail(self) -> int:
+        """The elements ``release_device_tail`` would move now (0: it would give nothing back)."""
+        return self._tail.releasable()
+
     def release_device_tail(self, reason: str) -> int:
         """Move every tail bucket that ``auto`` may move back to the host and return the
         allocator's cached blocks to the driver (the CUDA out-of-memory recovery); later

@@ -123,6 +123,12 @@ class TailMoves:
             why = "over gpu_tail_cap" if self._cap_excess_elements() else "measured as fast"
             self.move(self._buckets_to_give_back(-want), to_device=False, why=why)
 
+    def releasable(self) -> int:
+        """The elements ``release`` would move now (0: none that ``auto`` may give back)."""
+        if self.tuner is None:
+            return 0
+        return self.device_elements()
+
     def release(self, reason: str) -> int:
         """Move every tail bucket that ``auto`` may move back to the host and return the
         allocator's cached blocks to the driver (the CUDA out-of-memory recovery); later

@@ -10,8 +10,12 @@ a run of hours there, the Trainer's training_step gives the tail back and retrie
    stays under half of what the tail held (``release_device_tail``);
 3. the accumulation window runs again from its first micro-batch (``MicroBatchWindow``): the
    earlier micro-batches with the inputs and the random-number state each began with, then the
-   failing one, so the step takes the gradients it would have taken without the error (the
-   window's losses were logged the first time and are not counted again).
+   failing one, through the training_step of the class below the mixin (a subclass's own
+   training_step above it is not rerun); the trainer's metric records (TRL's) are first put
+   back as they were before the window, so each micro-batch counts once. The step then takes
+   the gradients it would have taken without the error: bit for bit when nothing had been
+   speculated in the failed pass, within the algebraic rollback's bound (docs/engine.md) for
+   the buckets that had (an error in the backward of a window's last micro-batch).
 
 A second out-of-memory error is raised as it came, and so is one with no tail to give back
 (an integer ``gpu_tail``, no GPU) or under data-parallel replicas: there the other ranks are
@@ -22,8 +26,10 @@ with other arithmetic than theirs.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import random
+from collections.abc import Callable, Mapping
 
+import numpy
 import torch
 
 from ..engine import SuperOffloadOptimizer
@@ -34,49 +40,62 @@ logger = logging.getLogger("hf_superoffload")
 
 class MicroBatchWindow:
     """The micro-batches run since the last optimizer step, each with the random-number state
-    (CPU and every initialised CUDA device) it began with: dropout and other random ops of a
-    replay draw what they drew the first time."""
+    it began with (torch's CPU and CUDA generators, Python's and NumPy's), so that dropout,
+    layer drop and masks of a replay draw what they drew the first time; and the trainer's
+    metric records as they were before the window (``records``), so that a replay counts
+    its micro-batches once."""
 
     def __init__(self) -> None:
-        self._done: list[tuple[dict, object, tuple]] = []  # inputs, num_items, RNG state
+        self._done: list[tuple[object, object, tuple]] = []  # inputs, num_items, RNG state
+        self.records = None  # the trainer's records before the window's first micro-batch
 
     def __len__(self) -> int:
         return len(self._done)
 
-    @staticmethod
-    def rng_state() -> tuple:
+    def start(self, records: Callable[[], object]) -> tuple:
+        """A micro-batch begins: the records are taken if it is the window's first. Returns
+        the random-number state it begins with."""
+        if not self._done:
+            self.records = records()
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        return torch.get_rng_state(), cuda
+        return torch.get_rng_state(), cuda, random.getstate(), numpy.random.get_state()
 
     @staticmethod
     def restore(state: tuple) -> None:
-        cpu, cuda = state
+        cpu, cuda, python, numpy_state = state
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
+        random.setstate(python)
+        numpy.random.set_state(numpy_state)
 
-    def finish(self, inputs: dict, num_items, rng: tuple, ends_window: bool) -> None:
-        """A micro-batch ran, from ``inputs`` as they came (a copy nothing else holds) and
-        ``rng``; with ``ends_window`` the step follows and the window starts afresh."""
+    def finish(self, inputs, num_items, rng: tuple, ends_window: bool) -> None:
+        """A micro-batch ran, from ``inputs`` as they came (``as_it_came``) and ``rng``; with
+        ``ends_window`` the step follows and the window starts afresh."""
         if ends_window:
             self._done.clear()
         else:
             self._done.append((inputs, num_items, rng))
 
-    def replay(self, run: Callable[[dict, object], object]) -> None:
-        """Run the window's micro-batches again, in order, each from its random-number state
-        (``run`` gets a copy of the inputs, which a trainer may change)."""
+    def replay(self, run: Callable[[object, object], object]) -> None:
+        """Run the window's micro-batches again, in order, each from its random-number state."""
         for inputs, num_items, rng in self._done:
             self.restore(rng)
-            run(dict(inputs), num_items)
+            run(as_it_came(inputs), num_items)
+
+
+def as_it_came(inputs):
+    """A copy of a micro-batch's dict (a trainer may add or pop keys of the one it is handed);
+    other batches (tuples, tensors) as they are."""
+    return dict(inputs) if isinstance(inputs, Mapping) else inputs
 
 
 def release_for_retry(
     optimizer: SuperOffloadOptimizer, error: BaseException, earlier_micro_batches: int, step: int
 ) -> bool:
     """Free the GPU tail after ``error`` (a torch.OutOfMemoryError in forward or backward);
-    True if the window may run again, False if the error is to be raised as it came: under
-    data-parallel replicas (before anything changes), or with no tail to give back."""
+    True if the window may run again, False (before anything changes) if the error is to be
+    raised as it came: under data-parallel replicas, or with no tail to give back."""
     if optimizer.replica_count > 1:
         logger.warning(
             "hf_superoffload: CUDA out of memory at optimizer step %d with %d data-parallel "
@@ -87,11 +106,11 @@ def release_for_retry(
             optimizer.replica_count,
         )
         return False
+    if not optimizer.releasable_device_tail():  # an integer gpu_tail, or none on the GPU
+        return False
     held = optimizer.stats["gpu_tail_params"] * DEVICE_BYTES_PER_ELEMENT
     optimizer.zero_grad()
-    moved = optimizer.release_device_tail("CUDA out of memory in forward/backward")
-    if not moved:
-        return False
+    optimizer.release_device_tail("CUDA out of memory in forward/backward")
     optimizer.stats_counters.oom_retries += 1
     again = (
         f"the {earlier_micro_batches + 1} micro-batches of this accumulation window"

@@ -48,7 +48,7 @@ from .arguments import resolve_save_dtype
 from .checks import DATA_PARALLEL, check_optimizer_arguments, check_supported
 from .metrics import ThroughputMeter, all_ranks_stats, peak_tflops, stv_metrics
 from .model_card import add_superoffload_section, dataset_names, trainer_kind_tags
-from .oom_retry import MicroBatchWindow, release_for_retry
+from .oom_retry import MicroBatchWindow, as_it_came, release_for_retry
 from .plugin import SuperOffloadOptions
 from .save import (
     BF16_CAST_WARNING,
@@ -147,6 +147,7 @@ class SuperOffloadTrainerMixin:
                     f"resume_from_checkpoint=True, but {self.args.output_dir} holds no complete "
                     f"checkpoint-N folder; pass a checkpoint path, or False to start afresh."
                 )
+        self._micro_batch_window = MicroBatchWindow()  # none left over from a run cut short
         if getattr(self, "model_init", None) is not None:
             # The Trainer builds a new model and drops the optimizer: release ours (host
             # memory, hooks, worker thread) before the new model and optimizer are built.
@@ -251,8 +252,8 @@ class SuperOffloadTrainerMixin:
             return super().training_step(model, inputs, num_items_in_batch)
         # The Trainer decided before this backward if it syncs.
         optimizer.set_accumulation_boundary(self.accelerator.sync_gradients)
-        # As the micro-batch came (a trainer may add or pop keys of the dict it is handed).
-        window, rng, fresh = self._micro_batch_window, MicroBatchWindow.rng_state(), dict(inputs)
+        window, fresh = self._micro_batch_window, as_it_came(inputs)
+        rng = window.start(self._metric_records)
         try:
             loss = super().training_step(model, inputs, num_items_in_batch)
         except torch.OutOfMemoryError as error:
@@ -267,12 +268,22 @@ class SuperOffloadTrainerMixin:
                 optimizer.set_accumulation_boundary(False)
                 super(SuperOffloadTrainerMixin, self).training_step(model, micro_batch, num_items)
 
+            self._restore_metric_records(window.records)
             window.replay(earlier)
             MicroBatchWindow.restore(rng)
             optimizer.set_accumulation_boundary(self.accelerator.sync_gradients)
-            loss = super().training_step(model, dict(fresh), num_items_in_batch)
+            loss = super().training_step(model, as_it_came(fresh), num_items_in_batch)
         window.finish(fresh, num_items_in_batch, rng, self.accelerator.sync_gradients)
         return loss
+
+    def _metric_records(self):
+        """What the trainer records a micro-batch into beside the loss, as it is now, for an
+        out-of-memory retry to roll back before it runs the window again (none here: the
+        Trainer counts the loss it is returned; TRL's trainers record more, trl.py)."""
+        return None
+
+    def _restore_metric_records(self, records) -> None:
+        """Put back what ``_metric_records`` returned."""
 
     def _sequence_parallel_size(self) -> int:
         """Ranks that share each sequence under DeepSpeed's Ulysses (1 without it)."""

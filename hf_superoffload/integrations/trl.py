@@ -28,9 +28,25 @@ class SuperOffloadDPOConfig(SuperOffloadArgumentsMixin, DPOConfig):
     """DPOConfig with the SuperOffload options (``superoffload_*``)."""
 
 
-class SuperOffloadSFTTrainer(SuperOffloadTrainerMixin, SFTTrainer):
+class _TrainingMetrics:
+    """TRL's trainers record each micro-batch's metrics (token accuracy, entropy, rewards...)
+    in ``_metrics["train"]`` and count its tokens in ``_total_train_tokens``, beside the loss:
+    an out-of-memory retry rolls both back to the window's start before running it again."""
+
+    def _metric_records(self):
+        lists = {name: list(values) for name, values in self._metrics["train"].items()}
+        return lists, self._total_train_tokens
+
+    def _restore_metric_records(self, records) -> None:
+        lists, tokens = records
+        self._metrics["train"].clear()
+        self._metrics["train"].update(lists)
+        self._total_train_tokens = tokens
+
+
+class SuperOffloadSFTTrainer(_TrainingMetrics, SuperOffloadTrainerMixin, SFTTrainer):
     """TRL's SFTTrainer whose optimizer is SuperOffloadOptimizer."""
 
 
-class SuperOffloadDPOTrainer(SuperOffloadTrainerMixin, DPOTrainer):
+class SuperOffloadDPOTrainer(_TrainingMetrics, SuperOffloadTrainerMixin, DPOTrainer):
     """TRL's DPOTrainer whose policy optimizer is SuperOffloadOptimizer."""
