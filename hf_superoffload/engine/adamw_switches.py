@@ -44,15 +44,16 @@ SWITCHES: dict[str, tuple[tuple, str]] = {
 }
 
 
-def check_switches(given: dict, where: str = "") -> None:
-    """Refuse a switch value that is no no-op here (``where``: " in param group 0", say)."""
+def check_switches(given: dict, where: str = "", who: str = "SuperOffloadOptimizer") -> None:
+    """Refuse a switch value that is no no-op here (``where``: " in param group 0", say;
+    ``who``: the engine, as the message names it)."""
     for key, value in given.items():
         accepted, why = SWITCHES[key]
         if any(value is v for v in accepted):
             continue
         if not why:  # an implementation switch: any bool or None, nothing else
             raise ValueError(f"{key}{where} must be None, False or True, got {value!r}.")
-        raise ValueError(f"SuperOffloadOptimizer does not implement {key}={value!r}{where}: {why}.")
+        raise ValueError(f"{who} does not implement {key}={value!r}{where}: {why}.")
 
 
 def without_switches(params: Iterable) -> Iterable:

@@ -22,6 +22,7 @@ import logging
 import torch
 
 from .. import env
+from ..engine.adamw_switches import SWITCHES, check_switches
 from ..engine.core_split import Team, choose_team
 from ..engine.optimizer import DEFAULT_BUCKET_SIZE
 from ..engine.replicas import Replicas
@@ -182,9 +183,12 @@ def check_adamw(optimizer) -> None:
             "fp32_optimizer_states=False is not supported with super_offload (its moments are "
             'fp32): remove it from the DeepSpeed config\'s "optimizer" params.'
         )
-    for group in optimizer.param_groups:
+    for index, group in enumerate(optimizer.param_groups):
         if group.get("amsgrad"):
             raise ValueError("amsgrad is not supported by super_offload; set amsgrad=False.")
+        # maximize, capturable, differentiable: as the standalone engine refuses them
+        switches = {key: group[key] for key in SWITCHES if key in group}
+        check_switches(switches, f" in param group {index}", who="super_offload")
         if group.get("bias_correction", True) is False:
             raise ValueError(
                 "bias_correction=False is not supported by super_offload (its kernel corrects "
