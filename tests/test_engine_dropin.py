@@ -425,6 +425,9 @@ def test_torch_clip_grad_norm_refuses_what_the_engine_cannot_do():
     model, other = twins()
     opt = ours(model)
     loss_of(model, batch(0)).backward()
+    for max_norm in (0.0, -1.0):  # torch's: gradients scaled to zero (or flipped)
+        with pytest.raises(ValueError, match=f"max_norm={max_norm}: torch's function scales"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     with pytest.raises(ValueError, match="L2 norm only"):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=1.0)
     with pytest.raises(ValueError, match="only part of"):

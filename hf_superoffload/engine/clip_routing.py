@@ -71,6 +71,14 @@ def _clip_through_engine(params, owners, max_norm, norm_type, error_if_nonfinite
             f"missing): it clips by the global norm of all of them. Pass all of the model's "
             f"params (model.parameters()), or set max_grad_norm on the optimizer."
         )
+    if not float(max_norm) > 0:
+        raise ValueError(
+            f"clip_grad_norm_ with max_norm={max_norm}: torch's function scales every gradient "
+            f"by max_norm / norm, to zero at 0 (the step then moves the params by momentum and "
+            f"weight decay alone), which SuperOffloadOptimizer does not run. Pass max_norm > 0 "
+            f"to clip; not to clip, don't call clip_grad_norm_ (max_grad_norm=None on the "
+            f"optimizer)."
+        )
     total = optimizer.clip_grad_norm_(max_norm)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
