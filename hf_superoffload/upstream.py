@@ -168,6 +168,7 @@ SURFACE: tuple[Name, ...] = (
     Name("transformers.conversion_mapping", "get_model_conversion_mapping", "calls"),
     Name("transformers.trainer", "OPTIMIZER_NAME", "reads"),
     Name("transformers.trainer", "SCHEDULER_NAME", "reads"),
+    Name("transformers.trainer", "OPTIMIZER_NAME_BIN", "reads"),
     Name("transformers.trainer_pt_utils", "reissue_pt_warnings", "calls"),
     Name(
         "transformers.configuration_utils:PreTrainedConfig",

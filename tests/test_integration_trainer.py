@@ -346,6 +346,22 @@ def test_clip_rollbacks_counted(tmp_path, max_grad_norm, clipped):
 # ------------------------------------------------------------------------------- checkpoints
 
 
+def test_resume_from_a_checkpoint_without_the_optimizer_state_is_refused(tmp_path):
+    """A save_only_model checkpoint: the plain Trainer would go on at its step with fresh
+    moments and schedule; refused before training, naming what is missing."""
+    args = {"max_steps": 2, "save_strategy": "steps", "save_steps": 1, "save_only_model": True}
+    first = _trainer(tmp_path / "first", True, **args)
+    first.train()
+    first.superoffload_optimizer.close()
+    checkpoint = tmp_path / "first" / "checkpoint-1"
+    assert not (checkpoint / "optimizer.pt").exists()
+    resumed = _trainer(tmp_path / "resumed", True, **args)
+    with pytest.raises(ValueError, match=r"holds no optimizer.pt or scheduler.pt"):
+        resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.superoffload_optimizer.stats["steps"] == 0  # no step taken
+    resumed.superoffload_optimizer.close()
+
+
 @pytest.mark.parametrize("max_grad_norm", [1.0, 0.0], ids=["clip-every-step", "noclip"])
 def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path, max_grad_norm):
     """6 steps saving at step 3; a fresh trainer resumed from checkpoint-3 ends where the

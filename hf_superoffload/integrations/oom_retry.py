@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import logging
 import random
+import sys
 from collections.abc import Callable, Mapping
 
-import numpy
 import torch
 
 from ..engine import SuperOffloadOptimizer
@@ -58,7 +58,9 @@ class MicroBatchWindow:
         if not self._done:
             self.records = records()
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        return torch.get_rng_state(), cuda, random.getstate(), numpy.random.get_state()
+        numpy = sys.modules.get("numpy")  # loaded (by torch, transformers) when anything draws
+        numpy_state = numpy.random.get_state() if numpy is not None else None
+        return torch.get_rng_state(), cuda, random.getstate(), numpy_state
 
     @staticmethod
     def restore(state: tuple) -> None:
@@ -67,7 +69,8 @@ class MicroBatchWindow:
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
         random.setstate(python)
-        numpy.random.set_state(numpy_state)
+        if numpy_state is not None:
+            sys.modules["numpy"].random.set_state(numpy_state)
 
     def finish(self, inputs, num_items, rng: tuple, ends_window: bool) -> None:
         """A micro-batch ran, from ``inputs`` as they came (``as_it_came``) and ``rng``; with

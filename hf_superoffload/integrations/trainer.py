@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from accelerate.utils import DistributedType
 from transformers import Trainer, TrainerCallback
-from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
+from transformers.trainer import OPTIMIZER_NAME, OPTIMIZER_NAME_BIN, SCHEDULER_NAME
 from transformers.trainer_pt_utils import reissue_pt_warnings
 
 try:
@@ -228,8 +228,19 @@ class SuperOffloadTrainerMixin:
         optimizer_file = os.path.join(checkpoint, OPTIMIZER_NAME)
         scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
         if not (os.path.isfile(optimizer_file) and os.path.isfile(scheduler_file)):
-            # The Trainer then loads neither (or an old .bin format, which mmap cannot map).
-            return super()._load_optimizer_and_scheduler(checkpoint)
+            if os.path.isfile(os.path.join(checkpoint, OPTIMIZER_NAME_BIN)):
+                # The Trainer reads accelerate's .bin format (which mmap cannot map).
+                return super()._load_optimizer_and_scheduler(checkpoint)
+            # The Trainer would go on at the checkpoint's step with fresh moments and schedule.
+            missing = [n for n in (OPTIMIZER_NAME, SCHEDULER_NAME) if not os.path.isfile(
+                os.path.join(checkpoint, n))]  # fmt: skip
+            raise ValueError(
+                f"{checkpoint} holds no {' or '.join(missing)} (saved with save_only_model=True?): "
+                f"resuming from it would continue at its step with fresh Adam moments and "
+                f"learning-rate schedule. Resume from a checkpoint saved with the optimizer "
+                f"state, or load its weights into the model and train without "
+                f"resume_from_checkpoint."
+            )
         # NOTE: the Trainer reads the whole file into memory, onto each GPU when several
         # processes run (map_location=args.device): 12 B/param there, or a second host copy of
         # the state with one process. Mapped, the state pages in while it is copied to the
