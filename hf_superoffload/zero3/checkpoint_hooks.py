@@ -26,7 +26,7 @@ from .checkpoint_layout import (
     from_record,
     live_layout,
 )
-from .checkpoint_load import agreed_step, saved_sub_group_states
+from .checkpoint_load import agreed_step, refuse_uneven_steps, saved_sub_group_states
 from .checkpoint_memory import MAPPED_KEY
 
 logger = logging.getLogger("hf_superoffload")
@@ -88,10 +88,11 @@ def map_optimizer_files(engine_module) -> None:
 
 def in_live_cut(zero, saved: dict) -> dict:
     """``saved`` (a rank's state dict in our cut) in ``zero``'s cut, for DeepSpeed's loader."""
+    states = saved_sub_group_states(saved)
+    refuse_uneven_steps(states, "DeepSpeed's own optimizer (HF_SUPEROFFLOAD_DEEPSPEED=0)")
     recut = Recut(from_record(saved[LAYOUT_KEY]), live_layout(zero))
     if recut.identity:
         return saved
-    states = saved_sub_group_states(saved)
     base = saved[BASE_OPTIMIZER_STATE]
     moved = {
         key: list(recut.tensors([s[key] for s in states], zero.fp32_partitioned_groups_flat))

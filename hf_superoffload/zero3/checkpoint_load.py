@@ -70,6 +70,21 @@ def agreed_step(states: list[dict], sources: set[int]) -> int:
     return steps.pop()
 
 
+def refuse_uneven_steps(states: list[dict], reader: str) -> None:
+    """``reader`` keeps one step count a sub group: refuse saved sub groups whose params were
+    at different counts (their bias corrections would change)."""
+    uneven = [i for i, state in enumerate(states) if state.get(PARAM_STEPS_KEY) is not None]
+    if uneven:
+        raise CheckpointLayoutError(
+            f"the checkpoint's sub group {uneven[0]} holds params at different step counts "
+            f"(some got no gradient in some steps, e.g. MoE experts without tokens), and "
+            f"{reader} keeps one count a sub group: their bias corrections would change. "
+            "Resume the checkpoint as saved, with SuperOffload on ZeRO-3 and the "
+            'sub_group_size, param groups and number of ranks that saved it ("load_universal": '
+            "false)."
+        )
+
+
 def saved_step_states(states: list[dict], recut, steps: list[int]) -> list[dict]:
     """Per live sub group, the step state to load: ``step`` and, where the saved sub group's
     params were at different step counts (some got no gradient in some steps), their

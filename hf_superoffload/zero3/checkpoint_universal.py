@@ -21,6 +21,7 @@ from .checkpoint_load import (
     agreed_step,
     live_part,
     refresh_partitions,
+    refuse_uneven_steps,
     restore_group_hyperparameters,
     saved_sub_group_states,
 )
@@ -77,6 +78,7 @@ def load_universal_state(
         raise CheckpointLayoutError(f"{path} is missing: not a universal checkpoint.")
     optim_sd, _ = read_optimizer_file(path)
     states = saved_sub_group_states(optim_sd)
+    refuse_uneven_steps(states, "a universal checkpoint")
     step = agreed_step(states, set(range(len(states))))
     saved_groups = optim_sd["param_groups"]
     _check_groups(zero, optim_sd, saved_groups)
