@@ -329,3 +329,17 @@ def test_before_torch_distributed_the_launchers_count_is_read(monkeypatch):
     monkeypatch.delenv("LOCAL_SIZE")
     monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "4")  # Open MPI's
     assert host_memory.ranks_on_this_host() == 4
+
+
+def test_the_host_check_counts_every_bucket_auto_may_give_back():
+    """On a GPU an integer gpu_tail keeps its buckets there: the host holds the others. With
+    "auto" any tail bucket may move to the host later, so the check counts them all."""
+    from hf_superoffload.engine.buckets import plan_buckets
+    from hf_superoffload.engine.layout import host_held_plans
+
+    params = [torch.nn.Parameter(torch.zeros(64)) for _ in range(4)]
+    plans = plan_buckets([{"params": params}], 64, None)
+    assert len(plans) == 4
+    assert [p.index for p in host_held_plans(plans, 2, 2, is_cuda=True)] == [0, 1]
+    assert [p.index for p in host_held_plans(plans, 2, "auto", is_cuda=True)] == [0, 1, 2, 3]
+    assert [p.index for p in host_held_plans(plans, 2, 2, is_cuda=False)] == [0, 1, 2, 3]

@@ -53,7 +53,7 @@ def lay_out(
     plans = plan_buckets(param_groups, bucket_size, order)
     chosen = choose_device_buckets(gpu_tail, plans, link.device, cap_bytes)
     first_device = len(plans) - int(replicas.agree(chosen, "min"))
-    host_plans = [p for p in plans if p.index < first_device or not link.is_cuda]
+    host_plans = host_held_plans(plans, first_device, gpu_tail, link.is_cuda)
     host_numel = sum(p.numel for p in host_plans)
     blocks = sum(blocks_of(q.numel()) for p in host_plans for q in p.params) if compact else None
     largest = max(p.numel for p in plans)
@@ -66,6 +66,17 @@ def lay_out(
     # Of the largest bucket, host or device ("auto" moves them): what standalone_host_parts counts.
     grad_slots = GradSlots(link, largest, host_grad_dtype(dtype, cast)) if compact else None
     return Layout(buckets, slot, _copy_out_ring(link, plans, dtype, cast, compact), grad_slots)
+
+
+def host_held_plans(
+    plans: list[BucketPlan], first_device: int, gpu_tail: int | str, is_cuda: bool
+) -> list[BucketPlan]:
+    """The buckets whose state the host may hold, which the host check counts: those placed
+    there; on a GPU with ``gpu_tail="auto"`` every one, since it may give any tail bucket back
+    (measured as fast, over gpu_tail_cap, or after an out-of-memory error)."""
+    if not is_cuda or gpu_tail == "auto":
+        return plans
+    return [p for p in plans if p.index < first_device]
 
 
 def _copy_out_ring(
