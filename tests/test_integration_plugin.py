@@ -375,11 +375,16 @@ def test_the_trainer_hands_the_gpu_tail_cap_to_the_optimizer(tmp_path):
         trainer.superoffload_optimizer.close()
 
 
-def test_trainer_prefers_explicit_options(tmp_path):
-    """Options given to the trainer beat the ones the arguments describe."""
+def test_trainer_takes_options_one_way_not_both(tmp_path):
+    """The arguments' superoffload_* fields, or superoffload_options: each alone is used; both
+    given is refused (the fields would be dropped without a word)."""
     args = _training_args(tmp_path, superoffload_bucket_size=1 << 20, superoffload_cast="cpu")
     model = build_tiny_llama()
     assert SuperOffloadTrainer(model=model, args=args)._resolved_options().bucket_size == 1 << 20
     options = SuperOffloadOptions(bucket_size=512, cast="gpu")
-    trainer = SuperOffloadTrainer(model=model, args=args, superoffload_options=options)
+    with pytest.raises(ValueError, match="superoffload_bucket_size, superoffload_cast: give"):
+        SuperOffloadTrainer(model=model, args=args, superoffload_options=options)
+    trainer = SuperOffloadTrainer(
+        model=model, args=_training_args(tmp_path / "plain"), superoffload_options=options
+    )
     assert trainer._resolved_options() is options

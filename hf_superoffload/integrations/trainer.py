@@ -89,6 +89,7 @@ class SuperOffloadTrainerMixin:
         self._superoffload_warned_bf16 = False
         self._micro_batch_window = MicroBatchWindow()  # what an OOM retry runs again
         super().__init__(*args, **kwargs)
+        self._refuse_two_sources_of_options()
         if self._on_deepspeed:  # DeepSpeed builds our ZeRO-3 optimizer when train() starts
             require_super_offload(self.accelerator.state.deepspeed_plugin.deepspeed_config)
             export_zero3_options(self._explicit_options())
@@ -124,6 +125,20 @@ class SuperOffloadTrainerMixin:
             return self.superoffload_optimizer
         engine_optimizer = getattr(getattr(self, "deepspeed", None), "optimizer", None)
         return engine_optimizer if hasattr(engine_optimizer, "stats") else None
+
+    def _refuse_two_sources_of_options(self) -> None:
+        """superoffload_options replaces the arguments' superoffload_* fields: both given, the
+        fields would be dropped without a word."""
+        if self._superoffload_options is None:
+            return
+        names = [f"superoffload_{f.name}" for f in dataclasses.fields(SuperOffloadOptions)]
+        given = [name for name in names if getattr(self.args, name, None) is not None]
+        if given:
+            raise ValueError(
+                f"SuperOffloadTrainer got superoffload_options and the arguments' "
+                f"{', '.join(given)}: give the engine options one way, the superoffload_* "
+                f"fields of the training arguments or superoffload_options, not both."
+            )
 
     def _explicit_options(self) -> dict:
         """The engine options given as arguments (SuperOffloadOptions, or superoffload_* fields)."""
