@@ -346,6 +346,35 @@ def test_clip_rollbacks_counted(tmp_path, max_grad_norm, clipped):
 # ------------------------------------------------------------------------------- checkpoints
 
 
+def test_a_plain_trainers_checkpoint_resumes_with_its_fp32_weights_as_the_masters(tmp_path):
+    """A plain Trainer's checkpoint (fp32 weights, torch AdamW's optimizer.pt: no masters)
+    resumed by a bf16 SuperOffloadTrainer: the masters are the checkpoint's fp32 weights, not
+    the model's bf16 rounding of them; the moments are AdamW's."""
+    args = {"max_steps": 2, "save_strategy": "steps", "save_steps": 2}
+    plain = _trainer(tmp_path / "plain", False, **args)
+    plain.train()
+    checkpoint = tmp_path / "plain" / "checkpoint-2"
+    weights = load_file(checkpoint / "model.safetensors")
+    adamw = torch.load(checkpoint / "optimizer.pt", weights_only=True)
+    loaded = {}
+
+    class AfterTheLoad(TrainerCallback):  # the Trainer has loaded the checkpoint by now
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            opt = resumed.superoffload_optimizer
+            names = {id(p): n for n, p in model.named_parameters()}
+            for param in (p for group in opt.param_groups for p in group["params"]):
+                loaded[names[id(param)]] = (param.dtype, opt.master_state(param))
+
+    resumed = _trainer(tmp_path / "resumed", True, [AfterTheLoad()], bf16=True, **args)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    resumed.superoffload_optimizer.close()
+    assert len(loaded) == len(adamw["state"])
+    for index, (name, (dtype, state)) in enumerate(loaded.items()):
+        assert dtype == torch.bfloat16
+        assert torch.equal(state["master"], weights[name]), name
+        assert torch.equal(state["exp_avg"], adamw["state"][index]["exp_avg"]), name
+
+
 def test_resume_from_a_checkpoint_without_the_optimizer_state_is_refused(tmp_path):
     """A save_only_model checkpoint: the plain Trainer would go on at its step with fresh
     moments and schedule; refused before training, naming what is missing."""

@@ -101,13 +101,17 @@ def record_saved_dtype(model: torch.nn.Module, output_dir: str, dtype: torch.dty
 
 @torch.no_grad()
 def masters_from_checkpoint(
-    model: torch.nn.Module, optimizer: SuperOffloadOptimizer, checkpoint: str
+    model: torch.nn.Module,
+    optimizer: SuperOffloadOptimizer,
+    checkpoint: str,
+    only: set[int] | None = None,
 ) -> None:
     """The Trainer has just loaded ``checkpoint``'s weights into ``model``
     (``load_best_model_at_end``): make them the fp32 masters, or the next save would write the
     last step's masters and the next step would return the model to them. A checkpoint holds
     the masters themselves (fp32, the default save dtype): they are taken from its files
-    exactly; a param found there in another dtype, or not at all, from the model as loaded."""
+    exactly; a param found there in another dtype, or not at all, from the model as loaded.
+    ``only``: the ids of the params to restore (default all)."""
     names = [os.path.join(checkpoint, n) for n in (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME)]
     others = [os.path.join(checkpoint, n) for n in (WEIGHTS_NAME, WEIGHTS_INDEX_NAME)]
     if not any(os.path.isfile(path) for path in names + others):
@@ -115,7 +119,9 @@ def masters_from_checkpoint(
     saved = _SavedFp32Weights(checkpoint)
     by_param: dict[int, tuple[torch.Tensor, list[str]]] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
-        if optimizer.manages(tensor):  # tied weights: one param under several names
+        if optimizer.manages(tensor) and (
+            only is None or id(tensor) in only
+        ):  # tied: one param, several names
             by_param.setdefault(id(tensor), (tensor, []))[1].append(name)
     rounded = 0
     for param, param_names in by_param.values():
@@ -128,9 +134,9 @@ def masters_from_checkpoint(
         param.detach().copy_(master)  # the model holds the master, rounded, as after a step
     if rounded:
         logger.warning(
-            "hf_superoffload: %d params of the best checkpoint %s are not stored in fp32 there "
-            "(superoffload_save_dtype='bfloat16'): their fp32 masters restart from the %s "
-            "values.",
+            "hf_superoffload: %d params of checkpoint %s are not stored in fp32 there (saved "
+            "with superoffload_save_dtype='bfloat16', or by a bf16 model): their fp32 masters "
+            "restart from the %s values.",
             rounded,
             checkpoint,
             next(model.parameters()).dtype,

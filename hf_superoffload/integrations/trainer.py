@@ -263,7 +263,16 @@ class SuperOffloadTrainerMixin:
         check_torch_load_is_safe()
         state = torch.load(optimizer_file, map_location="cpu", weights_only=True, mmap=True)
         optimizer.load_state_dict(with_empty_groups_of(optimizer, state))
-        del state
+        # A checkpoint in torch's layout (a plain Trainer's) has no masters: those params took
+        # the model's values, which a bf16 model has rounded; the fp32 weights saved beside it
+        # are the masters.
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        saved = state["state"]
+        without = {id(p) for i, p in enumerate(params) if saved.get(i, {}).get("master") is None}
+        del state, saved
+        if without:
+            model = self.accelerator.unwrap_model(self.model)
+            masters_from_checkpoint(model, optimizer, checkpoint, only=without)
         with warnings.catch_warnings(record=True) as caught_warnings:
             check_torch_load_is_safe()
             self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
