@@ -133,9 +133,9 @@ class TailMoves:
         """Move every tail bucket that ``auto`` may move back to the host and return the
         allocator's cached blocks to the driver (the CUDA out-of-memory recovery); later
         growth stays below what the tail held before. Returns the elements moved."""
-        moved = [b for b in self._buckets if b.on_device]
-        if self.tuner is None or not moved:
+        if not self.releasable():
             return 0
+        moved = [b for b in self._buckets if b.on_device]
         held = sum(b.plan.numel for b in moved) * DEVICE_BYTES_PER_ELEMENT
         cap = self.cap_bytes
         self.cap_bytes = held // 2 if cap is None else min(cap, held // 2)
