@@ -93,6 +93,47 @@ def as_it_came(inputs):
     return dict(inputs) if isinstance(inputs, Mapping) else inputs
 
 
+def run_micro_batch(
+    training_step: Callable,
+    optimizer: SuperOffloadOptimizer,
+    window: MicroBatchWindow,
+    call: tuple,
+    ends_window: bool,
+    records: tuple[Callable[[], object], Callable[[object], None]],
+    step: int,
+):
+    """One micro-batch through ``training_step`` (``call``: its model, inputs and
+    num_items_in_batch); after an out-of-memory error that ``release_for_retry`` allows, the
+    window again, from the trainer's metric ``records`` (take, restore) as they were before
+    it. Returns the micro-batch's loss."""
+    model, inputs, num_items = call
+    optimizer.set_accumulation_boundary(ends_window)
+    take_records, restore_records = records
+    fresh = as_it_came(inputs)
+    rng = window.start(take_records)
+    try:
+        loss = training_step(model, inputs, num_items)
+    except torch.OutOfMemoryError as error:
+        error.__traceback__ = None  # its frames hold the failed pass's activations
+        if not release_for_retry(optimizer, error, len(window), step):
+            raise
+        # Out of the except block: the failed pass's tensors are freed before the retry.
+        loss = None
+    if loss is None:  # the whole window again, as it ran the first time
+
+        def earlier(micro_batch, micro_num_items):
+            optimizer.set_accumulation_boundary(False)
+            training_step(model, micro_batch, micro_num_items)
+
+        restore_records(window.records)
+        window.replay(earlier)
+        window.restore(rng)
+        optimizer.set_accumulation_boundary(ends_window)
+        loss = training_step(model, as_it_came(fresh), num_items)
+    window.finish(fresh, num_items, rng, ends_window)
+    return loss
+
+
 def release_for_retry(
     optimizer: SuperOffloadOptimizer, error: BaseException, earlier_micro_batches: int, step: int
 ) -> bool:

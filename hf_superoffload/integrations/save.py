@@ -99,6 +99,26 @@ def record_saved_dtype(model: torch.nn.Module, output_dir: str, dtype: torch.dty
             f.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
+def load_optimizer_state(
+    optimizer: SuperOffloadOptimizer, model: torch.nn.Module, checkpoint: str, optimizer_file: str
+) -> None:
+    """``checkpoint``'s optimizer state (``optimizer_file``) into ``optimizer``, mapped.
+    NOTE: the Trainer reads the whole file into memory, onto each GPU when several processes
+    run (map_location=args.device): 12 B/param there, or a second host copy of the state with
+    one process. Mapped, the state pages in while it is copied to the optimizer's own buffers,
+    on one process or many. A checkpoint in torch's layout (a plain Trainer's) has no masters:
+    those params took the model's values, which a bf16 model has rounded; the fp32 weights
+    saved beside it are the masters."""
+    state = torch.load(optimizer_file, map_location="cpu", weights_only=True, mmap=True)
+    optimizer.load_state_dict(with_empty_groups_of(optimizer, state))
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    saved = state["state"]
+    without = {id(p) for i, p in enumerate(params) if saved.get(i, {}).get("master") is None}
+    del state, saved
+    if without:
+        masters_from_checkpoint(model, optimizer, checkpoint, only=without)
+
+
 @torch.no_grad()
 def masters_from_checkpoint(
     model: torch.nn.Module,
@@ -119,10 +139,9 @@ def masters_from_checkpoint(
     saved = _SavedFp32Weights(checkpoint)
     by_param: dict[int, tuple[torch.Tensor, list[str]]] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
-        if optimizer.manages(tensor) and (
-            only is None or id(tensor) in only
-        ):  # tied: one param, several names
-            by_param.setdefault(id(tensor), (tensor, []))[1].append(name)
+        if not optimizer.manages(tensor) or (only is not None and id(tensor) not in only):
+            continue
+        by_param.setdefault(id(tensor), (tensor, []))[1].append(name)  # tied: several names
     rounded = 0
     for param, param_names in by_param.values():
         value = next((v for v in map(saved.get, param_names) if v is not None), None)

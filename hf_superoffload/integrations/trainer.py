@@ -48,16 +48,16 @@ from .arguments import resolve_save_dtype
 from .checks import DATA_PARALLEL, check_optimizer_arguments, check_supported
 from .metrics import ThroughputMeter, all_ranks_stats, peak_tflops, stv_metrics
 from .model_card import add_superoffload_section, dataset_names, trainer_kind_tags
-from .oom_retry import MicroBatchWindow, as_it_came, release_for_retry
+from .oom_retry import MicroBatchWindow, run_micro_batch
 from .plugin import SuperOffloadOptions
 from .save import (
     BF16_CAST_WARNING,
     cast_to_bf16,
     last_complete_checkpoint,
+    load_optimizer_state,
     masters_from_checkpoint,
     record_saved_dtype,
     weights_to_save,
-    with_empty_groups_of,
 )
 from .zero3_callback import Zero3MetricsCallback
 from .zero3_save import save_model_streamed, streamed_save_engine, will_save_model
@@ -256,23 +256,9 @@ class SuperOffloadTrainerMixin:
                 f"state, or load its weights into the model and train without "
                 f"resume_from_checkpoint."
             )
-        # NOTE: the Trainer reads the whole file into memory, onto each GPU when several
-        # processes run (map_location=args.device): 12 B/param there, or a second host copy of
-        # the state with one process. Mapped, the state pages in while it is copied to the
-        # optimizer's own buffers, on one process or many.
         check_torch_load_is_safe()
-        state = torch.load(optimizer_file, map_location="cpu", weights_only=True, mmap=True)
-        optimizer.load_state_dict(with_empty_groups_of(optimizer, state))
-        # A checkpoint in torch's layout (a plain Trainer's) has no masters: those params took
-        # the model's values, which a bf16 model has rounded; the fp32 weights saved beside it
-        # are the masters.
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        saved = state["state"]
-        without = {id(p) for i, p in enumerate(params) if saved.get(i, {}).get("master") is None}
-        del state, saved
-        if without:
-            model = self.accelerator.unwrap_model(self.model)
-            masters_from_checkpoint(model, optimizer, checkpoint, only=without)
+        model = self.accelerator.unwrap_model(self.model)
+        load_optimizer_state(optimizer, model, checkpoint, optimizer_file)
         with warnings.catch_warnings(record=True) as caught_warnings:
             check_torch_load_is_safe()
             self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
@@ -285,31 +271,15 @@ class SuperOffloadTrainerMixin:
         )
         if optimizer is None:  # DeepSpeed's engine runs the backward
             return super().training_step(model, inputs, num_items_in_batch)
-        # The Trainer decided before this backward if it syncs.
-        optimizer.set_accumulation_boundary(self.accelerator.sync_gradients)
-        window, fresh = self._micro_batch_window, as_it_came(inputs)
-        rng = window.start(self._metric_records)
-        try:
-            loss = super().training_step(model, inputs, num_items_in_batch)
-        except torch.OutOfMemoryError as error:
-            error.__traceback__ = None  # its frames hold the failed pass's activations
-            if not release_for_retry(optimizer, error, len(window), self.state.global_step):
-                raise
-            # Out of the except block: the failed pass's tensors are freed before the retry.
-            loss = None
-        if loss is None:  # the whole window again, as it ran the first time
-
-            def earlier(micro_batch, num_items):
-                optimizer.set_accumulation_boundary(False)
-                super(SuperOffloadTrainerMixin, self).training_step(model, micro_batch, num_items)
-
-            self._restore_metric_records(window.records)
-            window.replay(earlier)
-            MicroBatchWindow.restore(rng)
-            optimizer.set_accumulation_boundary(self.accelerator.sync_gradients)
-            loss = super().training_step(model, as_it_came(fresh), num_items_in_batch)
-        window.finish(fresh, num_items_in_batch, rng, self.accelerator.sync_gradients)
-        return loss
+        return run_micro_batch(
+            super().training_step,  # the class below the mixin: what a retry runs again
+            optimizer,
+            self._micro_batch_window,
+            (model, inputs, num_items_in_batch),
+            ends_window=self.accelerator.sync_gradients,  # decided before this backward
+            records=(self._metric_records, self._restore_metric_records),
+            step=self.state.global_step,
+        )
 
     def _metric_records(self):
         """What the trainer records a micro-batch into beside the loss, as it is now, for an
