@@ -9,7 +9,8 @@
 #   bash dev/recipe_run.sh qwen3-30b-a3b 4 [steps]     # repo root, `.whl` carried
 #
 # Env: OUT (default ./results), DEADLINE_S (default 570), MODES (default "superoffload zerooffload"),
-# EXTRA (script arguments for the superoffload mode, e.g. "--superoffload_moments compact"),
+# EXTRA (script arguments for the superoffload mode only, e.g. "--superoffload_moments compact":
+# zerooffload runs --optimizer adamw, which refuses superoffload_* arguments),
 # PLAN (finetune's options for the superoffload mode's RATIO=auto plan, e.g. "--cpu-mem 500":
 # the device hosts' MemTotal reads low until their memory is used).
 set -u

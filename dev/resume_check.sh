@@ -35,6 +35,9 @@ prepare() {
     > "$OUT/$name.prepare.log" 2>&1 || { cat "$OUT/$name.prepare.log"; return 1; }
   local dir; dir=$(ls -d "$(runs_dir "$name")"/*/)
   echo "main_process_port: 0" >> "$dir/accelerate.yaml"
+  # HF_SUPEROFFLOAD_CPU_THREADS sizes each run's CPU Adam (two share the host): the config's
+  # cpuadam_cores_perc, refused beside it, goes.
+  python -c 'import json, sys; c = json.load(open(sys.argv[1])); c["zero_optimization"]["offload_optimizer"].pop("cpuadam_cores_perc", None); json.dump(c, open(sys.argv[1], "w"), indent=2)' "$dir/deepspeed.json"
   echo "$dir"
 }
 # launch NAME GPU: run the prepared command under the peak sampler.

@@ -256,7 +256,7 @@ def test_the_deepspeed_paths_team_is_the_split(host, monkeypatch):
     team = resolve_options(0.5, CUDA).team  # the config's cpuadam_cores_perc
     assert team == team_on(planned, "cuda", cores_perc=0.5) and team.threads == 16
     monkeypatch.setenv("HF_SUPEROFFLOAD_CPU_THREADS", "40")
-    team = resolve_options(0.5, CUDA).team
+    team = resolve_options(None, CUDA).team
     assert (team.threads, team.cpus) == (40, planned.cores)
 
 

@@ -1,5 +1,6 @@
-"""DeepSpeed's default sizes become the ZeRO-3 path's partition size, and its default
-``cpuadam_cores_perc`` the standalone engine's thread count; a user's choice stays."""
+"""Sizes left out of the DeepSpeed config become the ZeRO-3 path's partition size, and
+DeepSpeed's default ``cpuadam_cores_perc`` the standalone engine's thread count; a user's
+choice stays (tests/test_option_refusals.py: both thread settings at once are refused)."""
 
 from __future__ import annotations
 
@@ -20,15 +21,19 @@ from hf_superoffload.zero3.options import (
 )
 
 
-def test_deepspeed_defaults_become_the_bucket_size():
-    assert sub_group_size(DEEPSPEED_DEFAULT_SUB_GROUP_SIZE) == DEFAULT_BUCKET_SIZE
-    assert reduce_bucket_size(DEEPSPEED_DEFAULT_REDUCE_BUCKET_SIZE, 1 << 25) == 1 << 25
+def test_sizes_left_out_of_the_config_become_the_bucket_size():
+    assert sub_group_size(DEEPSPEED_DEFAULT_SUB_GROUP_SIZE, written=False) == DEFAULT_BUCKET_SIZE
+    assert reduce_bucket_size(DEEPSPEED_DEFAULT_REDUCE_BUCKET_SIZE, 1 << 25, written=False) == (
+        1 << 25
+    )
 
 
 def test_sizes_the_user_chose_are_kept():
-    assert sub_group_size(123_456) == 123_456
-    assert reduce_bucket_size(9_437_184, 1 << 25) == 9_437_184  # the Trainer's "auto": hidden^2
-    assert reduce_bucket_size(10**9, 1 << 25) == 10**9
+    assert sub_group_size(123_456, written=True) == 123_456
+    assert sub_group_size(DEEPSPEED_DEFAULT_SUB_GROUP_SIZE, written=True) == 10**9
+    # the Trainer's "auto": hidden^2
+    assert reduce_bucket_size(9_437_184, 1 << 25, written=True) == 9_437_184
+    assert reduce_bucket_size(10**9, 1 << 25, written=True) == 10**9
 
 
 def test_cpu_threads_follow_the_standalone_default_unless_the_config_sets_a_share(monkeypatch):
@@ -43,7 +48,7 @@ def test_cpu_threads_follow_the_standalone_default_unless_the_config_sets_a_shar
     assert cores_perc_if_set(chosen) == 0.5
     assert resolve_options(0.5, cuda).cpu_threads == 8
     monkeypatch.setenv("HF_SUPEROFFLOAD_CPU_THREADS", "3")
-    assert resolve_options(0.5, cuda).cpu_threads == 3
+    assert resolve_options(None, cuda).cpu_threads == 3
 
 
 def _config(value) -> dict:

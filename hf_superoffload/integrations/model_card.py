@@ -293,9 +293,20 @@ def _stats(trainer) -> dict | None:
 
 
 def superoffload_options(trainer) -> dict:
+    """The options that acted, and where the optimizer ran."""
     if trainer._on_deepspeed:
-        options = dict(trainer._explicit_options())
-        options["path"] = "DeepSpeed ZeRO-3 (super_offload: true)"
+        from ..zero3.activation import OPT_OUT_ENV, engine_on
+        from ..zero3.config import REPLACED_BY_DEEPSPEED
+
+        if engine_on():  # the DeepSpeed config's keys stand for those it replaces
+            options = {
+                name: value
+                for name, value in trainer._explicit_options().items()
+                if name not in REPLACED_BY_DEEPSPEED and value is not None
+            }
+            options["path"] = "DeepSpeed ZeRO-3 (super_offload: true)"
+        else:  # DeepSpeed's own optimizer read none of ours (export_zero3_options refuses them)
+            options = {"path": f"DeepSpeed's own SuperOffload on ZeRO-3 ({OPT_OUT_ENV}=0)"}
         optimizer = trainer._stv_optimizer  # what ran (options may come from the environment)
         if optimizer is not None:
             options["moments"] = optimizer.moments

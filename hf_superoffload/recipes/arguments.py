@@ -15,7 +15,7 @@ import dataclasses
 import torch
 from trl import TrlParser
 
-from ..integrations.arguments import _on_deepspeed
+from ..integrations.arguments import SuperOffloadArgumentsMixin, _on_deepspeed
 from ..integrations.trl import SuperOffloadDPOConfig, SuperOffloadSFTConfig
 
 KINDS = {"sft": SuperOffloadSFTConfig, "dpo": SuperOffloadDPOConfig}
@@ -199,6 +199,30 @@ def parse(kind: str, argv: list[str] | None = None, prog: str | None = None):
     if recipe.demo:
         parser.set_defaults_with_config(**demo_defaults(kind))
     recipe, args = parser.parse_args_and_config(argv)
-    if recipe.demo and args.superoffload_bucket_size is None and not _on_deepspeed(args):
+    check_optimizer_arguments(recipe, args)
+    ours = recipe.optimizer == "superoffload"
+    if ours and recipe.demo and args.superoffload_bucket_size is None and not _on_deepspeed(args):
         args.superoffload_bucket_size = DEMO_BUCKET_SIZE
     return recipe, args
+
+
+def superoffload_arguments_given(args) -> list[str]:
+    """The ``superoffload_*`` arguments set on the command line or in the recipe YAML (all of
+    them default to None: unset, the environment or the engine's default decides)."""
+    names = [f.name for f in dataclasses.fields(SuperOffloadArgumentsMixin)]
+    return [name for name in names if getattr(args, name) is not None]
+
+
+def check_optimizer_arguments(recipe: RecipeArguments, args) -> None:
+    """``--optimizer adamw`` runs TRL's own trainer, which reads no ``superoffload_*``
+    argument: given with it, they would be dropped without a word."""
+    given = superoffload_arguments_given(args)
+    if recipe.optimizer == "adamw" and given:
+        flags = ", ".join(f"--{name}" for name in given)
+        raise ValueError(
+            f"--optimizer adamw runs TRL's own trainer with the Trainer's AdamW, which does not "
+            f"read {flags}: drop them (from the command line or the recipe YAML), or use "
+            f'--optimizer superoffload. (Under a DeepSpeed config with "super_offload" its '
+            f"ZeRO-3 optimizer is hf_superoffload's either way; HF_SUPEROFFLOAD_* variables tune "
+            f"it there.)"
+        )

@@ -52,6 +52,14 @@ def enabled(check_others: bool = True) -> bool:
     return raw in ("1", "true", "yes", "on")
 
 
+def engine_on() -> bool:
+    """Whether DeepSpeed's ``"super_offload"`` builds hf_superoffload's optimizer in this
+    process: activation ran with the switch on (``import hf_superoffload`` activates, and its
+    patches, once armed, stay). False under ``HF_SUPEROFFLOAD_DEEPSPEED=0`` at import: DeepSpeed
+    builds its own SuperOffload, which reads none of this package's engine options."""
+    return TARGET_MODULE in _active
+
+
 def activate() -> None:
     """Patch the modules of ``_patches()`` now if they are loaded, else as soon as each is
     imported. Idempotent; imports neither DeepSpeed nor accelerate itself (that takes

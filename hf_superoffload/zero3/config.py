@@ -6,11 +6,13 @@ DeepSpeed builds the engine from it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
+from .. import env
 from ..engine.optimizer import DEFAULT_BUCKET_SIZE
-from ..integrations.plugin import ENV_PREFIX
+from ..integrations.plugin import ENV_PREFIX, SuperOffloadOptions
 
 # Options of the standalone engine that DeepSpeed's config replaces on this path.
 REPLACED_BY_DEEPSPEED = {
@@ -73,9 +75,19 @@ def refuse_super_offload_below_stage3(stage: int, super_offload: bool) -> None:
         )
 
 
+# The variables only hf_superoffload's ZeRO-3 optimizer reads on the DeepSpeed path: one per
+# SuperOffloadOptions field (those REPLACED_BY_DEEPSPEED it refuses), and the CPU Adam's CPUs.
+ENGINE_VARIABLES = tuple(
+    ENV_PREFIX + name.upper()
+    for name in [f.name for f in dataclasses.fields(SuperOffloadOptions)] + ["cpu_cores"]
+)
+
+
 def export_zero3_options(options: dict) -> None:
     """Hand the trainer's SuperOffload options to the ZeRO-3 optimizer DeepSpeed will build
-    (it reads HF_SUPEROFFLOAD_* when it is constructed); refuse those DeepSpeed's config replaces."""
+    (it reads HF_SUPEROFFLOAD_* when it is constructed); refuse those DeepSpeed's config replaces,
+    and, when DeepSpeed builds its own SuperOffload (HF_SUPEROFFLOAD_DEEPSPEED=0), any of them."""
+    refuse_engine_options_without_engine(options)
     replaced = {k: REPLACED_BY_DEEPSPEED[k] for k in options if k in REPLACED_BY_DEEPSPEED}
     defaults = {"gpu_tail": "auto", "bucket_size": DEFAULT_BUCKET_SIZE, "gpu_tail_cap": None}
     replaced = {k: v for k, v in replaced.items() if options[k] != defaults[k]}
@@ -90,3 +102,21 @@ def export_zero3_options(options: dict) -> None:
             os.environ[ENV_PREFIX + name.upper()] = (
                 str(value).lower() if isinstance(value, bool) else str(value)
             )
+
+
+def refuse_engine_options_without_engine(options: dict) -> None:
+    """Under ``HF_SUPEROFFLOAD_DEEPSPEED=0`` DeepSpeed builds its own SuperOffload, which reads
+    none of this package's engine options: refuse those given (``options``: the trainer's
+    explicit ones) or set in the environment, rather than export and report them unread."""
+    from .activation import OPT_OUT_ENV, engine_on  # activation imports this module
+
+    if engine_on():
+        return
+    given = [f"superoffload_{name}" for name, value in options.items() if value is not None]
+    given += [name for name in ENGINE_VARIABLES if env.read(name) is not None]
+    if given:
+        raise ValueError(
+            f"{OPT_OUT_ENV}=0: DeepSpeed builds its own SuperOffload optimizer, which does not "
+            f"read {', '.join(given)} (hf_superoffload's engine options). Drop them (and "
+            f"superoffload_options), or unset {OPT_OUT_ENV} to run hf_superoffload's engine."
+        )

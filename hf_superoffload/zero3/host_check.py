@@ -58,8 +58,6 @@ def zero3_sub_groups(init_optimizer, kwargs: dict, compact: bool = False) -> Sub
     ``zero.Init`` set it, else its rule, applied in the optimizer's param order (DeepSpeed
     counts ``stage3_model_persistence_threshold`` in the module's: the same unless that limit
     is set)."""
-    from .options import sub_group_size  # options imports this module
-
     groups = [
         [p for p in group["params"] if p.requires_grad and _numel(p) > 0]
         for group in init_optimizer.param_groups
@@ -79,7 +77,7 @@ def zero3_sub_groups(init_optimizer, kwargs: dict, compact: bool = False) -> Sub
     cut = (
         [[Param(_numel(p), persists[id(p)]) for p in params] for params in groups],
         ranks,
-        sub_group_size(kwargs.get("sub_group_size", 0)),
+        kwargs.get("sub_group_size", 0),  # as the optimizer runs it (options.resolve_sizes)
     )
     blocks = sub_group_blocks(*cut) if compact else ()
     return split_sub_groups(sub_group_numels(*cut), kwargs.get("offload_ratio", 1.0), blocks)

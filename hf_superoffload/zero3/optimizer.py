@@ -61,14 +61,7 @@ from .gather_waits import wrap_gathers
 from .host_parts import micro_batches_accumulate
 from .host_state import HostState, compact_salts
 from .norms import sub_group_norms
-from .options import (
-    DEEPSPEED_DEFAULT_REDUCE_BUCKET_SIZE,
-    check_supported,
-    cores_perc_if_set,
-    reduce_bucket_size,
-    resolve_options,
-    sub_group_size,
-)
+from .options import check_supported, cores_perc_if_set, resolve_options, resolve_sizes
 from .rank_failures import share_failures
 from .sub_groups import SubGroupLayout
 
@@ -121,12 +114,8 @@ class SuperOffloadZero3Optimizer(
         self._replicas = Replicas(kwargs.get("dp_process_group"), device)
         perc = cores_perc_if_set(kwargs.get("offload_optimizer_config"))
         options = resolve_options(perc, device)
+        resolve_sizes(kwargs, ds_config)  # the host check counts the sub groups they cut
         check_supported(init_optimizer, ds_config, kwargs, self._replicas, options.compact)
-        kwargs["sub_group_size"] = sub_group_size(kwargs.get("sub_group_size", 0))
-        kwargs["reduce_bucket_size"] = reduce_bucket_size(
-            kwargs.get("reduce_bucket_size", DEEPSPEED_DEFAULT_REDUCE_BUCKET_SIZE),
-            kwargs["sub_group_size"],
-        )
         # The sub groups "ratio" keeps on the GPU are ours to step (device_sub_groups.py says
         # why); DeepSpeed offloads all and builds none of its partial-offload machinery.
         ratio, kwargs["offload_ratio"] = kwargs.get("offload_ratio", 1.0), 1.0

@@ -6,12 +6,13 @@ transfer buffers page-locked or not; DeepSpeed's own host buffers stay pageable)
 optimizer state on the GPU and step there after validation: ``device_sub_groups.py``) and ``cpuadam_cores_perc`` (the
 share of this rank's cores the CPU Adam uses; unset, the standalone engine's default applies:
 the rank's cores less one). ``sub_group_size`` is the partition the STV core
-speculates on; left at DeepSpeed's default (1e9 elements, a few sub groups per model, so a sub
-group completes late in backward) it becomes our bucket size. ``reduce_bucket_size`` left at
-DeepSpeed's default (5e8 elements) becomes the sub group size too: gradients reach the host one
-reduce bucket at a time, and the last bucket is reduced only when backward ends, so its CPU work
-(15% of a 3B model at 5e8) could not overlap backward. The speculation and cast options come
-from HF_SUPEROFFLOAD_* variables as on the standalone path.
+speculates on; left out of the config (DeepSpeed's default then is 1e9 elements, a few sub
+groups per model, so a sub group completes late in backward) it is our bucket size, 2**25.
+``reduce_bucket_size`` left out (DeepSpeed's default 5e8 elements) is at most the sub group
+size too: gradients reach the host one reduce bucket at a time, and the last bucket is reduced
+only when backward ends, so its CPU work (15% of a 3B model at 5e8) could not overlap backward.
+A value the config writes is used as written, DeepSpeed's default value included. The
+speculation and cast options come from HF_SUPEROFFLOAD_* variables as on the standalone path.
 """
 
 from __future__ import annotations
@@ -69,12 +70,20 @@ def resolve_options(cpuadam_cores_perc: float | None, device: torch.device) -> Z
                 f"config instead (and unset {name})."
             )
     plugin = SuperOffloadOptions()  # resolves HF_SUPEROFFLOAD_* (and refuses bad values)
+    if plugin.cpu_threads is not None and cpuadam_cores_perc is not None:
+        raise ValueError(
+            f"{ENV_PREFIX}CPU_THREADS={plugin.cpu_threads} (or superoffload_cpu_threads) and the "
+            f"DeepSpeed config's offload_optimizer.cpuadam_cores_perc={cpuadam_cores_perc} both "
+            f"size the CPU Adam's team; keep one: remove cpuadam_cores_perc from the config to "
+            f"run {plugin.cpu_threads} threads, or unset {ENV_PREFIX}CPU_THREADS (drop "
+            f"superoffload_cpu_threads) to use that share of this rank's cores."
+        )
     # As on the standalone path: the rank's share of the host less one core for the training
     # thread, whose DeepSpeed hooks run during the CPU pass, unless HF_SUPEROFFLOAD_CPU_THREADS
-    # or the config's cpuadam_cores_perc (a share of the rank's cores) sizes the team. Measured
-    # at 3.4B on an H100 host (16 cores): the pass took 0.88 s with 15 threads, 0.97 with 12
-    # (DeepSpeed's 0.8) and 1.18 with 16, where a kernel thread shared a core with the
-    # training thread.
+    # or the config's cpuadam_cores_perc (a share of the rank's cores; not both) sizes the
+    # team. Measured at 3.4B on an H100 host (16 cores): the pass took 0.88 s with 15 threads,
+    # 0.97 with 12 (DeepSpeed's 0.8) and 1.18 with 16, where a kernel thread shared a core
+    # with the training thread.
     team = choose_team(device, plugin.cpu_threads, cpuadam_cores_perc)
     return Zero3Options(
         team, plugin.speculate, plugin.speculate_after_clip, plugin.cast,
@@ -82,14 +91,37 @@ def resolve_options(cpuadam_cores_perc: float | None, device: torch.device) -> Z
     )  # fmt: skip
 
 
-def sub_group_size(requested: int) -> int:
-    return DEFAULT_BUCKET_SIZE if requested == DEEPSPEED_DEFAULT_SUB_GROUP_SIZE else requested
+def written_in_config(ds_config, key: str) -> bool:
+    """Whether the DeepSpeed config's ``zero_optimization`` sets ``key``: a value the user
+    wrote, as against DeepSpeed's default for a key left out (both reach the optimizer alike)."""
+    zero = ds_config.get("zero_optimization") if isinstance(ds_config, dict) else None
+    return isinstance(zero, dict) and key in zero
 
 
-def reduce_bucket_size(requested: int, sub_group: int) -> int:
-    if requested == DEEPSPEED_DEFAULT_REDUCE_BUCKET_SIZE:
-        return min(requested, sub_group)
-    return requested
+def sub_group_size(requested: int, written: bool) -> int:
+    """The sub group size the optimizer cuts by: as written in the config, or our bucket size
+    where DeepSpeed's default (1e9) stands for a key left out."""
+    return requested if written else DEFAULT_BUCKET_SIZE
+
+
+def reduce_bucket_size(requested: int, sub_group: int, written: bool) -> int:
+    """As written in the config, or at most a sub group where DeepSpeed's default stands."""
+    return requested if written else min(requested, sub_group)
+
+
+def resolve_sizes(kwargs: dict, ds_config) -> None:
+    """Put the sub group and reduce bucket sizes this path runs with into ``kwargs`` (in
+    place), before anything reads them: the host check, then DeepSpeed's constructor."""
+    sub_group = sub_group_size(
+        kwargs.get("sub_group_size", DEEPSPEED_DEFAULT_SUB_GROUP_SIZE),
+        written_in_config(ds_config, "sub_group_size"),
+    )
+    kwargs["sub_group_size"] = sub_group
+    kwargs["reduce_bucket_size"] = reduce_bucket_size(
+        kwargs.get("reduce_bucket_size", DEEPSPEED_DEFAULT_REDUCE_BUCKET_SIZE),
+        sub_group,
+        written_in_config(ds_config, "reduce_bucket_size"),
+    )
 
 
 def check_supported(
