@@ -43,10 +43,8 @@ from deepspeed.utils import log_dist
 
 from .. import ops
 from ..engine.cast_policy import choose_cast_plan
-from ..engine.copy_out import CopyOutRing
 from ..engine.core_split import use_team
 from ..engine.grad_slots import GradSlots
-from ..engine.layout import copy_out_dtype
 from ..engine.link import Link
 from ..engine.replicas import Replicas, closes_replicas_on_failure
 from ..engine.stv import Stv, Verdict, validate
@@ -58,7 +56,7 @@ from .checkpoint_load import load_rank_state
 from .checkpoint_universal import load_universal_state
 from .device_sub_groups import DeviceSubGroups, device_sub_group_count
 from .gather_waits import wrap_gathers
-from .host_parts import micro_batches_accumulate
+from .host_parts import copy_out_ring, copy_out_ring_dtype, micro_batches_accumulate
 from .host_state import HostState, compact_salts
 from .norms import sub_group_norms
 from .options import (
@@ -121,7 +119,7 @@ class SuperOffloadZero3Optimizer(
         self._replicas = Replicas(kwargs.get("dp_process_group"), device)
         perc = cores_perc_if_set(kwargs.get("offload_optimizer_config"))
         options = resolve_options(perc, device)
-        check_supported(init_optimizer, ds_config, kwargs, self._replicas, options.compact)
+        check_supported(init_optimizer, ds_config, kwargs, self._replicas, options, device.type)
         kwargs["sub_group_size"] = sub_group_size(kwargs.get("sub_group_size", 0))
         kwargs["reduce_bucket_size"] = reduce_bucket_size(
             kwargs.get("reduce_bucket_size", DEEPSPEED_DEFAULT_REDUCE_BUCKET_SIZE),
@@ -157,11 +155,9 @@ class SuperOffloadZero3Optimizer(
             m.numel() for i, m in enumerate(self.fp32_partitioned_groups_flat)
             if i not in self._device_part_at
         ]  # fmt: skip
-        copy_out = None
-        ring_dtype = copy_out_dtype(dtype, params_on_device, self._compact)
-        if ring_dtype is not None and host_numels:
-            copy_out = CopyOutRing(self._link, max(host_numels), ring_dtype)
-        self._copy_out = copy_out
+        # The rule the memory plan and the host check count it by (host_parts.py).
+        ring_dtype = copy_out_ring_dtype(dtype, options.cast, device.type, self._compact)
+        self._copy_out = copy_out = copy_out_ring(self._link, host_numels, ring_dtype)
         # Compact moments: where a sub group's next gradients land while its deferred update
         # keeps its gradient buffer (engine/deferred_commits.py); memory_plan counts them.
         self._grad_slots = None
