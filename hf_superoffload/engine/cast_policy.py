@@ -38,19 +38,25 @@ class CastPlan:
     reason: str
 
 
-def choose_cast_plan(mode: str, device: torch.device, dtype: torch.dtype) -> CastPlan:
+def decide_cast(mode: str, device_type: str, dtype: torch.dtype) -> CastPlan:
+    """The plan for ``mode`` on a device of ``device_type`` ("cuda", "cpu"), from these alone
+    (nothing is measured), so that a memory plan made before the run knows it too."""
     if mode not in ("auto", "gpu", "cpu"):
         raise ValueError(f"cast must be 'auto', 'gpu' or 'cpu', got {mode!r}.")
     if dtype == torch.float32:
-        plan = CastPlan(True, True, "model params are fp32: nothing to cast")
-    elif mode == "gpu":
-        plan = CastPlan(True, True, "cast='gpu' requested")
-    elif mode == "cpu":
-        plan = CastPlan(False, False, "cast='cpu' requested")
-    elif device.type != "cuda":
-        plan = CastPlan(False, False, "no device link (model on CPU): cast in the CPU pass")
-    else:
-        plan = CastPlan(False, True, "auto: 16-bit grads (half the host traffic), fp32 params")
+        return CastPlan(True, True, "model params are fp32: nothing to cast")
+    if mode == "gpu":
+        return CastPlan(True, True, "cast='gpu' requested")
+    if mode == "cpu":
+        return CastPlan(False, False, "cast='cpu' requested")
+    if device_type != "cuda":
+        return CastPlan(False, False, "no device link (model on CPU): cast in the CPU pass")
+    return CastPlan(False, True, "auto: 16-bit grads (half the host traffic), fp32 params")
+
+
+def choose_cast_plan(mode: str, device: torch.device, dtype: torch.dtype) -> CastPlan:
+    """``decide_cast``'s plan for ``device``, logged."""
+    plan = decide_cast(mode, device.type, dtype)
     logger.info(
         "hf_superoffload cast plan: grads cast on %s, params cast on %s (%s)",
         "device" if plan.grads_on_device else "host",

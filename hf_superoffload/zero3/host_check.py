@@ -3,7 +3,8 @@
 Each rank holds its partition of the trainable params (``1 / data-parallel ranks`` of them) and,
 for the sub groups ``ratio`` offloads, the host state ``optimizer.py`` describes: fp32 master
 (4 B/param), both moments (8), the gradient buffer in DeepSpeed's accumulation dtype,
-DeepSpeed's accumulation buffer when micro-batches accumulate, and the copy-out ring. Which sub
+DeepSpeed's accumulation buffer when micro-batches accumulate, and the copy-out ring where the
+run's cast makes one (``host_parts.copy_out_ring_dtype``, the optimizer's own rule). Which sub
 groups those are comes from ``sub_group_cut``, the rule the optimizer cuts by, applied to the
 same inputs: the base optimizer's param groups, DeepSpeed's persistence thresholds,
 ``sub_group_size`` and the rank's partition. DeepSpeed's own fp32 gradient buffers are never
@@ -25,6 +26,7 @@ from ..engine.host_memory import check_host_memory
 from ..engine.replicas import Replicas
 from .host_parts import (
     copy_out_bytes,
+    copy_out_ring_dtype,
     micro_batches_accumulate,
     optimizer_host_parts,
     resume_extra_host_bytes,
@@ -88,16 +90,23 @@ def _numel(param) -> int:
 
 
 def zero3_host_parts(
-    init_optimizer, kwargs: dict, compact: bool = False, ds_config: dict | None = None
+    init_optimizer,
+    kwargs: dict,
+    compact: bool = False,
+    ds_config: dict | None = None,
+    cast: str | None = None,
+    device_type: str = "cuda",
 ) -> dict[str, int]:
     """Host bytes per rank of the optimizer DeepSpeed is about to build, by what holds them:
     training's parts, and what start-up or a resume holds beyond them (the larger);
-    ``compact``: its moments are compact."""
+    ``compact``: its moments are compact; ``cast`` on a ``device_type`` device: whether the
+    copy-out ring is made (None: counted, the most any cast makes)."""
     split = zero3_sub_groups(init_optimizer, kwargs, compact)
     params = [p for g in init_optimizer.param_groups for p in g["params"] if p.requires_grad]
     grad = kwargs.get("gradient_accumulation_dtype", torch.float32).itemsize
-    low = params[0].dtype.itemsize if params and params[0].dtype != torch.float32 else 0
-    copy_out = copy_out_bytes(split.largest_host_sub_group, low, compact)
+    model_dtype = params[0].dtype if params else torch.float32
+    ring = copy_out_ring_dtype(model_dtype, cast, device_type, compact)
+    copy_out = copy_out_bytes(split.largest_host_sub_group, ring)
     accumulating = micro_batches_accumulate(kwargs, ds_config or {})
     parts = optimizer_host_parts(
         split.partition, split.host_numel, grad, copy_out, accumulating,
@@ -111,12 +120,20 @@ def zero3_host_parts(
 
 
 def check_zero3_host_memory(
-    init_optimizer, kwargs: dict, replicas: Replicas, compact: bool, ds_config: dict
+    init_optimizer,
+    kwargs: dict,
+    replicas: Replicas,
+    compact: bool,
+    ds_config: dict,
+    cast: str,
+    device_type: str,
 ) -> None:
     """Refuse this rank's host state if the host cannot hold it for all of its ranks, then
     wait for the other ranks' checks: each measures the available memory before any of them
     allocates (else a late rank would count an early one's buffers twice), and a rank that
     refused ends the others' wait at once, with its error (the optimizer's ``replicas``, whose
-    failure watch also ends an NCCL wait)."""
-    check_host_memory(zero3_host_parts(init_optimizer, kwargs, compact, ds_config), REMEDIES)
+    failure watch also ends an NCCL wait). ``cast`` (the run's) on a ``device_type`` device
+    says, as it does to the optimizer, whether the copy-out ring is made."""
+    parts = zero3_host_parts(init_optimizer, kwargs, compact, ds_config, cast, device_type)
+    check_host_memory(parts, REMEDIES)
     replicas.agree(0.0, "max")

@@ -4,19 +4,48 @@ what is planned, what is checked and what the optimizer allocates are one number
 
 from __future__ import annotations
 
+import torch
+
+from ..engine.cast_policy import decide_cast
 from ..engine.compact_moments import compact_moment_bytes
-from ..engine.copy_out import COPY_OUT_PIECE, COPY_OUT_SLOTS
+from ..engine.copy_out import COPY_OUT_PIECE, COPY_OUT_SLOTS, CopyOutRing
 from ..engine.grad_slots import grad_slots_bytes
+from ..engine.layout import copy_out_dtype
+from ..engine.link import Link
 from . import checkpoint_memory
 from .sub_group_cut import SubGroupSplit
 
 
-def copy_out_bytes(largest_host_sub_group: int, low_bytes: int, compact: bool = False) -> int:
-    """The copy-out ring (engine/copy_out.py): a few pieces of the largest host sub group,
-    in the model's 16-bit dtype (``low_bytes`` 0: an fp32 model has none, unless its moments
-    are compact: then fp32)."""
-    element = (low_bytes or 4) if compact else low_bytes
-    return COPY_OUT_SLOTS * min(largest_host_sub_group, COPY_OUT_PIECE) * element
+def copy_out_ring_dtype(
+    model_dtype: torch.dtype, cast: str | None, device_type: str, compact: bool
+) -> torch.dtype | None:
+    """The dtype of the copy-out ring (engine/copy_out.py) the optimizer makes for the rounded
+    params going back to the model, None where it makes none: the one rule the plan, the
+    start-up host check and the optimizer take it from. There is one where params are cast on
+    the host (``cast`` "cpu", or "auto" without a GPU: ``decide_cast``, which measures
+    nothing, so a plan knows it as well as the optimizer), and with compact moments.
+    ``cast`` None: not known (a plan made from the model's config alone): the ring of a cast
+    on the host, the most any cast makes (COPY_OUT_SLOTS x COPY_OUT_PIECE elements: 96 MiB in
+    bf16)."""
+    on_device = cast is not None and decide_cast(cast, device_type, model_dtype).params_on_device
+    return copy_out_dtype(model_dtype, on_device, compact)
+
+
+def copy_out_bytes(largest_host_sub_group: int, ring_dtype: torch.dtype | None) -> int:
+    """Bytes of the ring ``copy_out_ring`` makes: a few pieces of the largest host sub group."""
+    if ring_dtype is None:
+        return 0
+    return COPY_OUT_SLOTS * min(largest_host_sub_group, COPY_OUT_PIECE) * ring_dtype.itemsize
+
+
+def copy_out_ring(
+    link: Link, host_numels: list[int], ring_dtype: torch.dtype | None
+) -> CopyOutRing | None:
+    """The optimizer's ring for host sub groups of ``host_numels`` elements (none without
+    any, or without ``ring_dtype``), as ``copy_out_bytes`` counts it."""
+    if ring_dtype is None or not host_numels:
+        return None
+    return CopyOutRing(link, max(host_numels), ring_dtype)
 
 
 def optimizer_host_parts(

@@ -4,7 +4,9 @@ config alone (built on the meta device: nothing is allocated).
 Host, per rank (``SuperOffloadZero3Optimizer.host_bytes`` names the same parts): the rank's
 partition of the fp32 master (4 B/param) and both moments (8), its gradients in DeepSpeed's
 accumulation dtype (2 in bf16), DeepSpeed's host accumulation buffer when micro-batches
-accumulate (2), the 16-bit params when ``offload_param`` puts them there (2), the copy-out ring,
+accumulate (2), the 16-bit params when ``offload_param`` puts them there (2), the copy-out ring
+where params are cast on the host (``host_parts.copy_out_ring_dtype``: none with the default
+cast on a GPU; with ``cast`` not given, counted at its most, ``MemoryPlan.upper_bounds``),
 with compact moments a few gradient slots of the largest host sub group, and the process
 itself (CUDA context, libraries: measured, ``HOST_PROCESS_BYTES``). While the optimizer is
 built, DeepSpeed holds the whole partition's fp32 masters (4 B/param), and its accumulation
@@ -29,15 +31,19 @@ sub groups on the GPU. A resume holds a little more host memory than training (a
 sub groups' saved state, ``resume_extra_host_bytes``): the plan's host peak, which ``plan``
 checks and ``--ratio auto`` sizes by, is the largest of training, start-up and resume.
 
-Checked against every measured peak of dense decoders (docs/benchmarks.md; Llama-3.1-8B and
-3.37B on one H100 at ``ratio`` 1.0 down to 0.3, Qwen3-14B on 2 x H200 at 0.85): GPU 0.6-2.0%
-above the measured allocation, host 0.0-3.3% above the measured resident memory.
+Checked against every measured peak (tests/test_zero3_memory_plan.py's MEASURED: Llama-3.1-8B
+and 3.37B on one H100 at ``ratio`` 1.0 down to 0.3, Qwen3-14B on 2 x H200 at 0.85, 3.37B and
+Qwen3-30B-A3B on 4 x H200), with the cast those runs had ("auto"): GPU 0.6-2.4% above the
+measured allocation, host within 0.6% of the measured resident memory (the process's own
+bytes, ``HOST_PROCESS_BYTES``, are a measured constant).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+
+import torch
 
 from ..engine.compact_moments import compact_moment_bytes
 from ..engine.device_tail import step_scratch_bytes
@@ -49,6 +55,7 @@ from .activation_memory import (
 )
 from .host_parts import (
     copy_out_bytes,
+    copy_out_ring_dtype,
     optimizer_host_parts,
     resume_extra_host_bytes,
     start_up_host_bytes,
@@ -120,6 +127,10 @@ class Zero3Run:
     # False: no activation checkpointing, every layer keeps what autograd saves (the Trainer's
     # activation_checkpointing / gradient_checkpointing off).
     activation_checkpointing: bool = True
+    # The run's cast (HF_SUPEROFFLOAD_CAST: "auto", "gpu" or "cpu"), which says whether the
+    # copy-out ring is made; None: not known, the ring counted at its most (upper_bounds).
+    cast: str | None = None
+    device_type: str = "cuda"  # the ranks' device ("cpu": DeepSpeed's CPU accelerator)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +173,17 @@ class MemoryPlan:
     @property
     def host_training(self) -> int:
         return sum(self.host.values())
+
+    @property
+    def upper_bounds(self) -> dict[str, str]:
+        """Host parts counted at their most, each with why: the copy-out ring when the run's
+        cast is not given (the optimizer makes none where params are cast on the GPU)."""
+        if self.run.cast is None and self.host["param_copy_out"]:
+            return {
+                "param_copy_out": "at most: none with cast 'auto' or 'gpu' on a GPU "
+                "(HF_SUPEROFFLOAD_CAST); the cast was not given"
+            }
+        return {}
 
     @property
     def host_bytes(self) -> int:
@@ -243,6 +265,7 @@ class MemoryPlan:
 
         per_host = self.run.ranks_per_host or self.run.ranks
         phase = self.host_peak_phase
+        bounds = {name: f" ({why})" for name, why in self.upper_bounds.items()}
         return "\n".join(
             [
                 f"{self.shape.params / 1e9:.2f}B params, {self.run.ranks} rank(s), seq "
@@ -259,7 +282,7 @@ class MemoryPlan:
                 ),
                 row("total", self.gpu_bytes),
                 "host per rank, while training:",
-                *(row(name, nbytes) for name, nbytes in self.host.items()),
+                *(row(name, nbytes, bounds.get(name, "")) for name, nbytes in self.host.items()),
                 row("training", self.host_training, " (the peak)" * (phase == "training")),
                 row("start-up", self.host_start_up, " (the peak)" * (phase == "start-up")),
                 row("resume", self.host_resume, " (the peak)" * (phase == "resume")),
@@ -332,6 +355,13 @@ def activation_gpu_bytes(config, shape: ModelShape, run: Zero3Run) -> dict[str, 
     }
 
 
+def _model_dtype(dtype_bytes: int) -> torch.dtype:
+    """The params' dtype of ``Zero3Run.dtype_bytes`` (fp16 is refused on this path)."""
+    if dtype_bytes not in (2, 4):
+        raise ValueError(f"dtype_bytes must be 2 (bf16) or 4 (fp32), got {dtype_bytes}")
+    return torch.bfloat16 if dtype_bytes == 2 else torch.float32
+
+
 def zero3_memory_plan(config, run: Zero3Run, shape: ModelShape | None = None) -> MemoryPlan:
     """Per-rank GPU and host bytes of training ``config``'s model on the ZeRO-3 path
     (``shape``: ``ModelShape.of(config)`` when the caller has it, for plans of many runs)."""
@@ -344,7 +374,8 @@ def zero3_memory_plan(config, run: Zero3Run, shape: ModelShape | None = None) ->
     tokens = run.seq * run.batch
 
     compact = run.compact_moments
-    copy_out = copy_out_bytes(split.largest_host_sub_group, low, compact)
+    ring = copy_out_ring_dtype(_model_dtype(low), run.cast, run.device_type, compact)
+    copy_out = copy_out_bytes(split.largest_host_sub_group, ring)
     host = {
         **optimizer_host_parts(
             partition,

@@ -43,10 +43,8 @@ from deepspeed.utils import log_dist
 
 from .. import ops
 from ..engine.cast_policy import choose_cast_plan
-from ..engine.copy_out import CopyOutRing
 from ..engine.core_split import use_team
 from ..engine.grad_slots import GradSlots
-from ..engine.layout import copy_out_dtype
 from ..engine.link import Link
 from ..engine.replicas import Replicas, closes_replicas_on_failure
 from ..engine.stv import Stv, Verdict, validate
@@ -58,7 +56,7 @@ from .checkpoint_load import load_rank_state
 from .checkpoint_universal import load_universal_state
 from .device_sub_groups import DeviceSubGroups, device_sub_group_count
 from .gather_waits import wrap_gathers
-from .host_parts import micro_batches_accumulate
+from .host_parts import copy_out_ring, copy_out_ring_dtype, micro_batches_accumulate
 from .host_state import HostState, compact_salts
 from .norms import sub_group_norms
 from .options import check_supported, cores_perc_if_set, resolve_options, resolve_sizes
@@ -115,7 +113,7 @@ class SuperOffloadZero3Optimizer(
         perc = cores_perc_if_set(kwargs.get("offload_optimizer_config"))
         options = resolve_options(perc, device)
         resolve_sizes(kwargs, ds_config)  # the host check counts the sub groups they cut
-        check_supported(init_optimizer, ds_config, kwargs, self._replicas, options.compact)
+        check_supported(init_optimizer, ds_config, kwargs, self._replicas, options, device.type)
         # The sub groups "ratio" keeps on the GPU are ours to step (device_sub_groups.py says
         # why); DeepSpeed offloads all and builds none of its partial-offload machinery.
         ratio, kwargs["offload_ratio"] = kwargs.get("offload_ratio", 1.0), 1.0
@@ -146,11 +144,9 @@ class SuperOffloadZero3Optimizer(
             m.numel() for i, m in enumerate(self.fp32_partitioned_groups_flat)
             if i not in self._device_part_at
         ]  # fmt: skip
-        copy_out = None
-        ring_dtype = copy_out_dtype(dtype, params_on_device, self._compact)
-        if ring_dtype is not None and host_numels:
-            copy_out = CopyOutRing(self._link, max(host_numels), ring_dtype)
-        self._copy_out = copy_out
+        # The rule the memory plan and the host check count it by (host_parts.py).
+        ring_dtype = copy_out_ring_dtype(dtype, options.cast, device.type, self._compact)
+        self._copy_out = copy_out = copy_out_ring(self._link, host_numels, ring_dtype)
         # Compact moments: where a sub group's next gradients land while its deferred update
         # keeps its gradient buffer (engine/deferred_commits.py); memory_plan counts them.
         self._grad_slots = None

@@ -125,9 +125,14 @@ def resolve_sizes(kwargs: dict, ds_config) -> None:
 
 
 def check_supported(
-    init_optimizer, ds_config, kwargs: dict, replicas: Replicas, compact: bool = False
+    init_optimizer,
+    ds_config,
+    kwargs: dict,
+    replicas: Replicas,
+    options: Zero3Options,
+    device_type: str,
 ) -> None:
-    """Refuse what this path does not run, saying what to change."""
+    """Refuse what this path does not run, saying what to change (the host check last)."""
     offload = kwargs.get("offload_optimizer_config")
     device = getattr(getattr(offload, "device", None), "value", getattr(offload, "device", None))
     if device != "cpu":
@@ -159,7 +164,9 @@ def check_supported(
             '"zero_optimization", or "super_offload" from "offload_optimizer".'
         )
     check_adamw(init_optimizer)
-    check_zero3_host_memory(init_optimizer, kwargs, replicas, compact, ds_config)  # last
+    check_zero3_host_memory(
+        init_optimizer, kwargs, replicas, options.compact, ds_config, options.cast, device_type
+    )  # last
 
 
 def warn_unused_offload_keys(offload_optimizer_config) -> None:
