@@ -2,17 +2,23 @@
 
 The optimizer's fp32 master weights are what the plain Trainer's fp32 params are: ``bf16=True``
 casts the model to bf16 in place and starts the masters from the exact fp32 values
-(``cast_to_bf16``), saving writes the masters (``weights_to_save``, ``record_saved_dtype``), and
-loading the best checkpoint at the end of training restores them (``masters_from_checkpoint``).
-A save interrupted half-way must not be resumed from: ``last_complete_checkpoint``.
+(``cast_to_bf16``, which also keeps host copies of the frozen params' and float buffers' fp32
+values that bf16 does not hold), saving writes the masters and those copies
+(``weights_to_save``, ``record_saved_dtype``), and resuming from a checkpoint in torch's
+optimizer layout takes the masters from its fp32 weights (``masters_from_checkpoint``; the best
+checkpoint at the end of training: best_model.py). A save interrupted half-way must not be
+resumed from: ``last_complete_checkpoint``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import logging
 import os
 import re
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -20,14 +26,10 @@ from safetensors import safe_open
 from transformers import PreTrainedModel
 from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-from transformers.utils import (
-    SAFE_WEIGHTS_INDEX_NAME,
-    SAFE_WEIGHTS_NAME,
-    WEIGHTS_INDEX_NAME,
-    WEIGHTS_NAME,
-)
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from ..engine import SuperOffloadOptimizer
+from ..engine.host_memory import check_host_memory
 
 logger = logging.getLogger("hf_superoffload")
 
@@ -37,48 +39,103 @@ BF16_CAST_WARNING = (
     "(SuperOffloadOptimizer), and the model runs forward and backward on bf16 params. The "
     "plain Trainer instead keeps fp32 params and runs them under bf16 autocast, so losses and "
     "updates differ from it by bf16 rounding (1e-5 to 3e-3 relative on the loss in our runs), "
-    "and frozen params and buffers are bf16 here. save_model writes the fp32 master "
-    "(superoffload_save_dtype='bfloat16' for bf16 files)."
+    "and frozen params and buffers compute in bf16 here. save_model writes the fp32 masters, "
+    "and the frozen params' and buffers' fp32 values, kept on the host where bf16 does not "
+    "hold them (superoffload_save_dtype='bfloat16' for bf16 files)."
+)
+FROZEN_COPY_REMEDIES = (
+    "The fp32 values of the frozen params and float buffers that bf16 does not hold are kept "
+    "on the host so that saves write them exactly: load the model in bf16 "
+    "(from_pretrained(..., dtype=torch.bfloat16)) if its frozen weights need not stay fp32, "
+    "train without bf16=True, or free host memory."
 )
 
 
-def cast_to_bf16(model: torch.nn.Module) -> dict[int, torch.Tensor]:
-    """Cast ``model`` to bf16 in place. Returns host copies of the trainable fp32 params that
-    bf16 does not hold exactly (by ``id``), for their masters to start from; a model loaded
-    from a bf16 checkpoint has none. With several processes every rank first takes rank 0's
-    fp32 values, as the engine starts every rank from rank 0's params: so all masters start
-    from rank 0's exact values, not from its rounded ones."""
+@dataclasses.dataclass
+class Fp32Values:
+    """What ``cast_to_bf16`` kept of the model's fp32 values: the trainable params' (by
+    ``id``), for their masters to start from, and the frozen params' and float buffers' (by
+    state-dict name; tied names share one copy), for saves to write."""
+
+    trainable: dict[int, torch.Tensor]
+    frozen: dict[str, torch.Tensor]
+
+
+def cast_to_bf16(model: torch.nn.Module) -> Fp32Values:
+    """Cast ``model`` to bf16 in place. Returns host copies of the fp32 values that bf16 does
+    not hold exactly (``Fp32Values``); a model loaded from a bf16 checkpoint has none. With
+    several processes every rank first takes rank 0's trainable fp32 values, as the engine
+    starts every rank from rank 0's params: so all masters start from rank 0's exact values,
+    not from its rounded ones. The frozen copies are checked against the host's memory
+    (``check_host_memory``) before they are made; the optimizer's own check, after them, sees
+    them taken."""
     trainable = [p for p in model.parameters() if p.requires_grad and p.dtype == torch.float32]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         with torch.no_grad():
             for param in trainable:
                 dist.broadcast(param.detach(), src=0)
-    fp32_values = {}
-    for param in trainable:
-        value = param.detach()
-        if not torch.equal(value.to(torch.bfloat16).float(), value):
-            fp32_values[id(param)] = value.to("cpu", copy=True)
+    trainable_values = {
+        id(p): p.detach().to("cpu", copy=True) for p in trainable if not _bf16_holds(p)
+    }
+    frozen_names: dict[int, list[str]] = {}  # id(tensor) -> its names (tied: several)
+    frozen_tensors: dict[int, torch.Tensor] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if tensor.requires_grad or tensor.dtype != torch.float32 or _bf16_holds(tensor):
+            continue
+        frozen_names.setdefault(id(tensor), []).append(name)
+        frozen_tensors[id(tensor)] = tensor
+    nbytes = sum(t.numel() * t.element_size() for t in frozen_tensors.values())
+    if nbytes:
+        check_host_memory({"frozen_fp32_values": nbytes}, FROZEN_COPY_REMEDIES)
+    frozen = {}
+    for key, tensor in frozen_tensors.items():
+        copy = tensor.detach().to("cpu", copy=True)
+        frozen.update(dict.fromkeys(frozen_names[key], copy))
     model.to(torch.bfloat16)
-    return fp32_values
+    return Fp32Values(trainable_values, frozen)
+
+
+def _bf16_holds(tensor: torch.Tensor) -> bool:
+    value = tensor.detach()
+    return torch.equal(value.to(torch.bfloat16).float(), value)
 
 
 def weights_to_save(
-    model: torch.nn.Module, optimizer: SuperOffloadOptimizer, dtype: torch.dtype
+    model: torch.nn.Module,
+    optimizer: SuperOffloadOptimizer,
+    dtype: torch.dtype,
+    frozen_fp32: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` with every param the optimizer steps taken from its fp32 master
     (views, no copy) and every floating tensor in ``dtype``. A 16-bit param saved in its own
-    dtype is written as the model holds it: the engine rounds the master into it each step."""
+    dtype is written as the model holds it: the engine rounds the master into it each step.
+    ``frozen_fp32``: fp32 values of other tensors by name (``Fp32Values.frozen``), written in
+    their place while the model's tensor still is their rounding; one that changed since (a
+    buffer that training updates, say) is written as the model holds it now."""
     optimizer.synchronize()
+    frozen_fp32 = frozen_fp32 or {}
     weights = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
         if optimizer.manages(tensor) and (dtype == torch.float32 or tensor.dtype != dtype):
             value = optimizer.master_view(tensor).detach()
+        elif (
+            name in frozen_fp32 and tensor.dtype != dtype and _rounds_to(frozen_fp32[name], tensor)
+        ):
+            value = frozen_fp32[name]
         else:
             value = tensor.detach()
         if value.is_floating_point() and value.dtype != dtype:
             value = value.to(dtype)
         weights[name] = value
     return weights
+
+
+def _rounds_to(fp32_value: torch.Tensor, tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` still holds ``fp32_value`` rounded to its dtype."""
+    held = tensor.detach()
+    return held.shape == fp32_value.shape and torch.equal(
+        fp32_value.to(device=held.device, dtype=held.dtype), held
+    )
 
 
 def record_saved_dtype(model: torch.nn.Module, output_dir: str, dtype: torch.dtype) -> None:
@@ -108,63 +165,88 @@ def load_optimizer_state(
     one process. Mapped, the state pages in while it is copied to the optimizer's own buffers,
     on one process or many. A checkpoint in torch's layout (a plain Trainer's) has no masters:
     those params took the model's values, which a bf16 model has rounded; the fp32 weights
-    saved beside it are the masters."""
+    saved beside it are the masters (found before anything is loaded, or refused)."""
     state = torch.load(optimizer_file, map_location="cpu", weights_only=True, mmap=True)
-    optimizer.load_state_dict(with_empty_groups_of(optimizer, state))
+    state = with_empty_groups_of(optimizer, state)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     saved = state["state"]
     without = {id(p) for i, p in enumerate(params) if saved.get(i, {}).get("master") is None}
+    sources = fp32_weight_sources(model, optimizer, checkpoint, only=without) if without else []
+    optimizer.load_state_dict(state)
     del state, saved
-    if without:
-        masters_from_checkpoint(model, optimizer, checkpoint, only=without)
+    write_masters(optimizer, sources)
 
 
-@torch.no_grad()
 def masters_from_checkpoint(
     model: torch.nn.Module,
     optimizer: SuperOffloadOptimizer,
     checkpoint: str,
     only: set[int] | None = None,
 ) -> None:
-    """The Trainer has just loaded ``checkpoint``'s weights into ``model``
-    (``load_best_model_at_end``): make them the fp32 masters, or the next save would write the
-    last step's masters and the next step would return the model to them. A checkpoint holds
-    the masters themselves (fp32, the default save dtype): they are taken from its files
-    exactly; a param found there in another dtype, or not at all, from the model as loaded.
-    ``only``: the ids of the params to restore (default all)."""
-    names = [os.path.join(checkpoint, n) for n in (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME)]
-    others = [os.path.join(checkpoint, n) for n in (WEIGHTS_NAME, WEIGHTS_INDEX_NAME)]
-    if not any(os.path.isfile(path) for path in names + others):
-        return  # the Trainer found nothing to load either (it warned)
-    saved = _SavedFp32Weights(checkpoint)
+    """The fp32 masters of the params the optimizer steps (``only``: the ids of those to
+    restore, default all) from ``checkpoint``'s weights, which the Trainer has loaded into
+    ``model``: see ``fp32_weight_sources``."""
+    write_masters(optimizer, fp32_weight_sources(model, optimizer, checkpoint, only))
+
+
+def fp32_weight_sources(
+    model: torch.nn.Module,
+    optimizer: SuperOffloadOptimizer,
+    checkpoint: str,
+    only: set[int] | None = None,
+) -> list[tuple[torch.Tensor, Callable[[], torch.Tensor]]]:
+    """Where each param the optimizer steps (``only``: those ids) finds its fp32 master in
+    ``checkpoint``'s weights files, which the Trainer has loaded into ``model``: the file's
+    tensor of the param's name (read when written, one at a time; a 16-bit one is what the
+    model that saved it held, and widens to fp32 exactly), or, for an fp32 param the files do
+    not name, the param as it is. A 16-bit param they do not name (saved under other names,
+    such as fused MoE experts saved per expert, which the Trainer's load leaves unloaded too)
+    would start from its own rounded value: refused here, before anything is written."""
+    saved = _SavedWeights(checkpoint)
     by_param: dict[int, tuple[torch.Tensor, list[str]]] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
         if not optimizer.manages(tensor) or (only is not None and id(tensor) not in only):
             continue
         by_param.setdefault(id(tensor), (tensor, []))[1].append(name)  # tied: several names
-    rounded = 0
-    for param, param_names in by_param.values():
-        value = next((v for v in map(saved.get, param_names) if v is not None), None)
-        if value is None:
-            value = param.detach()
-            rounded += param.dtype != torch.float32
-        master = optimizer.master_view(param)
-        master.copy_(value)
-        param.detach().copy_(master)  # the model holds the master, rounded, as after a step
-    if rounded:
-        logger.warning(
-            "hf_superoffload: %d params of checkpoint %s are not stored in fp32 there (saved "
-            "with superoffload_save_dtype='bfloat16', or by a bf16 model): their fp32 masters "
-            "restart from the %s values.",
-            rounded,
-            checkpoint,
-            next(model.parameters()).dtype,
+    sources, unnamed = [], []
+    for param, names in by_param.values():
+        name = next((n for n in names if n in saved), None)
+        if name is not None:
+            sources.append((param, functools.partial(saved.get, name)))
+        elif param.dtype == torch.float32:
+            sources.append((param, param.detach))
+        else:
+            unnamed.append((names[0], param.dtype))
+    if unnamed:
+        listed = ", ".join(name for name, _ in unnamed[:3]) + (", ..." if len(unnamed) > 3 else "")
+        dtype = unnamed[0][1]
+        raise ValueError(
+            f"hf_superoffload: checkpoint {checkpoint} holds no fp32 masters in its optimizer "
+            f"state (torch's layout, a plain Trainer's), and its safetensors weights do not name "
+            f"{len(unnamed)} of the model's {dtype} params ({listed}; saved under other names, "
+            f"such as MoE experts saved per expert). Their masters would start from the "
+            f"model's {dtype} values, not the checkpoint's. Resume from a checkpoint that "
+            f"SuperOffloadTrainer saved (its optimizer.pt holds the masters), or load the "
+            f"checkpoint with from_pretrained and train without resume_from_checkpoint."
         )
+    return sources
 
 
-class _SavedFp32Weights:
-    """A checkpoint's safetensors weights by name, read one tensor at a time; ``get`` gives
-    None for a name it does not hold, or holds in another dtype than fp32."""
+@torch.no_grad()
+def write_masters(
+    optimizer: SuperOffloadOptimizer,
+    sources: list[tuple[torch.Tensor, Callable[[], torch.Tensor]]],
+) -> None:
+    """Each param's fp32 master from its source, and the param from the master (rounded to
+    its dtype, as after a step)."""
+    for param, value in sources:
+        master = optimizer.master_view(param)
+        master.copy_(value())
+        param.detach().copy_(master)
+
+
+class _SavedWeights:
+    """A checkpoint's safetensors weights by name (``in``), read one tensor at a time."""
 
     def __init__(self, checkpoint: str):
         self._file_of: dict[str, str] = {}
@@ -178,13 +260,11 @@ class _SavedFp32Weights:
             with safe_open(single, framework="pt") as f:
                 self._file_of = dict.fromkeys(f.keys(), single)
 
-    def get(self, name: str) -> torch.Tensor | None:
-        path = self._file_of.get(name)
-        if path is None:
-            return None
-        with safe_open(path, framework="pt") as f:
-            if f.get_slice(name).get_dtype() != "F32":
-                return None
+    def __contains__(self, name: str) -> bool:
+        return name in self._file_of
+
+    def get(self, name: str) -> torch.Tensor:
+        with safe_open(self._file_of[name], framework="pt") as f:
             return f.get_tensor(name)
 
 

@@ -45,6 +45,7 @@ from ..engine.state_io import save_atomically
 from ..zero3.config import export_zero3_options, require_super_offload
 from .accelerate_prepare import prepare_in_place, prepare_without_ddp
 from .arguments import resolve_save_dtype
+from .best_model import check_best_model_restorable, restore_best_masters
 from .checks import DATA_PARALLEL, check_optimizer_arguments, check_supported
 from .metrics import ThroughputMeter, all_ranks_stats, peak_tflops, stv_metrics
 from .model_card import add_superoffload_section, dataset_names, trainer_kind_tags
@@ -55,7 +56,6 @@ from .save import (
     cast_to_bf16,
     last_complete_checkpoint,
     load_optimizer_state,
-    masters_from_checkpoint,
     record_saved_dtype,
     weights_to_save,
 )
@@ -86,6 +86,9 @@ class SuperOffloadTrainerMixin:
         self.superoffload_final_save = superoffload_final_save
         self._throughput = ThroughputMeter()
         self._superoffload_built: SuperOffloadOptimizer | None = None
+        # fp32 values of frozen params and buffers that bf16=True's cast rounded, by name: what
+        # saves write for them (save.cast_to_bf16).
+        self._superoffload_frozen_fp32: dict[str, torch.Tensor] = {}
         self._superoffload_warned_bf16 = False
         self._micro_batch_window = MicroBatchWindow()  # what an OOM retry runs again
         super().__init__(*args, **kwargs)
@@ -185,6 +188,7 @@ class SuperOffloadTrainerMixin:
         if optimizer is not None:
             optimizer.close()
             self._superoffload_built = None
+            self._superoffload_frozen_fp32 = {}
 
     def _resolved_options(self) -> SuperOffloadOptions:
         if self._superoffload_options is not None:
@@ -202,13 +206,18 @@ class SuperOffloadTrainerMixin:
         # One we built before and the Trainer (or the user) has since dropped: release it.
         self._close_superoffload_optimizer()
         opt_model = self.model if model is None else model
+        trainable = [p for p in opt_model.parameters() if p.requires_grad]
+        check_best_model_restorable(
+            opt_model, self.args, self._superoffload_save_dtype(), trainable
+        )
         fp32_values = {}
         if self.args.bf16 and next(opt_model.parameters()).dtype == torch.float32:
             # The fp32 master lives on the CPU, so the GPU copy only needs bf16.
             if not self._superoffload_warned_bf16:
                 logger.warning(BF16_CAST_WARNING)
                 self._superoffload_warned_bf16 = True
-            fp32_values = cast_to_bf16(opt_model)
+            kept = cast_to_bf16(opt_model)
+            fp32_values, self._superoffload_frozen_fp32 = kept.trainable, kept.frozen
         decay = set(self.get_decay_parameter_names(opt_model))
         named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
         groups = [
@@ -335,7 +344,8 @@ class SuperOffloadTrainerMixin:
         if state_dict is not None or optimizer is None:
             return super()._save(output_dir, state_dict=state_dict)
         dtype = self._superoffload_save_dtype()
-        super()._save(output_dir, state_dict=weights_to_save(self.model, optimizer, dtype))
+        weights = weights_to_save(self.model, optimizer, dtype, self._superoffload_frozen_fp32)
+        super()._save(output_dir, state_dict=weights)
         if self.args.should_save:
             model = self.accelerator.unwrap_model(self.model)
             record_saved_dtype(model, output_dir or self.args.output_dir, dtype)
@@ -346,14 +356,14 @@ class SuperOffloadTrainerMixin:
 
     def _load_best_model(self):
         """load_best_model_at_end: the Trainer loads the best checkpoint into the model; the
-        fp32 masters must follow, or saving would write the last step's weights and the next
-        step would continue from them."""
+        fp32 masters follow, exactly, from its optimizer state (best_model.py), or saving
+        would write the last step's weights and the next step would continue from them."""
         optimizer = self.superoffload_optimizer
         if optimizer is not None:
             optimizer.synchronize()  # no update in flight may land on the loaded weights
         super()._load_best_model()
         if optimizer is not None:
-            masters_from_checkpoint(self.model, optimizer, self.state.best_model_checkpoint)
+            restore_best_masters(self.model, optimizer, self.state.best_model_checkpoint)
 
     def create_model_card(self, *args, **kwargs):
         """The parent's card (the Trainer's, or TRL's) in output_dir/README.md, with our card
