@@ -167,6 +167,7 @@ SURFACE: tuple[Name, ...] = (
     Name("transformers.core_model_loading", "WeightConverter", "reads"),
     Name("transformers.conversion_mapping", "get_model_conversion_mapping", "calls"),
     Name("transformers.trainer", "OPTIMIZER_NAME", "reads"),
+    Name("transformers.trainer_utils", "_is_peft_model", "calls"),
     Name("transformers.trainer", "SCHEDULER_NAME", "reads"),
     Name("transformers.trainer", "OPTIMIZER_NAME_BIN", "reads"),
     Name("transformers.trainer_pt_utils", "reissue_pt_warnings", "calls"),
