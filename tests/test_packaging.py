@@ -25,7 +25,9 @@ OPTIONAL = {
     "deepspeed", "trl", "wandb", "datasets", "matplotlib", "psutil", "torchao", "liger_kernel"
 }  # fmt: skip
 # Import name -> distribution name, where they differ.
-DISTRIBUTION_OF = {"yaml": "pyyaml"}
+# triton: torch's CUDA wheels for Linux bring it; only the GPU tail's compact update imports it
+# (ops/compact_triton_kernel.py, on first use, with an error naming it where it is missing).
+DISTRIBUTION_OF = {"yaml": "pyyaml", "triton": "torch"}
 
 
 def _setup_cfg() -> configparser.ConfigParser:

@@ -16,22 +16,27 @@ from __future__ import annotations
 import torch
 
 from ..ops.compact_state import compact_adam_pass
+from ..ops.compact_triton import compact_adam_pass_cuda
+from ..ops.compact_triton import require as require_triton
 from .bucket import Bucket
 
 # The tail's step makes temporaries on the device beside its state: torch's foreach AdamW one
-# fp32 tensor an element of a bucket (sqrt of exp_avg_sq, the group's at once); the compact
-# update (plain PyTorch) about 100 bytes an element, so it steps a param COMPACT_STEP_PIECE
-# elements at a time (block-aligned: the same bits as whole) instead of a whole embedding at
-# once. Peaks measured by tests/test_tail_step_scratch.py.
+# fp32 tensor an element of a bucket (sqrt of exp_avg_sq, the group's at once). The compact
+# update on a CUDA device is one Triton kernel, in place (ops.compact_triton): none. Elsewhere
+# (a CPU device: DeepSpeed's CPU accelerator, tests) it is the plain-PyTorch reference, about
+# 100 bytes an element, so it steps a param COMPACT_STEP_PIECE elements at a time
+# (block-aligned: the same bits as whole). Peaks measured by tests/test_tail_step_scratch.py.
 EXACT_STEP_SCRATCH_BYTES = 4
 COMPACT_STEP_SCRATCH_BYTES = 104
 COMPACT_STEP_PIECE = 1 << 24
 
 
-def step_scratch_bytes(largest_bucket: int, compact: bool) -> int:
+def step_scratch_bytes(largest_bucket: int, compact: bool, device_type: str) -> int:
     """Device bytes of temporaries while the tail steps buckets of at most ``largest_bucket``
-    elements: what the memory plans count beside the tail's state."""
+    elements on a ``device_type`` device: what the memory plans count beside the tail's state."""
     if compact:
+        if device_type == "cuda":
+            return 0
         return COMPACT_STEP_SCRATCH_BYTES * min(largest_bucket, COMPACT_STEP_PIECE)
     return EXACT_STEP_SCRATCH_BYTES * largest_bucket
 
@@ -43,6 +48,8 @@ class DeviceTail:
 
     def register(self, bucket: Bucket) -> None:
         if bucket.compact is not None:  # stepped by the compact update itself (``step``)
+            if bucket.master.is_cuda:
+                require_triton()  # before the bucket's first step, saying what to change
             return
         views = [bucket.views(bucket.master, i) for i in range(bucket.param_count)]
         group = {"params": views}
@@ -106,19 +113,28 @@ class DeviceTail:
 
 
 def _compact_step(bucket: Bucket, hyper: dict, coef: float) -> None:
-    """The compact update (plain PyTorch, on the device) of each param with a gradient, in
-    pieces of at most ``COMPACT_STEP_PIECE`` elements (``step_scratch_bytes``)."""
+    """The compact update of each param with a gradient: the Triton kernel on a CUDA device
+    (a param a call), else the plain-PyTorch reference in pieces of at most
+    ``COMPACT_STEP_PIECE`` elements (``step_scratch_bytes``)."""
     kwargs = {k: v for k, v in hyper.items() if k != "step"}
     moments = bucket.compact
+    on_cuda = bucket.master.is_cuda
     for i, segment in enumerate(moments.segments):
         if not bucket.present[i] or segment.numel == 0:
             continue
         master = bucket.views(bucket.master, i).view(-1)
         grad = bucket.views(bucket.grad, i).view(-1)
+        step = bucket.param_step(i) + 1
+        if on_cuda:
+            compact_adam_pass_cuda(
+                master, grad, *moments.piece_moments(segment, 0, segment.numel), step=step,
+                grad_scale=coef, salt=segment.salt, element_offset=0, **kwargs,
+            )  # fmt: skip
+            continue
         for start in range(0, segment.numel, COMPACT_STEP_PIECE):
             n = min(COMPACT_STEP_PIECE, segment.numel - start)
             compact_adam_pass(
                 master[start : start + n], grad[start : start + n],
-                *moments.piece_moments(segment, start, n), step=bucket.param_step(i) + 1,
+                *moments.piece_moments(segment, start, n), step=step,
                 grad_scale=coef, salt=segment.salt, element_offset=start, **kwargs,
             )  # fmt: skip

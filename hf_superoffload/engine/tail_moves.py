@@ -36,11 +36,11 @@ from .tail_tuner import TailTuner
 logger = logging.getLogger("hf_superoffload")
 
 
-def _step_scratch(buckets: Iterable[Bucket]) -> int:
+def _step_scratch(buckets: Iterable[Bucket], device_type: str) -> int:
     """Device bytes of temporaries while the tail steps these buckets: the largest one's, as
     the tail steps one bucket at a time."""
     return max(
-        (step_scratch_bytes(b.plan.numel, compact=b.compact is not None) for b in buckets),
+        (step_scratch_bytes(b.plan.numel, b.compact is not None, device_type) for b in buckets),
         default=0,
     )
 
@@ -167,7 +167,9 @@ class TailMoves:
         room = self._replicas.agree(device_headroom_bytes(self._link.device), "min")
         held = self.device_elements() * DEVICE_BYTES_PER_ELEMENT
         cap_room = float("inf") if self.cap_bytes is None else self.cap_bytes - held
-        scratch_now = _step_scratch(b for b in self._buckets if b.on_device)
+        scratch_now = _step_scratch(
+            (b for b in self._buckets if b.on_device), self._link.device.type
+        )
         if self.cap_bytes is None and self.tuner is not None:
             lean = self._lean_tail_elements() * DEVICE_BYTES_PER_ELEMENT
             # Measured once: the scratch the tail added since is not in it.
@@ -179,7 +181,7 @@ class TailMoves:
             if bucket.on_device:
                 continue
             state = (numel + bucket.plan.numel) * DEVICE_BYTES_PER_ELEMENT
-            grown = max(scratch, _step_scratch([bucket]))
+            grown = max(scratch, _step_scratch([bucket], self._link.device.type))
             if state > cap_room or state + grown - scratch_now > room:
                 break
             chosen.append(bucket)
@@ -191,7 +193,9 @@ class TailMoves:
             params = sum(b.plan.numel for b in self._buckets)
             lean = lean_tail_elements(self._link.device, params, self.device_elements())
             self._lean_elements = self._replicas.agree(lean, "min")
-            self._lean_scratch = _step_scratch(b for b in self._buckets if b.on_device)
+            self._lean_scratch = _step_scratch(
+                (b for b in self._buckets if b.on_device), self._link.device.type
+            )
             if self._lean_elements != float("inf"):
                 logger.info(
                     "hf_superoffload: gpu_tail='auto' grows the GPU tail to at most %.1fM params "

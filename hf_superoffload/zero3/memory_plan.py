@@ -408,7 +408,9 @@ def zero3_memory_plan(config, run: Zero3Run, shape: ModelShape | None = None) ->
             else 16 * split.device_numel
         ),
         "optimizer_step_scratch": (
-            step_scratch_bytes(split.largest_device_sub_group, compact) if split.device_count else 0
+            step_scratch_bytes(split.largest_device_sub_group, compact, run.device_type)
+            if split.device_count
+            else 0
         ),
         "reduce_bucket": low * run.reduce_bucket_size,
         **activation_gpu_bytes(config, shape, run),
