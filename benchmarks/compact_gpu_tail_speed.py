@@ -22,9 +22,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from hf_superoffload.ops.compact_adamw import compact_adam_pass  # noqa: E402
-from hf_superoffload.ops.compact_format import CompactMoments  # noqa: E402
-from hf_superoffload.ops.compact_triton import compact_adam_pass_cuda  # noqa: E402
+from hf_superoffload.ops.compact_adamw import compact_adam_pass
+from hf_superoffload.ops.compact_format import CompactMoments
+from hf_superoffload.ops.compact_triton import compact_adam_pass_cuda
 
 HYPER = dict(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 PIECE = 1 << 24  # the reference's piece on the tail (device_tail.COMPACT_STEP_PIECE)
