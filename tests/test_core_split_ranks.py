@@ -45,7 +45,7 @@ def _rank(rank: int, world: int, port: int, out_dir: str) -> None:
     # The engine's set-up: the team of 2 threads (an OpenMP thread beside the worker) on
     # this rank's share, then the worker that runs the CPU Adam.
     team = core_split.choose_team(torch.device("cpu"), cpu_threads=2)
-    core_split.use_team(team)
+    core_split.use_team(team, "cpu")
     before = set(_affinities())
     worker = Worker()
     n = 4_000_000

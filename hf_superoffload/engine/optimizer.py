@@ -123,7 +123,9 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             raise ValueError("SuperOffloadOptimizer got no parameters that require grad.")
         ownership.claim(trainable, self)
         device, dtype = common_device_and_dtype(trainable)
-        use_team(choose_team(device, cpu_threads))  # this rank's share of the host's cores
+        use_team(
+            choose_team(device, cpu_threads), device.type
+        )  # this rank's share of the host's cores
         ops.prepare()  # build or load the CPU Adam now, visibly, not inside step 1
         # Data parallelism (process_group, or the initialised default group): each rank
         # averages every bucket's gradients with the others, so the model must not also be

@@ -125,7 +125,7 @@ class SuperOffloadZero3Optimizer(
         self._salt_of = compact_salts(init_optimizer, kwargs.get("dp_process_group"))
         super().__init__(module, init_optimizer, param_names, timers, ds_config, **kwargs)
         deepspeed_seconds = time.perf_counter() - began
-        use_team(options.team)  # its thread count, and its CPUs for the worker
+        use_team(options.team, device.type)  # its thread count, and its CPUs for the worker
         ops.prepare()  # build or load the CPU Adam now, visibly, not inside step 1
         self._zero_padding()
 
