@@ -18,16 +18,16 @@ does not.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
+from .adam import checked_hyper
+from .compact import constants
 from .compact_format import (
     BLOCK,
     EXP_AVG_FORMAT,
     EXP_AVG_SQ_FORMAT,
-    CompactFormat,
     check_element_offset,
+    check_sizes,
 )
 
 _ROWS = 8  # blocks a program: 2048 elements
@@ -89,40 +89,37 @@ def compact_adam_pass_cuda(
     check_element_offset(element_offset)
     if not commit and out_lowp is None:
         raise ValueError("a speculative pass (commit=False) writes only out_lowp: pass one")
-    n = master.numel()
-    tensors = [master, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale]
+    named = {"master": master, "grad": grad, "exp_avg": exp_avg, "exp_avg_scale": exp_avg_scale,
+             "exp_avg_sq": exp_avg_sq, "exp_avg_sq_scale": exp_avg_sq_scale}  # fmt: skip
     if out_lowp is not None:
-        tensors.append(out_lowp)
-    if any(not t.is_cuda or not t.is_contiguous() for t in tensors):
+        named["out_lowp"] = out_lowp
+    if any(not t.is_cuda or not t.is_contiguous() for t in named.values()):
         raise ValueError("compact_adam_pass_cuda takes contiguous CUDA tensors")
-    if n == 0:
-        return
-    _launch(*tensors[:6], out_lowp, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-            weight_decay=weight_decay, adamw=adamw, grad_scale=grad_scale, salt=salt,
-            element_offset=element_offset, stochastic=stochastic, commit=commit)  # fmt: skip
+    check_sizes(named)
+    hyper = checked_hyper(step, lr, beta1, beta2, eps, weight_decay)
+    if master.numel():
+        _launch(named, constants(*hyper, grad_scale, salt), element_offset, adamw, stochastic,
+                commit)  # fmt: skip
 
 
-def _launch(master, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, out_lowp, *,
-            step, lr, beta1, beta2, eps, weight_decay, adamw, grad_scale, salt,
-            element_offset, stochastic, commit):  # fmt: skip
-    """The kernel over checked tensors (on the CPU only under TRITON_INTERPRET=1)."""
+def _launch(named: dict, args: tuple, element_offset: int, adamw, stochastic, commit) -> None:
+    """The kernel over checked tensors (on the CPU only under TRITON_INTERPRET=1), with the
+    per-call constants of ``compact.constants``: fp32 ones rounded once, then two keys."""
     global _kernel
     if _kernel is None:
         require()
         _kernel = _build()
-    n = master.numel()
-    fmt = CompactFormat(stochastic=stochastic)
-    keys = (fmt.key(salt, step, 0), fmt.key(salt, step, 1)) if stochastic else (0, 0)
+    out = named.get("out_lowp")
+    n = named["master"].numel()
     blocks = -(-n // BLOCK)
     _kernel[(-(-blocks // _ROWS),)](
-        master, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale,
-        out_lowp if out_lowp is not None else master,
-        n, element_offset, keys[0], keys[1],
-        _f32(grad_scale), _f32(weight_decay), _f32(beta1), _f32(1.0 - beta1), _f32(beta2),
-        _f32(1.0 - beta2), _f32(1.0 / math.sqrt(1.0 - beta2**step)), _f32(eps),
-        _f32(1.0 - lr * weight_decay), _f32(-lr / (1.0 - beta1**step)),
-        ADAMW=adamw, COMMIT=commit, HAS_OUT=out_lowp is not None, STOCHASTIC=stochastic,
-        ROWS=_ROWS, BLOCK_SIZE=BLOCK, M_EXP=EXP_AVG_FORMAT[0], M_MANT=EXP_AVG_FORMAT[1],
+        *(named[k] for k in ("master", "grad", "exp_avg", "exp_avg_scale", "exp_avg_sq",
+                             "exp_avg_sq_scale")),
+        out if out is not None else named["master"], n, element_offset,
+        *(_f32(c) for c in args[:-2]), *args[-2:],
+        ADAMW=bool(adamw), COMMIT=bool(commit), HAS_OUT=out is not None,
+        STOCHASTIC=bool(stochastic), ROWS=_ROWS, BLOCK_SIZE=BLOCK,
+        M_EXP=EXP_AVG_FORMAT[0], M_MANT=EXP_AVG_FORMAT[1],
         V_EXP=EXP_AVG_SQ_FORMAT[0], V_MANT=EXP_AVG_SQ_FORMAT[1],
         num_warps=8, enable_fp_fusion=False,
     )  # fmt: skip

@@ -80,9 +80,10 @@ def encode(
 @triton.jit(do_not_specialize=["n", "start", "key_m", "key_v"])
 def compact_kernel(
     master, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, out,
-    n, start, key_m, key_v,
+    n, start,
+    # compact.constants' order (CompactArgs'): fp32 constants, then the rounding keys.
     grad_scale, weight_decay, beta1, one_minus_beta1, beta2, one_minus_beta2, rbc2, eps,
-    decay, neg_step,
+    decay, neg_step, key_m, key_v,
     ADAMW: tl.constexpr, COMMIT: tl.constexpr, HAS_OUT: tl.constexpr,
     STOCHASTIC: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     M_EXP: tl.constexpr, M_MANT: tl.constexpr, V_EXP: tl.constexpr, V_MANT: tl.constexpr,
