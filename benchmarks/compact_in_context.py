@@ -300,8 +300,11 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.init()  # one context, made here, before any thread uses it
-    team = choose_team(torch.device("cuda" if cuda else "cpu"), args.threads)
-    use_team(team)  # the thread count, and the CPUs the worker is bound to
+    device = torch.device("cuda" if cuda else "cpu")
+    team = choose_team(device, args.threads)
+    use_team(
+        team, device.type
+    )  # the thread count, the worker's CPUs, torch's threads (as the engine)
     worker = Worker("compact-in-context")
     memories = ["pageable", "pinned"] if args.memory == "both" else [args.memory]
     if not cuda and "pinned" in memories:
