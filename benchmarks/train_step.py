@@ -135,12 +135,15 @@ def planned(args, config, world: int) -> dict | None:
     allocated, as ``peak_gpu_gib``; host: the rank's resident memory), beside what was measured."""
     if args.system != "superoffload_zero3":
         return None
+    from hf_superoffload.integrations.plugin import SuperOffloadOptions
     from hf_superoffload.zero3.memory_plan import Zero3Run, zero3_memory_plan
 
-    # systems.py's DeepSpeed config: one param group, DeepSpeed's persistence threshold.
+    # systems.py's DeepSpeed config: one param group, DeepSpeed's persistence threshold. The
+    # cast is the one the ZeRO-3 optimizer resolved (HF_SUPEROFFLOAD_CAST, else auto), so the
+    # copy-out ring is counted as made, not at its most.
     run = Zero3Run(
         seq=args.seq, batch=args.batch, ranks=world, ratio=args.ratio, decay_groups=False,
-        persistence_threshold=100_000,
+        persistence_threshold=100_000, cast=SuperOffloadOptions().cast,
     )  # fmt: skip
     plan = zero3_memory_plan(config, run)
     return {

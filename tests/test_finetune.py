@@ -309,3 +309,55 @@ def test_ratio_auto_refuses_what_it_cannot_plan_without_checkpointing(
     )  # fmt: skip
     assert code == 2 and message in err, err
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+@pytest.mark.parametrize("dry_run", [True, False], ids=["dry_run", "launch"])
+@pytest.mark.parametrize(
+    "script", [["--", "--superoffload_moments", "compact"], ["--superoffload_cast=cpu"]]
+)
+def test_zerooffload_refuses_superoffload_arguments_before_writing(
+    capsys, tmp_path, dry_run, script
+):
+    """zerooffload launches the recipe with --optimizer adamw, whose parser refuses
+    superoffload_* arguments; finetune refuses them with its check before the run directory is
+    written (a launch too, where the GPU check would otherwise stop it first)."""
+    flags = ["--dry-run"] if dry_run else []
+    code, _, err = finetune_cli(capsys, tmp_path, "llama-3.1-8b", "zerooffload", *flags, *script)
+    assert code == 2, err
+    name = script[-1].split("=")[0] if "=" in script[-1] else script[-2]
+    assert f"which does not read {name}: drop them" in err, err
+    assert "zerooffload (the baseline" in err and "or run superoffload mode" in err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_zerooffload_passes_other_script_arguments_through(capsys, tmp_path):
+    code, _, err = finetune_cli(
+        capsys, tmp_path, "llama-3.1-8b", "zerooffload", "--dry-run", "--", "--max_steps", "3"
+    )
+    assert code == 0, err
+    assert _command(_run_dir(tmp_path))[-2:] == ["--max_steps", "3"]
+
+
+@pytest.mark.parametrize(
+    ("env", "script", "cast"),
+    [
+        (None, [], "auto"),
+        ("cpu", [], "cpu"),
+        ("cpu", ["--", "--superoffload_cast", "gpu"], "gpu"),
+    ],
+)
+def test_ratio_auto_plans_the_runs_cast(capsys, tmp_path, monkeypatch, env, script, cast):
+    """The launched run's cast (its superoffload_cast, else HF_SUPEROFFLOAD_CAST, else auto) is
+    known, so the plan counts the copy-out ring it makes, not the ring at its most."""
+    if env is None:
+        monkeypatch.delenv("HF_SUPEROFFLOAD_CAST", raising=False)
+    else:
+        monkeypatch.setenv("HF_SUPEROFFLOAD_CAST", env)
+    machine = ("--hardware", "h100", "--cpu-mem", "512")
+    code, _, err = finetune_cli(
+        capsys, tmp_path, "llama-3.1-8b", "superoffload", "--dry-run", *machine, *script
+    )
+    assert code == 0, err
+    plan = json.loads((_run_dir(tmp_path) / "plan.json").read_text())
+    assert plan["run"]["cast"] == cast and plan["upper_bounds"] == []
+    assert (plan["host_bytes_per_rank"]["param_copy_out"] == 0) == (cast != "cpu")

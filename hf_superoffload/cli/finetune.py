@@ -29,7 +29,13 @@ import yaml
 
 from .checkout import find_checkout
 from .errors import EXIT_DOES_NOT_FIT, UsageError
-from .finetune_plan import DoesNotFit, check_gpus, plan_ratio, planned_machine
+from .finetune_plan import (
+    DoesNotFit,
+    check_gpus,
+    plan_ratio,
+    planned_machine,
+    superoffload_arguments,
+)
 from .ratio_auto import check_ratio
 
 PASSES_THROUGH = True  # arguments it does not know go to examples/sft.py
@@ -127,6 +133,23 @@ def _ratio(args: argparse.Namespace) -> str:
     return ratio
 
 
+def refuse_superoffload_arguments(settings: dict, script_args: list[str]) -> None:
+    """zerooffload launches the recipe with ``--optimizer adamw``, whose parser refuses
+    ``superoffload_*`` arguments (the script's or the recipe's) once the launched script starts:
+    the same check (recipes/arguments.py), here, before the run directory is written."""
+    from ..recipes.arguments import RecipeArguments, check_optimizer_arguments
+
+    given = superoffload_arguments(settings, script_args)
+    try:
+        check_optimizer_arguments(RecipeArguments(optimizer="adamw"), given)
+    except ValueError as error:
+        raise UsageError(
+            f"zerooffload (the baseline, DeepSpeed's plain CPU offload) launches examples/sft.py "
+            f"with --optimizer adamw, which refuses them: {error} Here: drop them, or run "
+            "superoffload mode."
+        ) from None
+
+
 def _run_dir(runs: Path, name: str) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     folder, count = runs / f"{name}_{stamp}", 1
@@ -151,6 +174,11 @@ def prepare(args: argparse.Namespace) -> tuple[Path, list[str], dict[str, str]]:
     if gpus < 1:
         raise UsageError(f"--gpus must be at least 1, got {gpus}")
     settings = yaml.safe_load(recipe.read_text()) or {}
+    extra = list(args.extra)
+    if extra[:1] == ["--"]:
+        extra = extra[1:]
+    if args.mode == "zerooffload":
+        refuse_superoffload_arguments(settings, extra)
     batch = args.batch or settings.get("per_device_train_batch_size", DEFAULT_BATCH)
     if not args.dry_run:
         check_gpus(args, gpus, recipe)
@@ -162,9 +190,6 @@ def prepare(args: argparse.Namespace) -> tuple[Path, list[str], dict[str, str]]:
     if gpus == 1 or not accelerate_base.is_file():
         accelerate_base = configs / f"{machine}_superoffload.yaml"
     deepspeed_base = root / "accelerate_configs" / "deepspeed" / DEEPSPEED_JSON[args.mode]
-    extra = list(args.extra)
-    if extra[:1] == ["--"]:
-        extra = extra[1:]
     plan = None
     if ratio == "auto":
         ratio, plan = plan_ratio(args, recipe, settings, gpus, batch, extra)

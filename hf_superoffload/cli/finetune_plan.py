@@ -6,6 +6,7 @@ arguments describe (cli/script_arguments.py reads those)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import platform
 import shlex
 import sys
@@ -33,6 +34,39 @@ def planned_machine(args: argparse.Namespace) -> list[str]:
     if args.cpu_mem is not None:
         options += ["--cpu-mem", str(args.cpu_mem)]
     return options
+
+
+def superoffload_arguments(settings: dict, script_args: list[str]):
+    """The ``superoffload_*`` arguments of the launched script (SuperOffloadArgumentsMixin's
+    fields, None where not given), from the recipe's ``settings`` and the script's arguments,
+    parsed as the script parses them (script_arguments.read: the same parser, its refusals)."""
+    import typing
+
+    from ..integrations.arguments import SuperOffloadArgumentsMixin
+    from .script_arguments import _Parser
+
+    types = typing.get_type_hints(SuperOffloadArgumentsMixin)
+    fields = [
+        (f.name, types[f.name], dataclasses.field(default=None))
+        for f in dataclasses.fields(SuperOffloadArgumentsMixin)
+    ]
+    given = dataclasses.make_dataclass("ScriptSuperOffloadArguments", fields)
+    parser = _Parser(given, allow_abbrev=False, add_help=False)
+    parser.set_defaults(**{k: v for k, v in settings.items() if k in types})
+    return parser.parse_args_into_dataclasses(script_args, return_remaining_strings=True)[0]
+
+
+def _run_cast(settings: dict, script_args: list[str]) -> str:
+    """The launched run's cast, as the trainer resolves it (SuperOffloadOptions): its
+    superoffload_cast, else HF_SUPEROFFLOAD_CAST, else auto; it decides whether the plan
+    counts a copy-out ring (`plan --cast`)."""
+    from ..integrations.plugin import SuperOffloadOptions
+
+    given = superoffload_arguments(settings, script_args).superoffload_cast
+    try:
+        return SuperOffloadOptions(cast=given).cast
+    except ValueError as error:
+        raise UsageError(f"examples/sft.py would refuse its arguments: {error}") from None
 
 
 def _suggested_hardware() -> str:
@@ -65,11 +99,14 @@ def plan_ratio(
     # Imported here: it loads transformers.
     from . import script_arguments as script
 
+    cast = _run_cast(settings, script_args)
     never_saves = script.never_saves(settings, script_args)
     moments = script.moments(settings, script_args)
     offload = script.activation_checkpoint_offload(settings, script_args)
     checkpointing = script.checkpointing(settings, script_args)
-    return _plan(args, recipe, settings, gpus, batch, never_saves, moments, offload, checkpointing)
+    return _plan(
+        args, recipe, settings, gpus, batch, never_saves, moments, offload, checkpointing, cast
+    )
 
 
 def _plan(
@@ -82,6 +119,7 @@ def _plan(
     moments: str,
     activation_checkpoint_offload: bool,
     checkpointing: bool,
+    cast: str,
 ) -> tuple[str, dict | None]:
     import torch
 
@@ -108,7 +146,7 @@ def _plan(
     if activation_checkpoint_offload:
         argv.append("--activation-checkpoint-offload")
     argv += ["--activation-checkpointing", "on" if checkpointing else "off"]
-    argv += ["--moments", moments, *planned_machine(args)]
+    argv += ["--moments", moments, "--cast", cast, *planned_machine(args)]
     where = "the machine given" if planned_machine(args) else "this machine"
     try:
         found = plan_command.answer(build_parser().parse_args(argv))

@@ -12,6 +12,9 @@ import argparse
 import dataclasses
 import json
 
+from .. import env
+from ..integrations.plugin import _CASTS as CASTS
+from ..integrations.plugin import SuperOffloadOptions
 from ..zero3.activation_memory import uncounted
 from ..zero3.loss_memory import LIGER_MODEL_TYPES
 from ..zero3.memory_plan import (
@@ -32,6 +35,7 @@ from .plan_output import LOSSES
 _MORE_GPUS = (2, 4, 8, 16, 32, 64)  # GPU counts tried when a run does not fit
 NO_SAVE = "a run that saves nothing: examples/sft.py --save_model false with --save_strategy no"
 DEFAULT_SEQ, DEFAULT_BATCH = 4096, 4  # the paper's examples' settings
+CAST_ENV = env.PREFIX + "CAST"
 
 
 def add_parser(commands) -> None:
@@ -115,6 +119,15 @@ def add_parser(commands) -> None:
         "(HF_SUPEROFFLOAD_MOMENTS=compact): 8 host bytes a param in place of 14",
     )
     parser.add_argument(
+        "--cast",
+        choices=CASTS,
+        help="the run's cast (superoffload_cast, HF_SUPEROFFLOAD_CAST), which decides whether "
+        "the optimizer makes a host ring for the params going back to the GPU: none with auto "
+        "or gpu, 96 MiB a rank at most with cpu (or compact moments). Default: "
+        "HF_SUPEROFFLOAD_CAST when set, else not known and the ring counted at its most (an "
+        "upper bound, marked in the output)",
+    )
+    parser.add_argument(
         "--sub-group-size",
         type=int,
         default=Zero3Run.sub_group_size,
@@ -176,6 +189,20 @@ def _check(args) -> None:
             f"{args.gradient_accumulation_steps}"
         )
     ratio_auto.check_ratio(args.ratio, "--ratio")
+
+
+def run_cast(given: str | None) -> str | None:
+    """The cast the planned run has: ``given`` (--cast), else HF_SUPEROFFLOAD_CAST resolved as
+    the engine resolves it (SuperOffloadOptions), else None: the run's cast is not known here
+    (its script may pass superoffload_cast), and the plan counts the copy-out ring at its most."""
+    if given is not None:
+        return given
+    if env.read(CAST_ENV) is None:
+        return None
+    try:
+        return SuperOffloadOptions().cast
+    except ValueError as error:  # a bad HF_SUPEROFFLOAD_* value the run would refuse too
+        raise UsageError(str(error)) from None
 
 
 def _checkpointing(args, source, config) -> bool:
@@ -330,6 +357,7 @@ def answer(args: argparse.Namespace) -> Answer:
         compact_moments=args.moments == "compact",
         activation_checkpoint_offload=args.activation_checkpoint_offload,
         activation_checkpointing=_checkpointing(args, source, source.config),
+        cast=run_cast(args.cast),
     )
     shape = _shape(source.config)
     auto_notes, auto_suggestions = [], []
@@ -359,6 +387,7 @@ def answer(args: argparse.Namespace) -> Answer:
     )
     suggestions += auto_suggestions
     notes = [*source.notes, *auto_notes, *plan_output.model_notes(source.config, verdict.plan)]
+    notes += plan_output.bound_notes(verdict.plan)
     return Answer(
         verdict.fits,
         plan_output.as_json(source, capacity, verdict, suggestions, notes),

@@ -50,6 +50,23 @@ def model_notes(config, plan: MemoryPlan) -> list[str]:
     ]
 
 
+def bound_notes(plan: MemoryPlan) -> list[str]:
+    """What the plan counted at its most, and how to count it exactly."""
+    return [
+        f"host {name} counted {why}. Give --cast the run's cast (its superoffload_cast or "
+        "HF_SUPEROFFLOAD_CAST; with neither, auto) to count it exactly"
+        for name, why in plan.upper_bounds.items()
+    ]
+
+
+def upper_bounds(plan: MemoryPlan) -> list[dict]:
+    """The JSON's list of the parts counted at their most: which part, where, and why."""
+    return [
+        {"part": name, "counted_in": "host_bytes_per_rank", "bytes": plan.host[name], "why": why}
+        for name, why in plan.upper_bounds.items()
+    ]
+
+
 def model_line(source, plan: MemoryPlan) -> str:
     shape, config = plan.shape, source.config
     total, top_k = experts(config)
@@ -83,6 +100,7 @@ def run_line(plan: MemoryPlan) -> str:
     if run.gradient_accumulation > 1:
         extras.append(f"gradient accumulation {run.gradient_accumulation}")
     extras.append(f"loss: {loss_label(run.fused_cross_entropy)}")
+    extras.append("cast not given" if run.cast is None else f"cast {run.cast}")
     return (
         f"run: {run.ranks} GPU(s), {run.ranks_per_host} per host, seq {run.seq} x batch "
         f"{run.batch} per GPU, ratio {run.ratio}; " + ", ".join(extras)
@@ -158,6 +176,8 @@ def as_json(source, capacity, verdict: Verdict, suggestions, notes) -> dict:
         "host_peak": plan.host_peak_phase,
         "host_total_bytes_per_host": plan.host_bytes_per_host,
         "host_bytes_per_param": plan.host_bytes_per_param,
+        # Parts counted at their most (the figures above include them as counted).
+        "upper_bounds": upper_bounds(plan),
         "gpu_need_bytes": verdict.gpu_need,
         "host_need_bytes": verdict.host_need,
         "fits": verdict.fits,

@@ -69,6 +69,7 @@ def resolve_options(cpuadam_cores_perc: float | None, device: torch.device) -> Z
                 f"{name} does not apply under DeepSpeed ZeRO-3; set {key} in the DeepSpeed "
                 f"config instead (and unset {name})."
             )
+    refuse_save_dtype_variable()
     plugin = SuperOffloadOptions()  # resolves HF_SUPEROFFLOAD_* (and refuses bad values)
     if plugin.cpu_threads is not None and cpuadam_cores_perc is not None:
         raise ValueError(
@@ -89,6 +90,21 @@ def resolve_options(cpuadam_cores_perc: float | None, device: torch.device) -> Z
         team, plugin.speculate, plugin.speculate_after_clip, plugin.cast,
         plugin.moments == "compact",
     )  # fmt: skip
+
+
+def refuse_save_dtype_variable() -> None:
+    """HF_SUPEROFFLOAD_SAVE_DTYPE is the standalone trainers' (superoffload_save_dtype, which
+    the trainers refuse under DeepSpeed): nothing on this path reads it, and a save writes the
+    16-bit weights whatever it says, so it is refused rather than ignored."""
+    name = ENV_PREFIX + "SAVE_DTYPE"
+    value = env.read(name)
+    if value is not None:
+        raise ValueError(
+            f"{name}={value} applies to the standalone engine; under DeepSpeed ZeRO-3 a save "
+            "writes the 16-bit weights ZeRO-3 holds, and the fp32 master is in each "
+            "checkpoint's optimizer state (DeepSpeed's zero_to_fp32 writes it as fp32 "
+            f"weights). Unset {name}."
+        )
 
 
 def written_in_config(ds_config, key: str) -> bool:
