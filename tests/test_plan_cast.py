@@ -120,3 +120,14 @@ def test_the_benchmarks_plan_takes_the_runs_cast(monkeypatch, value, cast):
         "host_gib": round(expected.host_bytes_without_resume / 2**30, 2),
     }
     assert (expected.host["param_copy_out"] == 0) == (cast != "cpu")
+
+
+def test_with_compact_moments_the_ring_is_made_under_every_cast_and_is_no_bound(
+    capsys, monkeypatch
+):
+    monkeypatch.delenv("HF_SUPEROFFLOAD_CAST", raising=False)
+    found, text = plan(capsys, "--moments", "compact")
+    assert found["run"]["cast"] is None and found["run"]["compact_moments"]
+    assert found["host_bytes_per_rank"]["param_copy_out"] == RING_AT_MOST
+    assert found["upper_bounds"] == [] and "at most" not in text
+    _same_as_the_memory_plan(found)

@@ -178,7 +178,13 @@ class MemoryPlan:
     def upper_bounds(self) -> dict[str, str]:
         """Host parts counted at their most, each with why: the copy-out ring when the run's
         cast is not given (the optimizer makes none where params are cast on the GPU)."""
-        if self.run.cast is None and self.host["param_copy_out"]:
+        unknown = self.run.cast is None and self.host["param_copy_out"]
+        run = self.run
+        # Compact moments make the ring under every cast: then it is no bound.
+        dtype = _model_dtype(run.dtype_bytes)
+        if unknown and copy_out_ring_dtype(dtype, "gpu", run.device_type, run.compact_moments):
+            return {}
+        if unknown:
             return {
                 "param_copy_out": "at most: none with cast 'auto' or 'gpu' on a GPU "
                 "(HF_SUPEROFFLOAD_CAST); the cast was not given"
