@@ -6,6 +6,9 @@ refused when DeepSpeed (or, for the Trainer, accelerate, with the training argum
 reads the config, before anything is built (no param is partitioned); without them, or with the
 package's engine on, the same config is read as before.
 
+The model card a SuperOffload trainer writes under the opt-out names what trained the model:
+DeepSpeed's own SuperOffload, not this package's engine.
+
 Each case runs in a subprocess: the switch is read when ``hf_superoffload`` is imported.
 """
 
@@ -140,3 +143,53 @@ def test_the_same_config_reads_as_before_without_the_variables_or_the_opt_out():
         done = _run(_PARSE, **variables)
         assert done.returncode == 0, f"{variables}: {done.stderr[-3000:]}"
         assert json.loads(done.stdout.splitlines()[-1]) is True
+
+
+# A SuperOffload trainer on DeepSpeed whose engine built DeepSpeed's optimizer: what the card
+# reads of it (a stand-in: DeepSpeed's own SuperOffload needs a CUDA GPU).
+_CARD = textwrap.dedent(
+    """
+    import json, os, types
+    import torch
+    from hf_superoffload.integrations.model_card import add_superoffload_section
+
+    out_dir = os.environ["OUT_DIR"]
+    args = types.SimpleNamespace(
+        output_dir=out_dir, per_device_train_batch_size=1, gradient_accumulation_steps=1
+    )
+    trainer = types.SimpleNamespace(
+        args=args,
+        accelerator=types.SimpleNamespace(unwrap_model=lambda model: model, num_processes=1),
+        model=torch.nn.Linear(2, 2),
+        state=types.SimpleNamespace(log_history=[]),
+        deepspeed=types.SimpleNamespace(optimizer=type("SuperOffloadOptimizer_Stage3", (), {})()),
+        is_deepspeed_enabled=True,
+        _on_deepspeed=True,
+        _stv_optimizer=None,
+        _explicit_options=lambda: {},
+    )
+    path = os.path.join(out_dir, "README.md")
+    add_superoffload_section(trainer, path, ["superoffload"], [])
+    print(json.dumps(open(path, encoding="utf-8").read()))
+    """
+)
+
+
+def _card(tmp_path, switch: str) -> str:
+    out_dir = tmp_path / switch
+    out_dir.mkdir()
+    done = _run(_CARD, OUT_DIR=str(out_dir), HF_SUPEROFFLOAD_DEEPSPEED=switch)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_the_card_under_the_opt_out_names_deepspeeds_own_superoffload(tmp_path):
+    card = _card(tmp_path, "0")
+    assert "Trained with DeepSpeed's own SuperOffload optimizer on ZeRO-3" in card
+    assert "trainer with `HF_SUPEROFFLOAD_DEEPSPEED=0` (`hf_superoffload`'s own engine did" in card
+    assert "Trained with `hf_superoffload`" not in card
+    assert "speculation-then-validation CPU-offloaded Adam" not in card
+    assert "| HF_SUPEROFFLOAD_DEEPSPEED | `0` |" in card  # the switch, to reproduce the run
+    ours = _card(tmp_path, "1")
+    assert "Trained with `hf_superoffload` (SuperOffload: speculation-then-validation" in ours
+    assert "DeepSpeed's own SuperOffload" not in ours
