@@ -180,6 +180,8 @@ SURFACE: tuple[Name, ...] = (
     # accelerate
     Name("accelerate.accelerator", "map_pytorch_optim_to_deepspeed", "wraps", needs="deepspeed"),
     Name("accelerate.optimizer:AcceleratedOptimizer", "_is_overflow", "writes", kind="attribute"),
+    Name("accelerate.utils.deepspeed:HfDeepSpeedConfig", "__init__", "wraps (config refusals)"),
+    Name("accelerate.utils.deepspeed:HfDeepSpeedConfig", "config", "reads", kind="attribute"),
     # TRL
     Name("trl:SFTTrainer", "_tag_names", "reads (the model card)"),
     Name("trl:DPOTrainer", "_tag_names", "reads (the model card)"),

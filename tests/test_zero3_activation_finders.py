@@ -30,7 +30,7 @@ SCRIPT = textwrap.dedent(
     sys.meta_path.insert(0, AsksTheOthers())
     import hf_superoffload  # puts its own finder first
     import deepspeed.runtime.config as config
-    # Our patch ran on the module: get_zero_config is our wrapper (patches.read_our_engine_value).
+    # Our patch ran on the module: get_zero_config is our wrapper (patches.read_super_offload_config).
     from hf_superoffload.zero3.patches import _MARK
     print("patched" if getattr(config.get_zero_config, _MARK, False) else "not patched")
     """

@@ -267,9 +267,8 @@ def reproduce_section(trainer) -> str:
     parts = [
         BEGIN,
         HEADING,
-        "Trained with `hf_superoffload` (SuperOffload: speculation-then-validation "
-        "CPU-offloaded Adam). To reproduce, install these versions and run the "
-        "command below from the training run's directory.",
+        f"{trained_with(trainer)}. To reproduce, install these versions and run the command "
+        "below from the training run's directory.",
         "### Command\n\n```bash\n" + run["command"] + "\n```",
         _file_block("accelerate config", run["accelerate_config"], run["accelerate_note"]),
         _file_block("Recipe", run["recipe"]),
@@ -282,6 +281,25 @@ def reproduce_section(trainer) -> str:
         END,
     ]
     return "\n\n".join(p for p in parts if p)
+
+
+def trained_with(trainer) -> str:
+    """What trained the model, for the section's first line: under ``HF_SUPEROFFLOAD_DEEPSPEED=0``
+    on DeepSpeed, DeepSpeed's own SuperOffload (the trainer drove it; this package's engine did
+    not run)."""
+    if trainer._on_deepspeed:
+        from ..zero3.activation import OPT_OUT_ENV, engine_on
+
+        if not engine_on():
+            return (
+                "Trained with DeepSpeed's own SuperOffload optimizer on ZeRO-3, run by a "
+                f"`hf_superoffload` trainer with `{OPT_OUT_ENV}=0` (`hf_superoffload`'s own "
+                "engine did not run)"
+            )
+    return (
+        "Trained with `hf_superoffload` (SuperOffload: speculation-then-validation "
+        "CPU-offloaded Adam)"
+    )
 
 
 def _stats(trainer) -> dict | None:

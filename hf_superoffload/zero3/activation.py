@@ -5,7 +5,9 @@ DeepSpeed's engine imports its SuperOffload class from
 ``super_offload`` set, at that moment and by name. Activation rebinds that name to
 ``SuperOffloadZero3Optimizer``: DeepSpeed (and everything above it: accelerate, the Trainer,
 TRL) then builds ours with the arguments it would have given its own. ``import hf_superoffload``
-activates; ``HF_SUPEROFFLOAD_DEEPSPEED=0`` keeps DeepSpeed's own SuperOffload.
+activates; ``HF_SUPEROFFLOAD_DEEPSPEED=0`` keeps DeepSpeed's own SuperOffload, which reads none
+of the engine's ``HF_SUPEROFFLOAD_*`` variables: a config asking for SuperOffload then refuses
+those set when accelerate or DeepSpeed first reads it (``patches.py``).
 
 The shipped configs say ``"super_offload": "hf_superoffload"``, which DeepSpeed alone rejects:
 a script that never imports this package stops when DeepSpeed reads its config, naming that
@@ -37,6 +39,7 @@ CONFIG_MODULE = "deepspeed.runtime.config"
 ZERO_UTILS_MODULE = "deepspeed.runtime.zero.utils"
 BUILDER_MODULE = "deepspeed.ops.op_builder.builder"
 ACCELERATE_MODULE = "accelerate.accelerator"
+ACCELERATE_CONFIG_MODULE = "accelerate.utils.deepspeed"
 COMM_MODULE = "deepspeed.comm.comm"
 TRAINER_MODULE = "transformers.trainer"
 STAGE3_MODULE = "deepspeed.runtime.zero.stage3"
@@ -84,7 +87,8 @@ def activate() -> None:
 def _patches(engine: bool) -> dict:
     """What activation does to each module, when it is (or has been) imported."""
     always = {
-        CONFIG_MODULE: patches.read_our_engine_value,
+        CONFIG_MODULE: patches.read_super_offload_config,
+        ACCELERATE_CONFIG_MODULE: patches.check_accelerate_deepspeed_config,
         BUILDER_MODULE: patches.check_build_locks,
         COMM_MODULE: patches.one_process_without_launcher,
         STAGE3_MODULE: _read_our_cut,  # it resumes from our checkpoints (checkpoint_hooks.py)

@@ -34,20 +34,37 @@ def super_offload_requested(value) -> bool:
     return value is True or value == OUR_ENGINE
 
 
+def _offload_optimizer(param_dict) -> dict | None:
+    """The ``zero_optimization.offload_optimizer`` section of a whole DeepSpeed config, if any."""
+    zero = param_dict.get("zero_optimization") if isinstance(param_dict, dict) else None
+    offload = zero.get("offload_optimizer") if isinstance(zero, dict) else None
+    return offload if isinstance(offload, dict) else None
+
+
 def with_flag_read(param_dict):
     """``param_dict`` (a whole DeepSpeed config) with ``"super_offload": "hf_superoffload"`` as
     ``true``, in a copy of the dicts on the way there; anything else is returned as it is."""
-    zero = param_dict.get("zero_optimization") if isinstance(param_dict, dict) else None
-    offload = zero.get("offload_optimizer") if isinstance(zero, dict) else None
-    if not isinstance(offload, dict) or offload.get("super_offload") != OUR_ENGINE:
+    offload = _offload_optimizer(param_dict)
+    if offload is None or offload.get("super_offload") != OUR_ENGINE:
         return param_dict
+    zero = param_dict["zero_optimization"]
     offload = {**offload, "super_offload": True}
     return {**param_dict, "zero_optimization": {**zero, "offload_optimizer": offload}}
 
 
 def require_super_offload(config: dict) -> None:
     """Turn on ``offload_optimizer.super_offload`` in ``config`` (in place): a user of a
-    SuperOffload trainer asked for it. Refuses configs it cannot run, saying what to change."""
+    SuperOffload trainer asked for it. Refuses configs it cannot run, saying what to change,
+    before it changes anything (``check_super_offload_config``)."""
+    check_super_offload_config(config)
+    offload = config["zero_optimization"]["offload_optimizer"]
+    if not super_offload_requested(offload.get("super_offload")):
+        logger.info("hf_superoffload: setting offload_optimizer.super_offload = true")
+        offload["super_offload"] = True
+
+
+def check_super_offload_config(config: dict) -> None:
+    """Refuse a DeepSpeed config SuperOffload cannot run on; changes nothing."""
     zero = config.get("zero_optimization") or {}
     offload = zero.get("offload_optimizer") or {}
     stage, device = zero.get("stage"), offload.get("device")
@@ -59,9 +76,6 @@ def require_super_offload(config: dict) -> None:
             f"(accelerate_configs/ has ready ones), or drop the DeepSpeed config to use the "
             f"standalone engine."
         )
-    if not super_offload_requested(offload.get("super_offload")):
-        logger.info("hf_superoffload: setting offload_optimizer.super_offload = true")
-        offload["super_offload"] = True
 
 
 def refuse_super_offload_below_stage3(stage: int, super_offload: bool) -> None:
@@ -85,8 +99,20 @@ ENGINE_VARIABLES = tuple(
 
 def export_zero3_options(options: dict) -> None:
     """Hand the trainer's SuperOffload options to the ZeRO-3 optimizer DeepSpeed will build
-    (it reads HF_SUPEROFFLOAD_* when it is constructed); refuse those DeepSpeed's config replaces,
-    and, when DeepSpeed builds its own SuperOffload (HF_SUPEROFFLOAD_DEEPSPEED=0), any of them."""
+    (it reads HF_SUPEROFFLOAD_* when it is constructed), once ``check_zero3_options`` found
+    nothing to refuse."""
+    check_zero3_options(options)
+    for name, value in options.items():
+        if name not in REPLACED_BY_DEEPSPEED and value is not None:
+            os.environ[ENV_PREFIX + name.upper()] = (
+                str(value).lower() if isinstance(value, bool) else str(value)
+            )
+
+
+def check_zero3_options(options: dict) -> None:
+    """Refuse the trainer's SuperOffload options that DeepSpeed's config replaces, and, when
+    DeepSpeed builds its own SuperOffload (HF_SUPEROFFLOAD_DEEPSPEED=0), any of them; changes
+    nothing."""
     refuse_engine_options_without_engine(options)
     replaced = {k: REPLACED_BY_DEEPSPEED[k] for k in options if k in REPLACED_BY_DEEPSPEED}
     defaults = {"gpu_tail": "auto", "bucket_size": DEFAULT_BUCKET_SIZE, "gpu_tail_cap": None}
@@ -97,11 +123,6 @@ def export_zero3_options(options: dict) -> None:
             + ", ".join(f"{k} -> {v}" for k, v in replaced.items())
             + "; set them there and drop the superoffload_ arguments."
         )
-    for name, value in options.items():
-        if name not in REPLACED_BY_DEEPSPEED and value is not None:
-            os.environ[ENV_PREFIX + name.upper()] = (
-                str(value).lower() if isinstance(value, bool) else str(value)
-            )
 
 
 def refuse_engine_options_without_engine(options: dict) -> None:
@@ -112,11 +133,27 @@ def refuse_engine_options_without_engine(options: dict) -> None:
 
     if engine_on():
         return
-    given = [f"superoffload_{name}" for name, value in options.items() if value is not None]
-    given += [name for name in ENGINE_VARIABLES if env.read(name) is not None]
-    if given:
-        raise ValueError(
-            f"{OPT_OUT_ENV}=0: DeepSpeed builds its own SuperOffload optimizer, which does not "
-            f"read {', '.join(given)} (hf_superoffload's engine options). Drop them (and "
-            f"superoffload_options), or unset {OPT_OUT_ENV} to run hf_superoffload's engine."
-        )
+    arguments = [f"superoffload_{name}" for name, value in options.items() if value is not None]
+    variables = [name for name in ENGINE_VARIABLES if env.read(name) is not None]
+    if not arguments and not variables:
+        return
+    if arguments and variables:
+        remedy = "Drop those arguments (and superoffload_options) and unset those variables"
+    else:
+        remedy = "Drop them (and superoffload_options)" if arguments else "Unset them"
+    raise ValueError(
+        f"{OPT_OUT_ENV}=0: DeepSpeed builds its own SuperOffload optimizer, which does not "
+        f"read {', '.join(arguments + variables)} (hf_superoffload's engine options). {remedy} "
+        f"to run DeepSpeed's own SuperOffload, or unset {OPT_OUT_ENV} to run hf_superoffload's "
+        f"engine."
+    )
+
+
+def refuse_engine_variables_unread(param_dict) -> None:
+    """A DeepSpeed config read in a plain script (``deepspeed.initialize``, ``zero.Init``, the
+    Trainer through accelerate): when it asks for SuperOffload and DeepSpeed builds its own
+    (``HF_SUPEROFFLOAD_DEEPSPEED=0``), the engine variables set are refused as the trainers
+    refuse them. Other configs build no SuperOffload, ours or DeepSpeed's, under either switch."""
+    offload = _offload_optimizer(param_dict)
+    if offload is not None and super_offload_requested(offload.get("super_offload")):
+        refuse_engine_options_without_engine({})

@@ -16,8 +16,14 @@ Engine patches (off with ``HF_SUPEROFFLOAD_DEEPSPEED=0``):
   when the optimizer that trains is ours, instead of gathering the whole 16-bit model.
 
 Always:
-- ``read_our_engine_value``: ``"super_offload": "hf_superoffload"`` (the shipped configs'
-  value, which DeepSpeed alone rejects) reads as ``true``.
+- ``read_super_offload_config``: ``"super_offload": "hf_superoffload"`` (the shipped configs'
+  value, which DeepSpeed alone rejects) reads as ``true``. Under ``HF_SUPEROFFLOAD_DEEPSPEED=0``
+  a config asking for SuperOffload refuses the engine's ``HF_SUPEROFFLOAD_*`` variables set
+  (DeepSpeed's own reads none of them), when DeepSpeed reads it: in ``deepspeed.initialize`` or
+  ``zero.Init``, before anything is built, whatever the script (the trainers refuse earlier).
+- ``check_accelerate_deepspeed_config``: the same refusal where accelerate reads the config
+  (``HfDeepSpeedConfig``: transformers' training arguments, ``accelerate launch``'s plugin),
+  before accelerate builds DeepSpeed's CPU Adam ahead of ``deepspeed.initialize``.
 - ``check_build_locks``: a DeepSpeed op build refuses to wait on a lock its builder left.
 - ``one_process_without_launcher``: ``python train.py`` with a DeepSpeed config (no launcher,
   no MPI) runs as one process instead of failing on DeepSpeed's MPI discovery.
@@ -33,7 +39,12 @@ import socket
 
 from .. import upstream
 from ..extras import is_installed
-from .config import refuse_super_offload_below_stage3, super_offload_requested, with_flag_read
+from .config import (
+    refuse_engine_variables_unread,
+    refuse_super_offload_below_stage3,
+    super_offload_requested,
+    with_flag_read,
+)
 
 logger = logging.getLogger("hf_superoffload")
 
@@ -175,14 +186,30 @@ def stream_zero3_saves(module) -> None:
     _wrap(module.Trainer, "save_model", make)
 
 
-def read_our_engine_value(module) -> None:
+def read_super_offload_config(module) -> None:
     def make(original):
         def get_zero_config(param_dict):
+            refuse_engine_variables_unread(param_dict)  # before DeepSpeed builds anything
             return original(with_flag_read(param_dict))
 
         return get_zero_config
 
     _wrap(module, "get_zero_config", make)
+
+
+def check_accelerate_deepspeed_config(module) -> None:
+    """accelerate reads a DeepSpeed config into ``HfDeepSpeedConfig`` (transformers' training
+    arguments, ``accelerate launch``'s plugin) long before DeepSpeed does, and builds DeepSpeed's
+    CPU Adam from it ahead of ``deepspeed.initialize``: the config's refusals run there too."""
+
+    def make(original):
+        def __init__(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            refuse_engine_variables_unread(self.config)
+
+        return __init__
+
+    _wrap(module.HfDeepSpeedConfig, "__init__", make)
 
 
 def check_build_locks(module) -> None:
