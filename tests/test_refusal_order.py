@@ -140,3 +140,25 @@ def test_under_the_opt_out_the_refused_trainer_left_the_config_as_it_was(tmp_pat
     assert "superoffload_speculate" in found["refused"]
     assert {k: found[k] for k in UNCHANGED} == UNCHANGED
     assert found["flag"] is None and found["exported"] == []
+
+
+def test_the_save_dtype_variable_is_refused_when_the_trainer_is_made(tmp_path):
+    """HF_SUPEROFFLOAD_SAVE_DTYPE is refused where its argument is (the trainer's __init__,
+    before any change), with the engine on and under the opt-out."""
+    out = _run(
+        tmp_path, {"variable": [{}, None]}, HF_SUPEROFFLOAD_SAVE_DTYPE="bfloat16"
+    )  # fmt: skip
+    found = out["variable"]
+    assert "HF_SUPEROFFLOAD_SAVE_DTYPE=bfloat16 applies to the standalone engine" in (
+        found["refused"] or ""
+    )
+    assert {k: found[k] for k in UNCHANGED} == UNCHANGED
+    assert found["flag"] is None and found["exported"] == []
+    out = _run(
+        tmp_path, {"opt-out": [{}, None]},
+        HF_SUPEROFFLOAD_SAVE_DTYPE="bfloat16", HF_SUPEROFFLOAD_DEEPSPEED="0",
+    )  # fmt: skip
+    found = out["opt-out"]
+    assert "HF_SUPEROFFLOAD_DEEPSPEED=0" in (found["refused"] or "")
+    assert "HF_SUPEROFFLOAD_SAVE_DTYPE" in found["refused"]
+    assert {k: found[k] for k in UNCHANGED} == UNCHANGED

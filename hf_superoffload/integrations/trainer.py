@@ -48,6 +48,7 @@ from ..zero3.config import (
     export_zero3_options,
     require_super_offload,
 )
+from ..zero3.options import refuse_save_dtype_variable
 from .accelerate_prepare import prepare_in_place, prepare_without_ddp
 from .arguments import resolve_save_dtype
 from .best_model import check_best_model_restorable, restore_best_masters
@@ -110,6 +111,7 @@ class SuperOffloadTrainerMixin:
                     "ZeRO-3 the Trainer saves the 16-bit weights DeepSpeed gathers (use "
                     "zero_to_fp32 on a checkpoint for the fp32 master). Drop the argument."
                 )
+            refuse_save_dtype_variable()  # the argument's variable, refused at the same point
             require_super_offload(ds_config)
             export_zero3_options(self._explicit_options())
         else:

@@ -93,7 +93,9 @@ def refuse_super_offload_below_stage3(stage: int, super_offload: bool) -> None:
 # SuperOffloadOptions field (those REPLACED_BY_DEEPSPEED it refuses), and the CPU Adam's CPUs.
 ENGINE_VARIABLES = tuple(
     ENV_PREFIX + name.upper()
-    for name in [f.name for f in dataclasses.fields(SuperOffloadOptions)] + ["cpu_cores"]
+    # save_dtype: the standalone trainers' (superoffload_save_dtype), read by nothing here.
+    for name in [f.name for f in dataclasses.fields(SuperOffloadOptions)]
+    + ["cpu_cores", "save_dtype"]
 )
 
 
