@@ -35,3 +35,16 @@ def one_intra_op_thread():
 def _gpu_tier_on_one_gpu(request, monkeypatch):
     """A ``gpu`` test (not ``multi_gpu``) sees one GPU on a machine with several (gpu_tier.py)."""
     one_gpu_for(request.node, monkeypatch)
+
+
+@pytest.fixture
+def close_trainers_optimizers():
+    """Close the optimizers of the trainers a test listed in trainer_cleanup.OPENED_TRAINERS
+    (trainers keep theirs after train())."""
+    from trainer_cleanup import OPENED_TRAINERS
+
+    yield
+    while OPENED_TRAINERS:
+        optimizer = OPENED_TRAINERS.pop().superoffload_optimizer
+        if optimizer is not None:
+            optimizer.close()

@@ -31,11 +31,12 @@ from test_integration_trainer import (
     _params,
     _step_logs,
 )
+from trainer_cleanup import OPENED_TRAINERS
 from transformers import Trainer, TrainerCallback
 
 from hf_superoffload import SuperOffloadTrainer
 
-pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread", "close_trainers_optimizers")
 
 STEPS = 4
 BEST_EVERY_STEP = {
@@ -48,17 +49,6 @@ BEST_EVERY_STEP = {
     "metric_for_best_model": "eval_loss",
     "greater_is_better": True,
 }
-
-_opened: list = []
-
-
-@pytest.fixture(autouse=True)
-def _close_optimizers():
-    yield
-    while _opened:
-        optimizer = _opened.pop().superoffload_optimizer
-        if optimizer is not None:
-            optimizer.close()
 
 
 class _MastersEachStep(TrainerCallback):
@@ -90,7 +80,7 @@ def _trainer(output_dir, superoffload: bool, model=None, **overrides):
         eval_dataset=_dataset(8),
     )
     if superoffload:
-        _opened.append(trainer)
+        OPENED_TRAINERS.append(trainer)
     return trainer
 
 
@@ -248,7 +238,7 @@ def test_a_plain_trainers_checkpoint_naming_params_otherwise_is_refused_on_resum
         args=_args(tmp_path, True, max_steps=4, save_strategy="steps", save_steps=1, bf16=True),
         train_dataset=_dataset(),
     )
-    _opened.append(ours)
+    OPENED_TRAINERS.append(ours)
     with pytest.raises(ValueError, match=r"do not name .*experts.gate_up_proj"):
         ours.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith("checkpoint-")) == [

@@ -19,26 +19,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from test_integration_trainer import _args, _dataset, _model
+from trainer_cleanup import OPENED_TRAINERS
 
 from hf_superoffload import SuperOffloadTrainer
 from hf_superoffload.engine.host_memory import HOST_MEMORY_ENV, HostMemoryError
 
-pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread", "close_trainers_optimizers")
 
 NOT_BF16 = 1 + 2**-12  # bf16 holds 1 and 1 + 2**-7 near it: this rounds to 1
 FROZEN = "model.norm.weight"
 BUFFER = "model.norm.calibration"  # a persistent float buffer, saved with the weights
-
-_opened: list = []
-
-
-@pytest.fixture(autouse=True)
-def _close_optimizers():
-    yield
-    while _opened:
-        optimizer = _opened.pop().superoffload_optimizer
-        if optimizer is not None:
-            optimizer.close()
 
 
 def _model_with_frozen_values(dtype=torch.float32):
@@ -58,7 +48,7 @@ def _trained(tmp_path, model, **overrides):
         args=_args(tmp_path / "run", True, max_steps=2, bf16=True, **overrides),
         train_dataset=_dataset(),
     )
-    _opened.append(trainer)
+    OPENED_TRAINERS.append(trainer)
     trainer.train()
     return trainer
 
@@ -113,7 +103,7 @@ def test_fp32_copies_that_do_not_fit_the_host_are_refused_before_the_cast(tmp_pa
     trainer = SuperOffloadTrainer(
         model=model, args=_args(tmp_path, True, max_steps=2, bf16=True), train_dataset=_dataset()
     )
-    _opened.append(trainer)
+    OPENED_TRAINERS.append(trainer)
     with pytest.raises(HostMemoryError, match=r"frozen_fp32_values.*load the model in bf16"):
         trainer.train()
     assert all(p.dtype == torch.float32 for p in model.parameters())  # nothing cast

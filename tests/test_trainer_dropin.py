@@ -42,6 +42,7 @@ from test_integration_trainer import (
     _step_logs,
     _worker_threads,
 )
+from trainer_cleanup import OPENED_TRAINERS
 from transformers import LlamaForCausalLM, Trainer, TrainerCallback
 from transformers.training_args import OptimizerNames
 
@@ -49,7 +50,7 @@ from hf_superoffload import SuperOffloadOptimizer, SuperOffloadTrainer
 from hf_superoffload.integrations.checks import ADAMW_OPTIM_NAMES
 
 # One intra-op thread, as in test_integration_trainer.py (conftest.py says why).
-pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread", "close_trainers_optimizers")
 
 LOSS_RTOL = 1e-5
 RESUME_TOL = {"rtol": 1e-6, "atol": 1e-8}
@@ -57,18 +58,6 @@ RESUME_TOL = {"rtol": 1e-6, "atol": 1e-8}
 # on a loaded machine (tail and host buckets round differently): runs compared with each other
 # at RESUME_TOL pin the tail.
 PINNED_TAIL = {"superoffload_gpu_tail": "2"}
-
-_opened: list = []
-
-
-@pytest.fixture(autouse=True)
-def _close_optimizers():
-    """Trainers keep their optimizer after train(); close the ones a test built."""
-    yield
-    while _opened:
-        optimizer = _opened.pop().superoffload_optimizer
-        if optimizer is not None:
-            optimizer.close()
 
 
 def _run(output_dir, superoffload: bool, *, model=None, model_init=None, train=True, **overrides):
@@ -80,7 +69,7 @@ def _run(output_dir, superoffload: bool, *, model=None, model_init=None, train=T
         train_dataset=_dataset(),
     )
     if superoffload:
-        _opened.append(trainer)
+        OPENED_TRAINERS.append(trainer)
     if train:
         trainer.train()
     return trainer
@@ -308,7 +297,7 @@ def _run_to_best(output_dir, superoffload: bool, **overrides):
         eval_dataset=_dataset(8),
     )
     if superoffload:
-        _opened.append(trainer)
+        OPENED_TRAINERS.append(trainer)
     trainer.train()
     return trainer
 
