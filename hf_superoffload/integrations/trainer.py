@@ -42,13 +42,7 @@ except ImportError:  # transformers < 4.50 checks nothing before torch.load
 from .. import upstream
 from ..engine import SuperOffloadOptimizer
 from ..engine.state_io import save_atomically
-from ..zero3.config import (
-    check_super_offload_config,
-    check_zero3_options,
-    export_zero3_options,
-    require_super_offload,
-)
-from ..zero3.options import refuse_save_dtype_variable
+from ..zero3.options import take_trainer_config
 from .accelerate_prepare import prepare_in_place, prepare_without_ddp
 from .arguments import resolve_save_dtype
 from .best_model import check_best_model_restorable, restore_best_masters
@@ -100,20 +94,13 @@ class SuperOffloadTrainerMixin:
         super().__init__(*args, **kwargs)
         self._refuse_two_sources_of_options()
         if self._on_deepspeed:  # DeepSpeed builds our ZeRO-3 optimizer when train() starts
-            # Every refusal first: the config (the arguments' own, which accelerate builds the
-            # engine from) and the environment change only for a trainer that will run.
-            ds_config = self.accelerator.state.deepspeed_plugin.deepspeed_config
-            check_super_offload_config(ds_config)
-            check_zero3_options(self._explicit_options())
-            if getattr(self.args, "superoffload_save_dtype", None) is not None:
-                raise ValueError(
-                    "superoffload_save_dtype applies to the standalone engine; under DeepSpeed "
-                    "ZeRO-3 the Trainer saves the 16-bit weights DeepSpeed gathers (use "
-                    "zero_to_fp32 on a checkpoint for the fp32 master). Drop the argument."
-                )
-            refuse_save_dtype_variable()  # the argument's variable, refused at the same point
-            require_super_offload(ds_config)
-            export_zero3_options(self._explicit_options())
+            # The arguments' own config, which accelerate builds the engine from: changed only
+            # for a trainer that will run.
+            take_trainer_config(
+                self.accelerator.state.deepspeed_plugin.deepspeed_config,
+                self._explicit_options(),
+                getattr(self.args, "superoffload_save_dtype", None),
+            )
         else:
             check_optimizer_arguments(self)
             self._superoffload_save_dtype()  # a bad HF_SUPEROFFLOAD_SAVE_DTYPE fails here

@@ -28,7 +28,13 @@ from ..engine.core_split import Team, choose_team
 from ..engine.optimizer import DEFAULT_BUCKET_SIZE
 from ..engine.replicas import Replicas
 from ..integrations.plugin import ENV_PREFIX, SuperOffloadOptions
-from .config import REPLACED_BY_DEEPSPEED
+from .config import (
+    REPLACED_BY_DEEPSPEED,
+    check_super_offload_config,
+    check_zero3_options,
+    export_zero3_options,
+    require_super_offload,
+)
 from .host_check import check_zero3_host_memory
 
 logger = logging.getLogger("hf_superoffload")
@@ -105,6 +111,24 @@ def refuse_save_dtype_variable() -> None:
             "checkpoint's optimizer state (DeepSpeed's zero_to_fp32 writes it as fp32 "
             f"weights). Unset {name}."
         )
+
+
+def take_trainer_config(ds_config: dict, options: dict, save_dtype_argument) -> None:
+    """A SuperOffload trainer on DeepSpeed: every refusal first (the config, the engine
+    options, the standalone trainers' save dtype as argument or variable), then the two
+    changes, which a refused trainer must not leave behind: the config's ``super_offload``
+    on, and the options handed to the ZeRO-3 optimizer through the environment."""
+    check_super_offload_config(ds_config)
+    check_zero3_options(options)
+    if save_dtype_argument is not None:
+        raise ValueError(
+            "superoffload_save_dtype applies to the standalone engine; under DeepSpeed "
+            "ZeRO-3 the Trainer saves the 16-bit weights DeepSpeed gathers (use "
+            "zero_to_fp32 on a checkpoint for the fp32 master). Drop the argument."
+        )
+    refuse_save_dtype_variable()
+    require_super_offload(ds_config)
+    export_zero3_options(options)
 
 
 def written_in_config(ds_config, key: str) -> bool:
