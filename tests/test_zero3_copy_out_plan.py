@@ -29,8 +29,8 @@ from zero3_reference import (
     train,
 )
 
-from hf_superoffload.engine.copy_out import COPY_OUT_PIECE, COPY_OUT_SLOTS
-from hf_superoffload.zero3.host_parts import copy_out_bytes, copy_out_ring_dtype
+from hf_superoffload.engine.copy_out import COPY_OUT_PIECE, COPY_OUT_SLOTS, copy_out_bytes
+from hf_superoffload.zero3.host_parts import copy_out_ring_dtype
 from hf_superoffload.zero3.memory_plan import Zero3Run, zero3_memory_plan
 
 BF16, FP32 = torch.bfloat16, torch.float32

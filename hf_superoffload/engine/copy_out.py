@@ -19,6 +19,14 @@ COPY_OUT_SLOTS = 3  # one being written, one in flight to the device, one spare
 COPY_OUT_PIECE = 1 << 24
 
 
+def copy_out_bytes(largest_partition: int, ring_dtype: torch.dtype | None) -> int:
+    """Bytes of the ring ``CopyOutRing(link, largest_partition, ring_dtype)`` allocates (0
+    without a ring): what the memory plans and host checks count for it."""
+    if ring_dtype is None:
+        return 0
+    return COPY_OUT_SLOTS * min(largest_partition, COPY_OUT_PIECE) * ring_dtype.itemsize
+
+
 class CopyOutRing:
     """Used from the worker thread only (one writer), so it needs no lock."""
 

@@ -238,7 +238,7 @@ def standalone_host_parts(
     ``largest_bucket``: the elements of the largest bucket, host or device (the ring's buffers
     hold one, up to ``COPY_OUT_PIECE``); unknown, the host elements bound it."""
     from .compact_moments import compact_moment_bytes  # here: compact_moments -> ops
-    from .copy_out import COPY_OUT_PIECE, COPY_OUT_SLOTS  # here: copy_out -> link -> this
+    from .copy_out import copy_out_bytes  # here: copy_out -> link -> this
     from .grad_slots import grad_slots_bytes
     from .layout import copy_out_dtype
 
@@ -246,14 +246,13 @@ def standalone_host_parts(
     grad_bytes = 4 if not low or cast.grads_on_device else low
     compact = compact_blocks is not None
     ring_dtype = copy_out_dtype(model_dtype, cast.params_on_device, compact)
-    ring_bytes = 0 if ring_dtype is None else ring_dtype.itemsize
     moments = compact_moment_bytes(host_numel, compact_blocks) if compact else 8 * host_numel
     largest = host_numel if largest_bucket is None else largest_bucket
     return {
         "master": 4 * host_numel,
         "moments": moments,
         "gradients": grad_bytes * host_numel,
-        "param_copy_out": COPY_OUT_SLOTS * min(largest, COPY_OUT_PIECE) * ring_bytes,
+        "param_copy_out": copy_out_bytes(largest, ring_dtype),
         "accumulation": 4 * host_numel if accumulating else 0,
         "grad_slots": grad_slots_bytes(largest, grad_bytes) if compact else 0,
     }

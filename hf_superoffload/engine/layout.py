@@ -84,12 +84,10 @@ def _copy_out_ring(
 ) -> CopyOutRing | None:
     """One small ring for all buckets when params cross in the model dtype (any bucket may be
     on the host: "auto" moves them); with compact moments always (``copy_out_dtype``)."""
-    size = max(p.numel for p in plans)  # what standalone_host_parts counts
-    if compact:
-        return CopyOutRing(link, size, copy_out_dtype(dtype, cast.params_on_device, compact))
-    if dtype == torch.float32 or cast.params_on_device:
+    ring_dtype = copy_out_dtype(dtype, cast.params_on_device, compact)
+    if ring_dtype is None:
         return None
-    return CopyOutRing(link, size, dtype)
+    return CopyOutRing(link, max(p.numel for p in plans), ring_dtype)  # standalone_host_parts
 
 
 def copy_out_dtype(dtype: torch.dtype, params_on_device: bool, compact: bool) -> torch.dtype | None:

@@ -22,10 +22,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..engine.copy_out import copy_out_bytes
 from ..engine.host_memory import check_host_memory
 from ..engine.replicas import Replicas
 from .host_parts import (
-    copy_out_bytes,
     copy_out_ring_dtype,
     micro_batches_accumulate,
     optimizer_host_parts,

@@ -8,7 +8,7 @@ import torch
 
 from ..engine.cast_policy import decide_cast
 from ..engine.compact_moments import compact_moment_bytes
-from ..engine.copy_out import COPY_OUT_PIECE, COPY_OUT_SLOTS, CopyOutRing
+from ..engine.copy_out import CopyOutRing
 from ..engine.grad_slots import grad_slots_bytes
 from ..engine.layout import copy_out_dtype
 from ..engine.link import Link
@@ -31,18 +31,11 @@ def copy_out_ring_dtype(
     return copy_out_dtype(model_dtype, on_device, compact)
 
 
-def copy_out_bytes(largest_host_sub_group: int, ring_dtype: torch.dtype | None) -> int:
-    """Bytes of the ring ``copy_out_ring`` makes: a few pieces of the largest host sub group."""
-    if ring_dtype is None:
-        return 0
-    return COPY_OUT_SLOTS * min(largest_host_sub_group, COPY_OUT_PIECE) * ring_dtype.itemsize
-
-
 def copy_out_ring(
     link: Link, host_numels: list[int], ring_dtype: torch.dtype | None
 ) -> CopyOutRing | None:
     """The optimizer's ring for host sub groups of ``host_numels`` elements (none without
-    any, or without ``ring_dtype``), as ``copy_out_bytes`` counts it."""
+    any, or without ``ring_dtype``), as ``engine.copy_out.copy_out_bytes`` counts it."""
     if ring_dtype is None or not host_numels:
         return None
     return CopyOutRing(link, max(host_numels), ring_dtype)

@@ -46,6 +46,7 @@ import math
 import torch
 
 from ..engine.compact_moments import compact_moment_bytes
+from ..engine.copy_out import copy_out_bytes
 from ..engine.device_tail import step_scratch_bytes
 from .activation_memory import (
     DecoderWidths,
@@ -54,7 +55,6 @@ from .activation_memory import (
     layer_inputs_host_bytes,
 )
 from .host_parts import (
-    copy_out_bytes,
     copy_out_ring_dtype,
     optimizer_host_parts,
     resume_extra_host_bytes,
