@@ -25,8 +25,8 @@ from transformers.trainer import OPTIMIZER_NAME
 from transformers.trainer_utils import _is_peft_model
 
 from ..engine import SuperOffloadOptimizer
-from ..engine.state_checks import check_group_sizes
-from .save import masters_from_checkpoint, with_empty_groups_of, write_masters
+from .optimizer_file import masters_in_state, read_optimizer_state
+from .save import masters_from_checkpoint, write_masters
 
 
 def restore_best_masters(
@@ -41,25 +41,17 @@ def restore_best_masters(
     if not os.path.isfile(path):
         masters_from_checkpoint(model, optimizer, checkpoint)
         return
-    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    state = with_empty_groups_of(optimizer, state)
-    check_group_sizes(optimizer.param_groups, state["param_groups"])
-    entries = state["state"]
     sources, without = [], set()
-    for group, saved in zip(optimizer.param_groups, state["param_groups"], strict=True):
-        for param, key in zip(group["params"], saved["params"], strict=True):
-            if not optimizer.manages(param):
-                continue
-            master = entries.get(key, {}).get("master")
-            if master is None:  # torch's layout: a plain Trainer's checkpoint
-                without.add(id(param))
-                continue
-            if master.shape != param.shape:
-                raise ValueError(
-                    f"{path} holds a master of shape {tuple(master.shape)} for a param of "
-                    f"shape {tuple(param.shape)}: it is another model's optimizer state."
-                )
-            sources.append((param, lambda master=master: master))
+    for param, master in masters_in_state(optimizer, read_optimizer_state(optimizer, path)):
+        if master is None:  # torch's layout: a plain Trainer's checkpoint
+            without.add(id(param))
+            continue
+        if master.shape != param.shape:
+            raise ValueError(
+                f"{path} holds a master of shape {tuple(master.shape)} for a param of "
+                f"shape {tuple(param.shape)}: it is another model's optimizer state."
+            )
+        sources.append((param, lambda master=master: master))
     if without:  # found (or refused) before anything is written
         masters_from_checkpoint(model, optimizer, checkpoint, only=without)
     write_masters(optimizer, sources)

@@ -30,6 +30,7 @@ from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 from ..engine import SuperOffloadOptimizer
 from ..engine.host_memory import check_host_memory
+from .optimizer_file import masters_in_state, read_optimizer_state
 
 logger = logging.getLogger("hf_superoffload")
 
@@ -166,14 +167,11 @@ def load_optimizer_state(
     on one process or many. A checkpoint in torch's layout (a plain Trainer's) has no masters:
     those params took the model's values, which a bf16 model has rounded; the fp32 weights
     saved beside it are the masters (found before anything is loaded, or refused)."""
-    state = torch.load(optimizer_file, map_location="cpu", weights_only=True, mmap=True)
-    state = with_empty_groups_of(optimizer, state)
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    saved = state["state"]
-    without = {id(p) for i, p in enumerate(params) if saved.get(i, {}).get("master") is None}
+    state = read_optimizer_state(optimizer, optimizer_file)
+    without = {id(p) for p, master in masters_in_state(optimizer, state) if master is None}
     sources = fp32_weight_sources(model, optimizer, checkpoint, only=without) if without else []
     optimizer.load_state_dict(state)
-    del state, saved
+    del state
     write_masters(optimizer, sources)
 
 
@@ -303,27 +301,3 @@ def last_complete_checkpoint(run_dir: str) -> str | None:
             continue
         return folder
     return None
-
-
-def with_empty_groups_of(optimizer, state_dict: dict) -> dict:
-    """``state_dict`` with the empty param groups laid out as ``optimizer`` has them. The
-    Trainer builds [decay, no-decay] groups and keeps one that is empty (a model whose no-decay
-    params are all frozen); checkpoints written before this trainer kept it too lack it. Empty
-    groups hold no state, so only their place changes; any other difference is left for
-    ``load_state_dict`` to refuse."""
-    ours = optimizer.param_groups
-    theirs = state_dict.get("param_groups")
-    if not isinstance(theirs, list) or len(theirs) == len(ours):
-        return state_dict
-    filled = [group for group in theirs if group.get("params")]
-    if len(filled) != sum(1 for group in ours if group["params"]):
-        return state_dict
-    remaining = iter(filled)
-    groups = [
-        next(remaining) if group["params"] else {**_hypers(group), "params": []} for group in ours
-    ]
-    return {**state_dict, "param_groups": groups}
-
-
-def _hypers(group: dict) -> dict:
-    return {key: value for key, value in group.items() if key != "params"}
