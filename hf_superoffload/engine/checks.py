@@ -1,4 +1,8 @@
-"""Checks of what SuperOffloadOptimizer is given, with errors that say what to change."""
+"""Checks of what SuperOffloadOptimizer is given, with errors that say what to change. The
+constructor runs them in this order: ``check_arguments`` (its keyword arguments), torch's
+Optimizer then takes the params into groups (of ``group_defaults``), and ``checked_trainable``
+(the groups and what they hold); ``common_device_and_dtype`` once the params are claimed.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from .adamw_switches import check_switches
 from .core_split import choose_team
 
 HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
@@ -59,6 +64,60 @@ def refuse_unknown_kwargs(kwargs: Mapping, known_names: Iterable[str], owner: st
         close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
         hint = f"did you mean {close[0]!r}?" if close else f"it takes {', '.join(known)}."
         raise TypeError(f"{owner}() got an unexpected keyword argument {name!r}; {hint}")
+
+
+def check_arguments(
+    unknown: Mapping,
+    keywords: Iterable[str],
+    *,
+    max_grad_norm,
+    gradient_accumulation_steps,
+    bucket_size,
+    speculate,
+    speculate_after_clip,
+    cpu_threads,
+    moments,
+    switches: dict,
+) -> bool:
+    """SuperOffloadOptimizer's keyword arguments, before torch's Optimizer takes the params: no
+    unknown one (``keywords``: the known names; ``gpu_bucket=3`` is told the closest), the
+    engine options' types, the moments, and torch.optim.AdamW's ``switches`` (no-op values
+    accepted, others refused: adamw_switches.py). Returns whether the moments are compact."""
+    refuse_unknown_kwargs(unknown, keywords, "SuperOffloadOptimizer")
+    check_options(
+        max_grad_norm,
+        gradient_accumulation_steps,
+        bucket_size,
+        speculate,
+        speculate_after_clip,
+        cpu_threads,
+    )
+    compact = check_moments(moments)
+    check_switches(switches)
+    return compact
+
+
+def group_defaults(lr, betas, eps, weight_decay) -> dict:
+    """The param groups' defaults; betas that are no pair (``betas=0.9``, say) are kept as
+    given, for ``check_group`` to refuse with what to pass."""
+    pair = tuple(betas) if isinstance(betas, (tuple, list)) else betas
+    return {"lr": lr, "betas": pair, "eps": eps, "weight_decay": weight_decay}
+
+
+def checked_trainable(
+    groups: list[dict], max_grad_norm, gradient_accumulation_steps
+) -> list[torch.nn.Parameter]:
+    """Once torch's Optimizer has built the param groups: the option values, no param listed
+    twice, each group's keys and hyperparameters. Returns the params that require grad (the
+    ones the optimizer steps), refusing a run with none."""
+    check_option_values(max_grad_norm, gradient_accumulation_steps)
+    check_no_duplicates(groups)
+    for group in groups:
+        check_group(group)
+    trainable = [p for g in groups for p in g["params"] if p.requires_grad]
+    if not trainable:
+        raise ValueError("SuperOffloadOptimizer got no parameters that require grad.")
+    return trainable
 
 
 def check_option_values(max_grad_norm, gradient_accumulation_steps) -> None:

@@ -34,18 +34,15 @@ import torch
 
 from .. import ops
 from . import clip_routing, ownership, state_io
-from .adamw_switches import check_switches, without_switches
+from .adamw_switches import without_switches
 from .bucket import Bucket
 from .cast_policy import choose_cast_plan, rank0_plan
 from .checks import (
-    check_group,
-    check_moments,
-    check_no_duplicates,
-    check_option_values,
-    check_options,
+    check_arguments,
     check_params_attached,
+    checked_trainable,
     common_device_and_dtype,
-    refuse_unknown_kwargs,
+    group_defaults,
 )
 from .core_split import choose_team, use_team
 from .forward_waits import ForwardWaits
@@ -91,36 +88,34 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         differentiable: bool = False,
         **unknown,
     ):
-        refuse_unknown_kwargs(unknown, _KEYWORDS, "SuperOffloadOptimizer")  # gpu_bucket=3: say so
-        check_options(
-            max_grad_norm,
-            gradient_accumulation_steps,
-            bucket_size,
-            speculate,
-            speculate_after_clip,
-            cpu_threads,
+        compact = check_arguments(
+            unknown,
+            _KEYWORDS,
+            max_grad_norm=max_grad_norm,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            bucket_size=bucket_size,
+            speculate=speculate,
+            speculate_after_clip=speculate_after_clip,
+            cpu_threads=cpu_threads,
+            moments=moments,
+            switches=dict(
+                amsgrad=amsgrad,
+                maximize=maximize,
+                foreach=foreach,
+                fused=fused,
+                capturable=capturable,
+                differentiable=differentiable,
+            ),
         )
-        compact = check_moments(moments)
         self.moments = moments  # "fp32" or "compact": how both Adam moments are held
-        # torch.optim.AdamW's switches: no-op values accepted, others refused (adamw_switches.py).
-        switches = dict(amsgrad=amsgrad, maximize=maximize, foreach=foreach, fused=fused)
-        check_switches({**switches, "capturable": capturable, "differentiable": differentiable})
-        # Not a pair (betas=0.9, say): check_group refuses it with what to pass.
-        pair = tuple(betas) if isinstance(betas, (tuple, list)) else betas
-        defaults = {"lr": lr, "betas": pair, "eps": eps, "weight_decay": weight_decay}
+        defaults = group_defaults(lr, betas, eps, weight_decay)
         super().__init__(without_switches(params), defaults)
-        check_option_values(max_grad_norm, gradient_accumulation_steps)
-        check_no_duplicates(self.param_groups)
-        for group in self.param_groups:
-            check_group(group)
+        trainable = checked_trainable(self.param_groups, max_grad_norm, gradient_accumulation_steps)
         self.max_grad_norm = max_grad_norm or None
         self.global_grad_norm: float | None = None
         self.last_step_skipped = False
         self._taken_over = False  # another optimizer took the params over (ownership.py)
 
-        trainable = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
-        if not trainable:
-            raise ValueError("SuperOffloadOptimizer got no parameters that require grad.")
         ownership.claim(trainable, self)
         device, dtype = common_device_and_dtype(trainable)
         use_team(
