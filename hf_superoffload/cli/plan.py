@@ -17,14 +17,7 @@ from ..integrations.plugin import _CASTS as CASTS
 from ..integrations.plugin import SuperOffloadOptions
 from ..zero3.activation_memory import uncounted
 from ..zero3.loss_memory import LIGER_MODEL_TYPES
-from ..zero3.memory_plan import (
-    CUDA_CONTEXT_BYTES,
-    GPU_HEADROOM,
-    HOST_HEADROOM,
-    MemoryPlan,
-    Zero3Run,
-    zero3_memory_plan,
-)
+from ..zero3.memory_plan import MemoryPlan, Zero3Run, zero3_memory_plan
 from ..zero3.model_shape import ModelShape
 from . import capacity as capacity_options
 from . import model_source, plan_output, ratio_auto
@@ -164,14 +157,14 @@ class Verdict:
     def fits(self) -> bool:
         return not self.reasons
 
-    # The same allowances MemoryPlan.shortfalls adds before comparing.
+    # The needs MemoryPlan.shortfalls compares, in whole bytes.
     @property
     def gpu_need(self) -> int:
-        return int(self.plan.gpu_bytes * (1 + GPU_HEADROOM) + CUDA_CONTEXT_BYTES)
+        return int(self.plan.gpu_need)
 
     @property
     def host_need(self) -> int:
-        return int(self.plan.host_bytes_per_host * (1 + HOST_HEADROOM))
+        return int(self.plan.host_need)
 
 
 def _check(args) -> None:

@@ -62,6 +62,8 @@ from .host_parts import (
 )
 from .loss_memory import loss_bytes
 from .model_shape import ModelShape
+from .plan_allowances import CUDA_CONTEXT_BYTES, GPU_HEADROOM, HOST_HEADROOM, HOST_PROCESS_BYTES
+from .plan_text import plan_table, shortfall_reasons, upper_bound_reasons
 from .save_memory import STREAMED_SHARD_BYTES, streamed_save_host_bytes
 from .sub_group_cut import (
     Param,
@@ -71,15 +73,6 @@ from .sub_group_cut import (
     sub_group_blocks,
     sub_group_numels,
 )
-
-HOST_PROCESS_BYTES = int(2.3 * 2**30)  # RSS beyond the optimizer's buffers (H100, torch 2.11)
-CUDA_CONTEXT_BYTES = int(0.6 * 2**30)  # device memory torch's allocator does not count
-# The allocator's reserve over what it hands out (fragmentation, blocks cached for reuse).
-# Measured: Llama-3.1-8B at ratio 0.75 was planned at 74.3 GiB on an H100's 79.2 and ran out
-# of memory with 5.8 GiB reserved beyond 68.2 allocated.
-GPU_HEADROOM = 0.10
-HOST_HEADROOM = 0.05  # the kernel, the page cache and the rest of the system
-
 
 # What the GPU holds while the device sub groups step (after backward); the logits are
 # counted whole as the Trainer's outputs may still hold them.
@@ -175,21 +168,20 @@ class MemoryPlan:
         return sum(self.host.values())
 
     @property
-    def upper_bounds(self) -> dict[str, str]:
-        """Host parts counted at their most, each with why: the copy-out ring when the run's
-        cast is not given (the optimizer makes none where params are cast on the GPU)."""
-        unknown = self.run.cast is None and self.host["param_copy_out"]
+    def copy_out_at_most(self) -> bool:
+        """Whether the copy-out ring is counted at its most: the run's cast is not given, and
+        the optimizer makes none where params are cast on the GPU (compact moments make it
+        under every cast: then it is no bound)."""
         run = self.run
-        # Compact moments make the ring under every cast: then it is no bound.
+        if run.cast is not None or not self.host["param_copy_out"]:
+            return False
         dtype = _model_dtype(run.dtype_bytes)
-        if unknown and copy_out_ring_dtype(dtype, "gpu", run.device_type, run.compact_moments):
-            return {}
-        if unknown:
-            return {
-                "param_copy_out": "at most: none with cast 'auto' or 'gpu' on a GPU "
-                "(HF_SUPEROFFLOAD_CAST); the cast was not given"
-            }
-        return {}
+        return not copy_out_ring_dtype(dtype, "gpu", run.device_type, run.compact_moments)
+
+    @property
+    def upper_bounds(self) -> dict[str, str]:
+        """Host parts counted at their most, each with why (plan_text.upper_bound_reasons)."""
+        return upper_bound_reasons(self)
 
     @property
     def host_bytes(self) -> int:
@@ -231,72 +223,24 @@ class MemoryPlan:
         each = max(self.host_training, self.host_start_up, self.host_resume)
         return max(ranks * each, (ranks - 1) * self.host_training + self.host_save)
 
+    @property
+    def gpu_need(self) -> float:
+        """GPU bytes per rank with the allocator's headroom and the CUDA context."""
+        return self.gpu_bytes * (1 + GPU_HEADROOM) + CUDA_CONTEXT_BYTES
+
+    @property
+    def host_need(self) -> float:
+        """Host bytes per host (``host_bytes_per_host``) with the system's share."""
+        return self.host_bytes_per_host * (1 + HOST_HEADROOM)
+
     def shortfalls(self, gpu_memory: int, host_memory: int) -> list[str]:
         """Why the run does not fit a GPU of ``gpu_memory`` bytes and a host of
-        ``host_memory`` (empty when it fits), each with what to change."""
-        reasons = []
-        gpu_need = self.gpu_bytes * (1 + GPU_HEADROOM) + CUDA_CONTEXT_BYTES
-        if gpu_need > gpu_memory:
-            parts = self.gpu_phases[self.gpu_peak_phase]
-            biggest = max(parts, key=parts.get)
-            reasons.append(
-                f"GPU: needs {gpu_need / 2**30:.1f} GiB per rank with the allocator's headroom, "
-                f"has {gpu_memory / 2**30:.1f} (in the {self.gpu_peak_phase} phase; largest "
-                f"part: {biggest}, {parts[biggest] / 2**30:.1f} GiB); lower the "
-                "batch or sequence length, add GPUs, or set offload_param / a ratio of 1.0"
-            )
-        host_need = self.host_bytes_per_host * (1 + HOST_HEADROOM)
-        if host_need > host_memory:
-            phase = self.host_peak_phase
-            why = {
-                "training": "",
-                "start-up": " while the optimizer is built",
-                "resume": " while a checkpoint is loaded (a resume maps the optimizer file "
-                "and copies it in a sub group at a time, beside the live state)",
-                "save": " while the model is saved (rank 0 holds a shard of the 16-bit model "
-                "beside its state)",
-            }[phase]
-            reasons.append(
-                f"host: needs {host_need / 2**30:.1f} GiB (with the system's share) for "
-                f"{self.run.ranks_per_host or self.run.ranks} rank(s){why}, has "
-                f"{host_memory / 2**30:.1f}; use more hosts (fewer ranks per host), a lower "
-                "ratio (more optimizer state on the GPU), fewer accumulation buffers "
-                "(gradient_accumulation_steps 1), or a smaller model"
-            )
-        return reasons
+        ``host_memory`` (empty when it fits): plan_text.shortfall_reasons."""
+        return shortfall_reasons(self, gpu_memory, host_memory)
 
     def table(self) -> str:
-        def row(name: str, nbytes: int, note: str = "") -> str:
-            return f"  {name:<22} {nbytes / 2**30:8.2f} GiB{note}"
-
-        per_host = self.run.ranks_per_host or self.run.ranks
-        phase = self.host_peak_phase
-        bounds = {name: f" ({why})" for name, why in self.upper_bounds.items()}
-        return "\n".join(
-            [
-                f"{self.shape.params / 1e9:.2f}B params, {self.run.ranks} rank(s), seq "
-                f"{self.run.seq} x batch {self.run.batch} per GPU",
-                f"GPU per rank (allocated; +{CUDA_CONTEXT_BYTES / 2**30:.1f} GiB CUDA context):",
-                *(row(name, nbytes) for name, nbytes in self.gpu.items()),
-                *(
-                    row(
-                        f"{phase} phase",
-                        sum(parts.values()),
-                        " (the peak)" * (phase == self.gpu_peak_phase),
-                    )
-                    for phase, parts in self.gpu_phases.items()
-                ),
-                row("total", self.gpu_bytes),
-                "host per rank, while training:",
-                *(row(name, nbytes, bounds.get(name, "")) for name, nbytes in self.host.items()),
-                row("training", self.host_training, " (the peak)" * (phase == "training")),
-                row("start-up", self.host_start_up, " (the peak)" * (phase == "start-up")),
-                row("resume", self.host_resume, " (the peak)" * (phase == "resume")),
-                row("save (rank 0)", self.host_save, " (the peak)" * (phase == "save")),
-                f"  {'peak':<22} {self.host_bytes / 2**30:8.2f} GiB "
-                f"({self.host_bytes_per_host / 2**30:.1f} GiB for {per_host} rank(s) per host)",
-            ]
-        )
+        """The plan's parts as a table (plan_text.plan_table)."""
+        return plan_table(self)
 
 
 def plan_sub_groups(shape: ModelShape, run: Zero3Run) -> SubGroupSplit:
