@@ -69,7 +69,6 @@ def refuse_unknown_kwargs(kwargs: Mapping, known_names: Iterable[str], owner: st
 def check_arguments(
     unknown: Mapping,
     keywords: Iterable[str],
-    *,
     max_grad_norm,
     gradient_accumulation_steps,
     bucket_size,
@@ -81,17 +80,31 @@ def check_arguments(
 ) -> bool:
     """SuperOffloadOptimizer's keyword arguments, before torch's Optimizer takes the params: no
     unknown one (``keywords``: the known names; ``gpu_bucket=3`` is told the closest), the
-    engine options' types, the moments, and torch.optim.AdamW's ``switches`` (no-op values
-    accepted, others refused: adamw_switches.py). Returns whether the moments are compact."""
+    engine options' types (their values are checked where they are used), the moments, and
+    torch.optim.AdamW's ``switches`` (no-op values accepted, others refused:
+    adamw_switches.py). Returns whether the moments are compact."""
     refuse_unknown_kwargs(unknown, keywords, "SuperOffloadOptimizer")
-    check_options(
-        max_grad_norm,
-        gradient_accumulation_steps,
-        bucket_size,
-        speculate,
-        speculate_after_clip,
-        cpu_threads,
-    )
+    if cpu_threads is not None and (
+        isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int) or cpu_threads < 1
+    ):
+        raise ValueError(
+            f"cpu_threads (threads of the CPU Adam) must be a positive int, got {cpu_threads!r}; "
+            f"pass e.g. cpu_threads=8, or None for this rank's share of the host's cores less one."
+        )
+    if max_grad_norm is not None:
+        _require_number("max_grad_norm", max_grad_norm, "1.0 (0 or None: no clipping)")
+    for name, value, example in (
+        ("gradient_accumulation_steps", gradient_accumulation_steps, "4"),
+        ("bucket_size", bucket_size, "2**25"),
+    ):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(
+                f"{name} must be an int, got {value!r} ({type(value).__name__}); pass e.g. "
+                f"{name}={example}."
+            )
+    for name, value in (("speculate", speculate), ("speculate_after_clip", speculate_after_clip)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}.")
     compact = check_moments(moments)
     check_switches(switches)
     return compact
@@ -121,7 +134,7 @@ def checked_trainable(
 
 
 def check_option_values(max_grad_norm, gradient_accumulation_steps) -> None:
-    """Values the constructor's types (check_options) allow but the engine cannot use."""
+    """Values the constructor's types (check_arguments) allow but the engine cannot use."""
     if max_grad_norm is not None and max_grad_norm < 0:
         raise ValueError(
             f"max_grad_norm must be >= 0 (0 or None: no clipping), got {max_grad_norm}."
@@ -130,38 +143,6 @@ def check_option_values(max_grad_norm, gradient_accumulation_steps) -> None:
         raise ValueError(
             f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}."
         )
-
-
-def check_options(
-    max_grad_norm,
-    gradient_accumulation_steps,
-    bucket_size,
-    speculate,
-    speculate_after_clip,
-    cpu_threads=None,
-) -> None:
-    """Types of the constructor's engine options (the values are checked where they are used)."""
-    if cpu_threads is not None and (
-        isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int) or cpu_threads < 1
-    ):
-        raise ValueError(
-            f"cpu_threads (threads of the CPU Adam) must be a positive int, got {cpu_threads!r}; "
-            f"pass e.g. cpu_threads=8, or None for this rank's share of the host's cores less one."
-        )
-    if max_grad_norm is not None:
-        _require_number("max_grad_norm", max_grad_norm, "1.0 (0 or None: no clipping)")
-    for name, value, example in (
-        ("gradient_accumulation_steps", gradient_accumulation_steps, "4"),
-        ("bucket_size", bucket_size, "2**25"),
-    ):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ValueError(
-                f"{name} must be an int, got {value!r} ({type(value).__name__}); pass e.g. "
-                f"{name}={example}."
-            )
-    for name, value in (("speculate", speculate), ("speculate_after_clip", speculate_after_clip)):
-        if not isinstance(value, bool):
-            raise ValueError(f"{name} must be True or False, got {value!r}.")
 
 
 MOMENTS = ("fp32", "compact")

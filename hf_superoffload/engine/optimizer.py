@@ -88,24 +88,20 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         differentiable: bool = False,
         **unknown,
     ):
+        # torch.optim.AdamW's switches: no-op values accepted, others refused.
+        switches = dict(amsgrad=amsgrad, maximize=maximize, foreach=foreach, fused=fused)
+        switches.update(capturable=capturable, differentiable=differentiable)
         compact = check_arguments(
             unknown,
             _KEYWORDS,
-            max_grad_norm=max_grad_norm,
-            gradient_accumulation_steps=gradient_accumulation_steps,
-            bucket_size=bucket_size,
-            speculate=speculate,
-            speculate_after_clip=speculate_after_clip,
-            cpu_threads=cpu_threads,
-            moments=moments,
-            switches=dict(
-                amsgrad=amsgrad,
-                maximize=maximize,
-                foreach=foreach,
-                fused=fused,
-                capturable=capturable,
-                differentiable=differentiable,
-            ),
+            max_grad_norm,
+            gradient_accumulation_steps,
+            bucket_size,
+            speculate,
+            speculate_after_clip,
+            cpu_threads,
+            moments,
+            switches,
         )
         self.moments = moments  # "fp32" or "compact": how both Adam moments are held
         defaults = group_defaults(lr, betas, eps, weight_decay)
