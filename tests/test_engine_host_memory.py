@@ -479,28 +479,37 @@ def test_a_second_optimizer_is_refused_before_it_allocates_while_the_first_holds
 
 
 def test_a_zero3_state_stays_claimed_while_its_optimizers_replicas_live(own_claims, monkeypatch):
+    """Its training and resume parts, while the optimizer's Replicas lives; start-up's extra
+    (DeepSpeed's masters of the whole partition, gone once it is built) not after the check."""
     from hf_superoffload.engine.replicas import Replicas
     from hf_superoffload.zero3.host_check import check_zero3_host_memory, zero3_host_parts
 
-    params = [torch.nn.Parameter(torch.zeros(4096, dtype=torch.bfloat16)) for _ in range(2)]
+    params = [torch.nn.Parameter(torch.zeros(4096, dtype=torch.bfloat16)) for _ in range(8)]
     base = torch.optim.AdamW(params)
-    kwargs = {
-        "offload_ratio": 1.0,
-        "sub_group_size": 4096,
-        "gradient_accumulation_dtype": torch.bfloat16,
-    }
-    state = sum(
-        zero3_host_parts(base, kwargs, ds_config={}, cast="cpu", device_type="cpu").values()
-    )
-    monkeypatch.setenv(host_memory.HOST_MEMORY_ENV, str((2 * state - 1) / GiB))
 
-    def check(replicas):
+    def check(replicas, ratio):
+        kwargs = {
+            "offload_ratio": ratio,
+            "sub_group_size": 4096,
+            "gradient_accumulation_dtype": torch.bfloat16,
+        }
         check_zero3_host_memory(base, kwargs, replicas, False, {}, "cpu", "cpu")
+        return zero3_host_parts(base, kwargs, ds_config={}, cast="cpu", device_type="cpu")
 
     first = Replicas(None, torch.device("cpu"))
-    check(first)
+    parts = check(first, 1.0)
+    state = sum(parts.values())
+    assert host_memory.held_host_parts() == {k: v for k, v in parts.items() if v}
+    monkeypatch.setenv(host_memory.HOST_MEMORY_ENV, str((2 * state - 1) / GiB))
     with pytest.raises(host_memory.HostMemoryError, match="earlier host checks granted"):
-        check(Replicas(None, torch.device("cpu")))
+        check(Replicas(None, torch.device("cpu")), 1.0)
     del first
     gc.collect()
-    check(Replicas(None, torch.device("cpu")))
+    assert host_memory.held_host_parts() == {}
+    all_on_the_device = Replicas(None, torch.device("cpu"))
+    parts = check(all_on_the_device, 0.0)
+    assert (
+        parts["start_up_beyond_training"] > 0
+        and sum(parts.values()) == parts["start_up_beyond_training"]
+    )
+    assert host_memory.held_host_parts() == {}
