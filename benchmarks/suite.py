@@ -32,6 +32,7 @@ from pathlib import Path
 
 import clip_rate
 import psutil
+from systems import SYSTEMS
 from tqdm import tqdm
 
 HERE = Path(__file__).resolve().parent
@@ -169,9 +170,10 @@ def run_system(
         cmd += ["--model-config", str(args.model_config)]
     if args.clip_rate is not None:
         cmd += ["--clip-rate", str(args.clip_rate), "--clip-first", str(args.clip_first)]
+    if SYSTEMS[system].has_cast:  # the others refuse one (they have none)
+        cmd += ["--cast", args.cast]
     if system == "superoffload":
         cmd += ["--gpu-buckets", gpu_buckets, "--warmup", str(args.superoffload_warmup)]
-        cmd += ["--cast", args.cast]
         if args.gpu_memory_cap is not None:
             cmd += ["--gpu-memory-cap", str(args.gpu_memory_cap)]
     else:
@@ -379,7 +381,9 @@ def main() -> None:
     parser.add_argument("--clip", type=float, default=1.0)
     clip_rate.add_arguments(parser)
     parser.add_argument(
-        "--cast", default="auto", help="superoffload's cast ('auto', 'gpu' or 'cpu')"
+        "--cast", default="auto",
+        help="the SuperOffload systems' cast ('auto', 'gpu' or 'cpu'): superoffload and "
+        "superoffload_zero3*; the others have none and run as they are",
     )  # fmt: skip
     parser.add_argument(
         "--gpu-memory-cap", type=float, default=None,
@@ -443,6 +447,8 @@ def main() -> None:
         else:
             row = run_system(name, system, gpu_buckets, args, logs)
         run_config = {**config, "system": system}
+        if not SYSTEMS[system].has_cast:
+            del run_config["cast"]  # not passed: it has none
         if gpu_buckets is not None:
             run_config["gpu_buckets"] = gpu_buckets
         row = {**where, "clip": args.clip, "clip_rate": args.clip_rate, **row,

@@ -15,8 +15,9 @@ AdamW (lr 1e-5, no weight decay), clip ``--clip``, bf16 compute, activation chec
 
 The three DeepSpeed systems share one config (bf16, clip, AdamW, DeepSpeed's default
 sub_group_size); each checks after deepspeed.initialize which ZeRO optimizer class the engine
-built and refuses to run on another (``EXPECTED_OPTIMIZER``). ``environment`` is what
-train_step.py sets in os.environ before anything imports hf_superoffload or DeepSpeed.
+built and refuses to run on another (``EXPECTED_OPTIMIZER``). ``run_environment`` is what
+train_step.py sets in os.environ before anything imports hf_superoffload or DeepSpeed: the
+system's ``environment`` and, for the systems that read it from there, ``--cast``.
 - torchao_offload: torchao's CPUOffloadOptimizer over bf16 params (bf16 optimizer state on the
   CPU and no fp32 master: cheaper, but not the same numerics).
 """
@@ -38,6 +39,8 @@ DEEPSPEED_SUPEROFFLOAD = (
     "deepspeed.runtime.superoffload.superoffload_stage3.SuperOffloadOptimizer_Stage3"
 )
 OURS_ZERO3 = "hf_superoffload.zero3.optimizer.SuperOffloadZero3Optimizer"
+CAST_ENV = "HF_SUPEROFFLOAD_CAST"  # what the ZeRO-3 optimizer resolves its cast from
+DEFAULT_CAST = "auto"
 logger = logging.getLogger("benchmarks")
 
 
@@ -55,6 +58,11 @@ def _model(config: transformers.PretrainedConfig, dtype: torch.dtype) -> torch.n
 
 class TrainingSystem:
     """One training step in three phases (benchmarks/phases.py times each)."""
+
+    # SuperOffload's cast (--cast: where bf16 <-> fp32 casts run): whether the system has one,
+    # and whether it reads it from HF_SUPEROFFLOAD_CAST rather than from args.cast.
+    has_cast: ClassVar[bool] = False
+    cast_from_environment: ClassVar[bool] = False
 
     def forward(self, batch) -> torch.Tensor:
         raise NotImplementedError
@@ -101,6 +109,8 @@ class NoOffload(TrainingSystem):
 
 
 class SuperOffload(TrainingSystem):
+    has_cast = True
+
     def __init__(self, config, args):
         from hf_superoffload import SuperOffloadOptimizer
 
@@ -209,6 +219,7 @@ class SuperOffloadZero3(DeepSpeedZeroOffload):
     super_offload = True
     environment: ClassVar[dict[str, str]] = {OPT_OUT_ENV: "1"}
     expected_optimizer = OURS_ZERO3
+    has_cast = cast_from_environment = True  # DeepSpeed builds the optimizer: no argument
 
     def finish(self):
         return self.engine.optimizer.stats
@@ -250,6 +261,34 @@ class TorchaoOffload(TrainingSystem):
 
     def grad_norm(self):
         return float(self.norm) if self.clip else float("nan")
+
+
+def run_environment(system: str, cast: str) -> dict[str, str]:
+    """The variables to set before hf_superoffload or DeepSpeed is imported to run ``system``
+    with ``cast`` (--cast): the system's own, and HF_SUPEROFFLOAD_CAST where the system reads
+    its cast from there. Refused: a cast other than auto for a system that has none (it would
+    change nothing), and HF_SUPEROFFLOAD_CAST already set to another cast than --cast."""
+    cls = SYSTEMS[system]
+    if cast != DEFAULT_CAST and not cls.has_cast:
+        with_cast = sorted(name for name, other in SYSTEMS.items() if other.has_cast)
+        raise ValueError(
+            f"--cast {cast}: {system} has no cast to set (it is SuperOffload's choice of where "
+            f"bf16 <-> fp32 casts run); run {system} without --cast, or choose one of "
+            f"{with_cast}"
+        )
+    environment = dict(getattr(cls, "environment", {}))
+    if not cls.has_cast:
+        return environment
+    given = os.environ.get(CAST_ENV)
+    if given is not None and given != cast:
+        raise ValueError(
+            f"{CAST_ENV}={given} is set and --cast is {cast}: the benchmark takes the cast from "
+            f"--cast (and sets {CAST_ENV} for the ZeRO-3 systems); unset {CAST_ENV} and pass "
+            f"--cast {given}"
+        )
+    if cls.cast_from_environment:
+        environment[CAST_ENV] = cast
+    return environment
 
 
 SYSTEMS = {

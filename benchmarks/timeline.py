@@ -28,7 +28,7 @@ import threading
 import time
 
 import torch
-from systems import SYSTEMS
+from systems import SYSTEMS, run_environment
 from train_step import add_model_arguments, model_config
 
 
@@ -185,7 +185,10 @@ def main() -> None:
         "thread) to this file, and of step 0's optimizer step to this file + '.step'",
     )  # fmt: skip
     args = parser.parse_args()
-    os.environ.update(getattr(SYSTEMS[args.system], "environment", {}))
+    try:
+        os.environ.update(run_environment(args.system, args.cast))
+    except ValueError as refusal:
+        sys.exit(str(refusal))
     if "hf_superoffload" in sys.modules:
         sys.exit("hf_superoffload was imported before the system's environment was set")
     torch.manual_seed(0)

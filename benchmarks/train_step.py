@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import transformers
 from clip_rate import ClipRate
-from systems import SYSTEMS
+from systems import SYSTEMS, run_environment
 
 # hf_superoffload is imported in main(), after the system's environment is set: the import
 # reads HF_SUPEROFFLOAD_DEEPSPEED to decide whose SuperOffload DeepSpeed builds.
@@ -139,8 +139,8 @@ def planned(args, config, world: int) -> dict | None:
     from hf_superoffload.zero3.memory_plan import Zero3Run, zero3_memory_plan
 
     # systems.py's DeepSpeed config: one param group, DeepSpeed's persistence threshold. The
-    # cast is the one the ZeRO-3 optimizer resolved (HF_SUPEROFFLOAD_CAST, else auto), so the
-    # copy-out ring is counted as made, not at its most.
+    # cast is the one the ZeRO-3 optimizer resolved (HF_SUPEROFFLOAD_CAST, which main() sets
+    # from --cast), so the copy-out ring is counted as made, not at its most.
     run = Zero3Run(
         seq=args.seq, batch=args.batch, ranks=world, ratio=args.ratio, decay_groups=False,
         persistence_threshold=100_000, cast=SuperOffloadOptions().cast,
@@ -205,7 +205,10 @@ def main() -> None:
     parser.add_argument("--clip", type=float, default=1.0)
     parser.add_argument("--gpu-buckets", default="auto")
     parser.add_argument("--bucket-size", type=int, default=1 << 25)
-    parser.add_argument("--cast", default="auto")
+    parser.add_argument(
+        "--cast", default="auto",
+        help="the SuperOffload systems' cast: 'auto', 'gpu' or 'cpu' (others have none)",
+    )  # fmt: skip
     parser.add_argument("--gpu-memory-cap", type=float, default=None, help="GiB (superoffload)")
     parser.add_argument(
         "--ratio", type=float, default=1.0,
@@ -218,7 +221,10 @@ def main() -> None:
         ClipRate(args.clip_rate, args.clip, args.clip_first) if args.clip_rate is not None else None
     )
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    environment = getattr(SYSTEMS[args.system], "environment", {})
+    try:
+        environment = run_environment(args.system, args.cast)
+    except ValueError as refusal:
+        sys.exit(str(refusal))
     early = [m for m in ("hf_superoffload", "deepspeed") if m in sys.modules]
     if environment and early:
         sys.exit(f"{early} imported before {args.system}'s environment {environment} was set")

@@ -343,3 +343,173 @@ def test_the_host_check_counts_every_bucket_auto_may_give_back():
     assert [p.index for p in host_held_plans(plans, 2, 2, is_cuda=True)] == [0, 1]
     assert [p.index for p in host_held_plans(plans, 2, "auto", is_cuda=True)] == [0, 1, 2, 3]
     assert [p.index for p in host_held_plans(plans, 2, 2, is_cuda=False)] == [0, 1, 2, 3]
+
+
+# --- HF_SUPEROFFLOAD_HOST_MEMORY_GIB: the job's whole figure, taken by every check in turn -------
+
+
+@pytest.fixture
+def own_claims(monkeypatch):
+    """This test's claims only (other tests' optimizers may still be alive), one rank."""
+    monkeypatch.setattr(host_memory, "_GRANTED", {})
+    for name in host_memory.LAUNCHER_LOCAL_SIZES:
+        monkeypatch.delenv(name, raising=False)
+
+
+class Holder:
+    """Stands for the objects that hold what a check granted."""
+
+
+def test_under_the_override_a_check_counts_what_earlier_checks_granted_and_is_held(
+    own_claims, monkeypatch
+):
+    """10 GiB for the job: 6 granted and held leave 4, so 5 more are refused (each alone
+    would fit), 4 fit; once the holder goes, all 10 are there again."""
+    monkeypatch.setenv(host_memory.HOST_MEMORY_ENV, "10")
+    holder = Holder()
+    host_memory.check_host_memory({"frozen_fp32_values": 6 * GiB}, "x").held_by(holder)
+    with pytest.raises(host_memory.HostMemoryError) as err:
+        host_memory.check_host_memory({"master": 5 * GiB}, "change something")
+    assert (
+        "x 1 rank(s) on this host (no launcher count, torch.distributed not initialized) = 5.00 "
+        "GiB of host memory (pinned and pageable), but only 4.00 GiB is available "
+        "(HF_SUPEROFFLOAD_HOST_MEMORY_GIB=10 less 6.00 GiB per rank x 1 rank(s) that this "
+        "job's earlier host checks granted and it still holds: frozen_fp32_values 6.00 GiB)"
+    ) in str(err.value)
+    assert f"raise {host_memory.HOST_MEMORY_ENV} only if" in str(err.value)
+    host_memory.check_host_memory({"master": 4 * GiB}, "x")  # 6 + 4: all of it
+    del holder
+    gc.collect()
+    host_memory.check_host_memory({"master": 10 * GiB}, "x")
+
+
+def test_a_claim_lasts_while_its_caller_or_any_of_its_holders_keeps_it(own_claims, monkeypatch):
+    """Before it is bound, the caller's reference keeps it (an allocation that fails half-way
+    drops it); a part taken out is held by its own holders; every rank of the host holds its
+    own."""
+    monkeypatch.setenv(host_memory.HOST_MEMORY_ENV, "10")
+    pending = host_memory.check_host_memory({"master": 6 * GiB, "param_copy_out": 2 * GiB}, "x")
+    with pytest.raises(host_memory.HostMemoryError):
+        host_memory.check_host_memory({"master": 3 * GiB}, "x")
+    buckets, ring = Holder(), Holder()
+    pending.take("param_copy_out").held_by(ring)
+    pending.held_by(buckets, None)
+    del pending
+    assert host_memory.held_host_parts() == {"master": 6 * GiB, "param_copy_out": 2 * GiB}
+    del ring
+    gc.collect()
+    assert host_memory.held_host_parts() == {"master": 6 * GiB}
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # 2 x (6 held + 1) = 14 > 10
+    with pytest.raises(host_memory.HostMemoryError, match=r"less 6.00 GiB per rank x 2 rank"):
+        host_memory.check_host_memory({"master": 1 * GiB}, "x")
+    del buckets
+    gc.collect()
+    assert host_memory.held_host_parts() == {}
+    host_memory.check_host_memory({"master": 5 * GiB}, "x")  # 2 x 5: all of it
+
+
+def test_without_the_override_memavailable_already_shows_what_was_taken(
+    own_claims, host_files, monkeypatch
+):
+    monkeypatch.delenv(host_memory.HOST_MEMORY_ENV, raising=False)
+    host_files(10 * 2**20)  # 10 GiB available after the first allocation
+    holder = Holder()
+    host_memory.check_host_memory({"master": 6 * GiB}, "x").held_by(holder)
+    host_memory.check_host_memory({"master": 10 * GiB}, "x")  # not counted twice
+
+
+def _spied_checks(monkeypatch, *modules) -> list[dict[str, int]]:
+    """The parts of every host check the ``modules`` make, in order."""
+    seen = []
+    real = host_memory.check_host_memory
+
+    def spy(parts, remedies):
+        seen.append(dict(parts))
+        return real(parts, remedies)
+
+    for module in modules:
+        monkeypatch.setattr(module, "check_host_memory", spy)
+    return seen
+
+
+def test_a_second_optimizer_is_refused_before_it_allocates_while_the_first_holds_its_state(
+    own_claims, monkeypatch
+):
+    """Two optimizers of one process under a figure that holds either but not both: the
+    second is refused before its params are re-pointed into any buffer; under a figure that
+    holds both it steps as torch.optim.AdamW does."""
+    from hf_superoffload import SuperOffloadOptimizer
+    from hf_superoffload.engine import layout
+
+    monkeypatch.delenv(host_memory.HOST_MEMORY_ENV, raising=False)
+    seen = _spied_checks(monkeypatch, layout)
+
+    def linear():
+        torch.manual_seed(0)
+        return torch.nn.Linear(32, 16)
+
+    first = SuperOffloadOptimizer(linear().parameters(), lr=1e-2, gpu_tail=0)
+    state = sum(seen[0].values())
+    monkeypatch.setenv(host_memory.HOST_MEMORY_ENV, str((2 * state - 1) / GiB))
+    refused = linear()
+    storages = [p.data_ptr() for p in refused.parameters()]
+    with pytest.raises(host_memory.HostMemoryError, match="earlier host checks granted"):
+        SuperOffloadOptimizer(refused.parameters(), lr=1e-2, gpu_tail=0)
+    assert [p.data_ptr() for p in refused.parameters()] == storages  # nothing laid out
+
+    monkeypatch.setenv(host_memory.HOST_MEMORY_ENV, str(2 * state / GiB))
+    net, reference = linear(), linear()
+    second = SuperOffloadOptimizer(net.parameters(), lr=1e-2, gpu_tail=0)
+    adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    x = torch.randn(4, 32)
+    for model in (net, reference):
+        model(x).square().sum().backward()
+    norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)  # the engine's default
+    assert norm > 1.0  # it clips
+    second.step()
+    second.synchronize()
+    adamw.step()
+    for p, q in zip(net.parameters(), reference.parameters(), strict=True):
+        state_of = second.master_state(p)
+        torch.testing.assert_close(p.detach(), q.detach())
+        torch.testing.assert_close(state_of["exp_avg"], adamw.state[q]["exp_avg"])
+        torch.testing.assert_close(state_of["exp_avg_sq"], adamw.state[q]["exp_avg_sq"])
+    first.close()
+    second.close()
+
+
+def test_a_zero3_state_stays_claimed_while_its_optimizers_replicas_live(own_claims, monkeypatch):
+    """Its training and resume parts, while the optimizer's Replicas lives; start-up's extra
+    (DeepSpeed's masters of the whole partition, gone once it is built) not after the check."""
+    from hf_superoffload.engine.replicas import Replicas
+    from hf_superoffload.zero3.host_check import check_zero3_host_memory, zero3_host_parts
+
+    params = [torch.nn.Parameter(torch.zeros(4096, dtype=torch.bfloat16)) for _ in range(8)]
+    base = torch.optim.AdamW(params)
+
+    def check(replicas, ratio):
+        kwargs = {
+            "offload_ratio": ratio,
+            "sub_group_size": 4096,
+            "gradient_accumulation_dtype": torch.bfloat16,
+        }
+        check_zero3_host_memory(base, kwargs, replicas, False, {}, "cpu", "cpu")
+        return zero3_host_parts(base, kwargs, ds_config={}, cast="cpu", device_type="cpu")
+
+    first = Replicas(None, torch.device("cpu"))
+    parts = check(first, 1.0)
+    state = sum(parts.values())
+    assert host_memory.held_host_parts() == {k: v for k, v in parts.items() if v}
+    monkeypatch.setenv(host_memory.HOST_MEMORY_ENV, str((2 * state - 1) / GiB))
+    with pytest.raises(host_memory.HostMemoryError, match="earlier host checks granted"):
+        check(Replicas(None, torch.device("cpu")), 1.0)
+    del first
+    gc.collect()
+    assert host_memory.held_host_parts() == {}
+    all_on_the_device = Replicas(None, torch.device("cpu"))
+    parts = check(all_on_the_device, 0.0)
+    assert (
+        parts["start_up_beyond_training"] > 0
+        and sum(parts.values()) == parts["start_up_beyond_training"]
+    )
+    assert host_memory.held_host_parts() == {}

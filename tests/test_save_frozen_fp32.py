@@ -11,7 +11,9 @@ Models, data and arguments: tests/test_integration_trainer.py's (imported).
 
 from __future__ import annotations
 
+import gc
 import os
+import re
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may touch the network
 
@@ -107,3 +109,78 @@ def test_fp32_copies_that_do_not_fit_the_host_are_refused_before_the_cast(tmp_pa
     with pytest.raises(HostMemoryError, match=r"frozen_fp32_values.*load the model in bf16"):
         trainer.train()
     assert all(p.dtype == torch.float32 for p in model.parameters())  # nothing cast
+
+
+FP32_STATE = ("master", "exp_avg", "exp_avg_sq")
+
+
+def _train_and_close(tmp_path, host_memory_gib: str | None, monkeypatch):
+    """Trains a frozen-values model to the end (or to its refusal); returns the trained params'
+    fp32 state, or the error. The trainer and its optimizer are gone after, with what their
+    host checks granted."""
+    if host_memory_gib is None:
+        monkeypatch.delenv(HOST_MEMORY_ENV, raising=False)
+    else:
+        monkeypatch.setenv(HOST_MEMORY_ENV, host_memory_gib)
+    trainer = SuperOffloadTrainer(
+        model=_model_with_frozen_values(),
+        args=_args(tmp_path, True, max_steps=2, bf16=True),
+        train_dataset=_dataset(),
+    )
+    try:
+        trainer.train()
+    except HostMemoryError as error:
+        assert trainer._superoffload_built is None  # refused before the optimizer allocated
+        outcome = str(error)
+    else:
+        optimizer = trainer.superoffload_optimizer
+        outcome = {
+            name: {key: optimizer.master_state(param)[key].clone() for key in FP32_STATE}
+            for name, param in trainer.model.named_parameters()
+            if param.requires_grad
+        }
+        optimizer.close()
+        del optimizer
+    del trainer
+    gc.collect()
+    return outcome
+
+
+def test_the_host_memory_figure_holds_the_fp32_copies_and_the_optimizer_together(
+    tmp_path, monkeypatch
+):
+    """HF_SUPEROFFLOAD_HOST_MEMORY_GIB is the job's whole host memory: the fp32 copies the
+    cast keeps and then the optimizer's state are checked against it in turn, the second
+    counting the first. One byte short of both is refused at the optimizer's check, before it
+    allocates (each alone fits); both exactly train as with no figure given."""
+    from hf_superoffload.engine import host_memory, layout
+    from hf_superoffload.integrations import save
+
+    monkeypatch.setattr(host_memory, "_GRANTED", {})  # this test's claims only
+    checked = []
+    real = host_memory.check_host_memory
+
+    def spy(parts, remedies):
+        checked.append(sum(parts.values()))
+        return real(parts, remedies)
+
+    monkeypatch.setattr(save, "check_host_memory", spy)
+    monkeypatch.setattr(layout, "check_host_memory", spy)
+    unlimited = _train_and_close(tmp_path / "unlimited", None, monkeypatch)
+    copies, state = checked
+    assert 0 < copies < state
+
+    refusal = _train_and_close(tmp_path / "short", str((copies + state - 1) / 2**30), monkeypatch)
+    assert isinstance(refusal, str), "both fitted a figure one byte short of them"
+    assert refusal.startswith("the optimizer's host state needs") and "master" in refusal
+    held = re.search(r"earlier host checks granted and it still holds: (.*?) GiB\)", refusal)
+    assert held and {part.split()[0] for part in held.group(1).split(", ")} == {
+        "trainable_fp32_values",
+        "frozen_fp32_values",
+    }, refusal
+
+    exact = _train_and_close(tmp_path / "exact", str((copies + state) / 2**30), monkeypatch)
+    assert not isinstance(exact, str), exact
+    for name, want in unlimited.items():
+        for key in FP32_STATE:
+            assert torch.equal(exact[name][key], want[key]), (name, key)

@@ -10,11 +10,15 @@ asynchronous DMA: on an H100, 55 GB/s each way like torch's pinned blocks (pagea
 these buffers, since it only recognises its own allocator's.
 
 ``check_host_memory`` refuses, before allocating, a host state that would not fit beside the
-other ranks of the host, with the bytes needed and available and what to change.
+other ranks of the host, with the bytes needed and available and what to change. What it grants
+stays claimed (``HostClaim``) while the objects holding it live: where
+``HF_SUPEROFFLOAD_HOST_MEMORY_GIB`` gives the job's memory, the process's later checks count it
+taken, as ``MemAvailable`` would show it taken.
 """
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 import socket
@@ -107,7 +111,8 @@ HOST_MEMORY_ENV = "HF_SUPEROFFLOAD_HOST_MEMORY_GIB"
 def host_bytes_available() -> int:
     """Bytes of host memory this process can still take, pinned or pageable: the kernel's
     ``MemAvailable``, or less where a container's memory limit (cgroup v2 or v1) leaves less;
-    ``HF_SUPEROFFLOAD_HOST_MEMORY_GIB`` replaces both where set."""
+    ``HF_SUPEROFFLOAD_HOST_MEMORY_GIB`` replaces both where set (the job's whole figure:
+    ``check_host_memory`` takes off it what earlier checks granted)."""
     override = env.read(HOST_MEMORY_ENV)
     if override:
         try:
@@ -198,23 +203,96 @@ def _host_of_every_rank() -> list[str]:
     return [value.decode() for value in store.multi_get(keys)]
 
 
-def check_host_memory(parts: dict[str, int], remedies: str) -> None:
+# What the passed checks of this process granted and is still held: claim key -> its parts.
+# Plain dict operations (atomic under the GIL): a claim may be dropped on another thread.
+_GRANTED: dict[int, dict[str, int]] = {}
+_claim_keys = itertools.count()
+
+
+class HostClaim:
+    """Host bytes, by part, that a passed ``check_host_memory`` granted. Counted by this
+    process's later checks under ``HF_SUPEROFFLOAD_HOST_MEMORY_GIB`` while the claim lives: as
+    long as its caller keeps it (an allocation that fails part-way drops it with its frame)
+    and then as long as any of the objects that hold the memory (``held_by``)."""
+
+    def __init__(self, parts: dict[str, int]) -> None:
+        self.key = next(_claim_keys)
+        self.parts = {name: nbytes for name, nbytes in parts.items() if nbytes}
+        _GRANTED[self.key] = self.parts
+        weakref.finalize(self, _GRANTED.pop, self.key, None).atexit = False
+
+    def held_by(self, *holders) -> HostClaim:
+        """Keep the claim while any of ``holders`` lives (None entries skipped): each one's
+        finalizer references it until that holder is collected."""
+        for holder in holders:
+            if holder is not None:
+                weakref.finalize(holder, _keep, self).atexit = False
+        return self
+
+    def take(self, name: str) -> HostClaim:
+        """Move part ``name`` out into a claim of its own, for memory that other objects hold
+        (or none: an empty claim)."""
+        return HostClaim({name: self.parts.pop(name, 0)})
+
+
+def _keep(claim: HostClaim) -> None:
+    """A holder's finalizer: its reference to ``claim`` goes with it."""
+
+
+def held_host_parts() -> dict[str, int]:
+    """Bytes, by part, that this process's passed checks granted and still hold."""
+    held: dict[str, int] = {}
+    for parts in list(_GRANTED.values()):
+        for name, nbytes in list(parts.items()):
+            held[name] = held.get(name, 0) + nbytes
+    return held
+
+
+def _left_for_the_job(ranks: int) -> tuple[int, str]:
+    """Bytes of host memory this check may grant for all ``ranks`` of the host, and whence.
+    ``MemAvailable`` (or the container's limit) already shows what earlier checks' allocations
+    took. ``HF_SUPEROFFLOAD_HOST_MEMORY_GIB`` is the job's whole figure, so what this process's
+    earlier checks granted and still holds is taken off it, for each rank of the host (each
+    holds its own, as it checks its own)."""
+    figure = host_bytes_available()
+    override = env.read(HOST_MEMORY_ENV)
+    if not override:
+        return figure, "MemAvailable, or the container's limit"
+    held = held_host_parts()
+    per_rank = sum(held.values())
+    if not per_rank:
+        return figure, f"{HOST_MEMORY_ENV}={override}"
+    listed = ", ".join(f"{name} {nbytes / 2**30:.2f}" for name, nbytes in held.items())
+    return max(0, figure - per_rank * ranks), (
+        f"{HOST_MEMORY_ENV}={override} less {per_rank / 2**30:.2f} GiB per rank x {ranks} "
+        f"rank(s) that this job's earlier host checks granted and it still holds: {listed} GiB"
+    )
+
+
+def check_host_memory(parts: dict[str, int], remedies: str) -> HostClaim:
     """Refuse, before anything is allocated, a host state of ``parts`` (bytes per rank, by
     what they hold) that this host cannot hold for all of its ranks; the kernel's OOM killer
-    would otherwise end the run part-way. ``remedies`` says what to change."""
+    would otherwise end the run part-way. ``remedies`` says what to change. Returns the
+    claim on what it granted: the caller binds it to the objects that hold the memory
+    (``HostClaim.held_by``)."""
     per_rank = sum(parts.values())
     ranks, how = _ranks_on_this_host()
-    available = host_bytes_available()
+    available, source = _left_for_the_job(ranks)
     if per_rank * ranks <= available:
-        return
+        return HostClaim(parts)
     listed = ", ".join(f"{name} {nbytes / 2**30:.2f}" for name, nbytes in parts.items() if nbytes)
+    if env.read(HOST_MEMORY_ENV):
+        figure = f"raise {HOST_MEMORY_ENV} only if the job may really use more."
+    else:
+        figure = (
+            f"Where memory grows as it is used, as on some VMs, and MemAvailable reads low at "
+            f"start, set {HOST_MEMORY_ENV} to the real figure."
+        )
     raise HostMemoryError(
         f"the optimizer's host state needs {per_rank / 2**30:.2f} GiB per rank ({listed} GiB) "
         f"x {ranks} rank(s) on this host ({how}) = {per_rank * ranks / 2**30:.2f} "
         f"GiB of host memory (pinned and pageable), but only {available / 2**30:.2f} GiB is "
-        f"available (MemAvailable, or the container's limit); the kernel would kill the run "
-        f"part-way. {remedies} (Where memory grows as it is used, as on some VMs, and "
-        f"MemAvailable reads low at start, set {HOST_MEMORY_ENV} to the real figure.)"
+        f"available ({source}); the kernel would kill the run part-way. {remedies} ({figure})"
     )
 
 

@@ -58,14 +58,19 @@ def lay_out(
     blocks = sum(blocks_of(q.numel()) for p in host_plans for q in p.params) if compact else None
     largest = max(p.numel for p in plans)
     parts = standalone_host_parts(host_numel, dtype, cast, accumulating, blocks, largest)
-    check_host_memory(parts, STANDALONE_REMEDIES)  # before allocating, not OOM-killed later
+    claim = check_host_memory(parts, STANDALONE_REMEDIES)  # before allocating, not OOM-killed
     salt = {id(p): i for i, p in enumerate(p for g in param_groups for p in g["params"])}
     salts = {plan.index: [salt[id(p)] for p in plan.params] if compact else None for plan in plans}
     buckets = [Bucket(p, link, p.index >= first_device, cast, salts[p.index]) for p in plans]
     slot = {id(p): (bucket, i) for bucket in buckets for i, p in enumerate(bucket.plan.params)}
     # Of the largest bucket, host or device ("auto" moves them): what standalone_host_parts counts.
     grad_slots = GradSlots(link, largest, host_grad_dtype(dtype, cast)) if compact else None
-    return Layout(buckets, slot, _copy_out_ring(link, plans, dtype, cast, compact), grad_slots)
+    ring = _copy_out_ring(link, plans, dtype, cast, compact)
+    # Claimed while the objects holding each part live (host_memory.HostClaim).
+    claim.take("param_copy_out").held_by(ring)
+    claim.take("grad_slots").held_by(grad_slots)
+    claim.held_by(*buckets)
+    return Layout(buckets, slot, ring, grad_slots)
 
 
 def host_held_plans(

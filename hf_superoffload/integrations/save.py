@@ -44,11 +44,11 @@ BF16_CAST_WARNING = (
     "and the frozen params' and buffers' fp32 values, kept on the host where bf16 does not "
     "hold them (superoffload_save_dtype='bfloat16' for bf16 files)."
 )
-FROZEN_COPY_REMEDIES = (
-    "The fp32 values of the frozen params and float buffers that bf16 does not hold are kept "
-    "on the host so that saves write them exactly: load the model in bf16 "
-    "(from_pretrained(..., dtype=torch.bfloat16)) if its frozen weights need not stay fp32, "
-    "train without bf16=True, or free host memory."
+FP32_COPY_REMEDIES = (
+    "The fp32 values that bf16 does not hold are kept on the host: the trained params' until "
+    "their masters start from them, the frozen params' and float buffers' so that saves write "
+    "them exactly: load the model in bf16 (from_pretrained(..., dtype=torch.bfloat16)) if its "
+    "weights need not stay fp32, train without bf16=True, or free host memory."
 )
 
 
@@ -67,17 +67,15 @@ def cast_to_bf16(model: torch.nn.Module) -> Fp32Values:
     not hold exactly (``Fp32Values``); a model loaded from a bf16 checkpoint has none. With
     several processes every rank first takes rank 0's trainable fp32 values, as the engine
     starts every rank from rank 0's params: so all masters start from rank 0's exact values,
-    not from its rounded ones. The frozen copies are checked against the host's memory
-    (``check_host_memory``) before they are made; the optimizer's own check, after them, sees
-    them taken."""
+    not from its rounded ones. Both kinds of copies are checked against the host's memory
+    (``check_host_memory``) before any is made, and stay claimed while they live: the
+    optimizer's own check, after them, counts them taken."""
     trainable = [p for p in model.parameters() if p.requires_grad and p.dtype == torch.float32]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         with torch.no_grad():
             for param in trainable:
                 dist.broadcast(param.detach(), src=0)
-    trainable_values = {
-        id(p): p.detach().to("cpu", copy=True) for p in trainable if not _bf16_holds(p)
-    }
+    trainable = [p for p in trainable if not _bf16_holds(p)]
     frozen_names: dict[int, list[str]] = {}  # id(tensor) -> its names (tied: several)
     frozen_tensors: dict[int, torch.Tensor] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
@@ -85,15 +83,24 @@ def cast_to_bf16(model: torch.nn.Module) -> Fp32Values:
             continue
         frozen_names.setdefault(id(tensor), []).append(name)
         frozen_tensors[id(tensor)] = tensor
-    nbytes = sum(t.numel() * t.element_size() for t in frozen_tensors.values())
-    if nbytes:
-        check_host_memory({"frozen_fp32_values": nbytes}, FROZEN_COPY_REMEDIES)
+    claim = check_host_memory(
+        {"trainable_fp32_values": _nbytes(trainable), "frozen_fp32_values": _nbytes(
+            frozen_tensors.values())},
+        FP32_COPY_REMEDIES,
+    )  # fmt: skip
+    trainable_values = {id(p): p.detach().to("cpu", copy=True) for p in trainable}
+    claim.take("trainable_fp32_values").held_by(*trainable_values.values())
     frozen = {}
     for key, tensor in frozen_tensors.items():
         copy = tensor.detach().to("cpu", copy=True)
+        claim.held_by(copy)
         frozen.update(dict.fromkeys(frozen_names[key], copy))
     model.to(torch.bfloat16)
     return Fp32Values(trainable_values, frozen)
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _bf16_holds(tensor: torch.Tensor) -> bool:

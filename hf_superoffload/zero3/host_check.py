@@ -133,7 +133,11 @@ def check_zero3_host_memory(
     allocates (else a late rank would count an early one's buffers twice), and a rank that
     refused ends the others' wait at once, with its error (the optimizer's ``replicas``, whose
     failure watch also ends an NCCL wait). ``cast`` (the run's) on a ``device_type`` device
-    says, as it does to the optimizer, whether the copy-out ring is made."""
+    says, as it does to the optimizer, whether the copy-out ring is made. What it grants stays
+    claimed while ``replicas`` lives (the optimizer's own, made for it, as the state is), but
+    for start-up's extra, gone once DeepSpeed has built the optimizer: no check runs before."""
     parts = zero3_host_parts(init_optimizer, kwargs, compact, ds_config, cast, device_type)
-    check_host_memory(parts, REMEDIES)
+    claim = check_host_memory(parts, REMEDIES)
+    claim.take("start_up_beyond_training")  # dropped at once
+    claim.held_by(replicas)
     replicas.agree(0.0, "max")
