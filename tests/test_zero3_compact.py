@@ -2,7 +2,8 @@
 ZeRO-3 with plain CPU offload stepping the same partitions with the plain-PyTorch compact
 update (``FlatCompactAdamW`` below): every rank's fp32 master partitions, both moments' codes
 and block scales, to the bit, through clipping, a NaN step, accumulation, two param groups, an
-LR schedule and two ranks, on the host and with sub groups on the "device" (``ratio``).
+LR schedule and two ranks, on the host and with sub groups on the "device" (``ratio``). Run
+on a GPU machine, the same tests check the speculative passes the GPU runs there.
 """
 
 from __future__ import annotations
@@ -115,6 +116,8 @@ def _on_rank(rank, world, port, case, out_dir) -> None:
             record["host_bytes"] = optimizer.host_bytes()
             record["params"] = sum(p.ds_tensor.numel() for p in engine.module.parameters())
             record["largest_host_sub_group"] = max(p.numel for p in optimizer._host_parts)
+            staging = optimizer._device_speculation
+            record["staging_bytes"] = staging.nbytes if staging is not None else 0
         results[name] = record
         engine.destroy()
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -151,6 +154,11 @@ def test_compact_moments_on_zero3_equal_the_flat_compact_reference(world, ratio,
         stats = ours["stats"]
         assert stats["rollbacks_nonfinite"] == 1 and stats["speculations_applied"] > 0
         assert (stats["gpu_tail_buckets"] > 0) == (ratio < 1.0)
+        # With a GPU the speculative passes run there (device_speculation.py), and the
+        # masters and codes above are still the reference's to the bit.
+        cuda = torch.cuda.is_available()
+        assert (stats["speculations_on_device"] > 0) == cuda
+        assert stats["speculations_on_device"] <= stats["speculations_applied"]
         if bf16:  # 8 B/param and a scale pair a block; the plan counts the same bytes
             host, params = ours["host_bytes"], ours["params"]
             assert host["master"] + host["gradients"] == 6 * params
@@ -166,6 +174,9 @@ def test_compact_moments_on_zero3_equal_the_flat_compact_reference(world, ratio,
             # GRAD_SLOTS bf16 gradient slots of the largest host sub group (grad_slots.py).
             assert host["grad_slots"] == GRAD_SLOTS * 2 * ours["largest_host_sub_group"] > 0
             assert plan.host["grad_slots"] >= host["grad_slots"]
+            # The GPU staging of the speculative passes: planned as allocated.
+            if cuda:
+                assert plan.gpu["compact_speculation"] == ours["staging_bytes"] > 0
 
 
 def _resume_on_rank(rank, world, port, case, out_dir) -> None:

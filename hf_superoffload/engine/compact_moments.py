@@ -12,6 +12,7 @@ so a partition stepped in pieces, on another ISA or after a resume draws the sam
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -41,7 +42,16 @@ class Segment:
 
 
 class CompactMoments:
-    def __init__(self, spans: list[tuple[int, int]], salts: list[int], numel: int, device=None):
+    def __init__(
+        self,
+        spans: list[tuple[int, int]],
+        salts: list[int],
+        numel: int,
+        device=None,
+        empty: Callable[[int, torch.dtype], torch.Tensor] | None = None,
+    ):
+        """``empty(numel, dtype)`` makes the four tensors where given (page-locked host
+        buffers: Link.host_empty), else they go on ``device``."""
         if len(spans) != len(salts):
             raise ValueError(f"{len(spans)} param spans but {len(salts)} salts")
         segments, first_block, end = [], 0, 0
@@ -53,10 +63,12 @@ class CompactMoments:
         self.segments = segments
         self.numel = numel
         self.blocks = first_block
-        self.exp_avg = torch.zeros(numel, dtype=torch.uint8, device=device)
-        self.exp_avg_sq = torch.zeros(numel, dtype=torch.uint8, device=device)
-        self.exp_avg_scale = torch.zeros(first_block, dtype=torch.float32, device=device)
-        self.exp_avg_sq_scale = torch.zeros(first_block, dtype=torch.float32, device=device)
+        if empty is None:
+            empty = lambda n, dtype: torch.empty(n, dtype=dtype, device=device)  # noqa: E731
+        self.exp_avg = empty(numel, torch.uint8).zero_()
+        self.exp_avg_sq = empty(numel, torch.uint8).zero_()
+        self.exp_avg_scale = empty(first_block, torch.float32).zero_()
+        self.exp_avg_sq_scale = empty(first_block, torch.float32).zero_()
         self._starting_at = {s.offset: i for i, s in enumerate(segments)}
 
     def nbytes(self) -> int:

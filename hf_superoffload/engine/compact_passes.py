@@ -4,7 +4,8 @@ Compact moments cannot be rolled back algebraically, so a speculative pass chang
 state: it writes only the updated params, rounded, for the device. The state takes the update
 after validation, in a second pass over the same inputs that writes master and moments (and
 the params again only when validation changed the update: a clip, new hyperparameters). A
-skipped step sends the unchanged master back. Every verdict is therefore exact with respect
+skipped step sends the unchanged master back. With the params on a GPU the speculative pass
+runs there (device_speculation.py) and the CPU makes only the writes. Every verdict is therefore exact with respect
 to the plain-PyTorch compact update (``compact_state.compact_adam_pass``), which the compiled
 kernel (``ops.compact_adam``) gives bit for bit.
 """
@@ -50,9 +51,16 @@ class CompactPasses:
         """Update number ``hyper["step"]`` (each run's own) of ``runs`` with gradient scale
         ``scale``: into master and moments with ``commit``, to the model with ``send``."""
         host, moments = self.host, part.compact
-        host.link.host_waits_for(part.last_h2d)  # no transfer still reads the master
         kwargs = {k: v for k, v in hyper.items() if k != "step"}
         stats = host.stats
+        device = host.device_speculation
+        if send and not commit and device is not None and device.serves(part):
+            began = time.perf_counter()  # queueing the copies and kernels
+            stats.bytes_h2d += device.speculate(part, kwargs, scale, runs, grad)
+            stats.device_speculation_seconds += time.perf_counter() - began
+            stats.speculations_on_device += 1
+            return
+        host.link.host_waits_for(part.last_h2d)  # no transfer still reads the master
         for offset, numel, step in runs:
             # A piece a copy-out buffer when it goes to the model, else a param a kernel call.
             most = self._most() if send else numel

@@ -17,6 +17,7 @@ from .partition import HostPartition
 
 if TYPE_CHECKING:
     from .deferred_commits import Pending
+    from .device_speculation import DeviceSpeculation
     from .stv import StvStats
 
 
@@ -40,6 +41,7 @@ class HostSteps:
         stats: StvStats,
         host_sq_norms: torch.Tensor,
         copy_out: CopyOutRing | None = None,
+        device_speculation: DeviceSpeculation | None = None,
     ):
         self.link = link
         self.stats = stats
@@ -47,6 +49,8 @@ class HostSteps:
         # Where partitions without a copy-out buffer of their own write their rounded params;
         # without either, the fp32 master itself goes back.
         self.copy_out = copy_out
+        # Where compact partitions whose params are on the GPU speculate (none: the CPU).
+        self.device_speculation = device_speculation
         self.elements_stepped = 0  # kernel throughput, for the tail tuner
         self.compact = CompactPasses(self)  # the passes of partitions with compact moments
 
@@ -124,8 +128,10 @@ class HostSteps:
         """The pending update is written and the new one speculated (if ``applied``) in one
         pass when they update the same runs, else one pass after the other; either way
         ``grad`` ends up holding the new gradients (the caller then frees the slot)."""
+        on_device = self.device_speculation is not None and self.device_speculation.serves(part)
         if (
             applied
+            and not on_device  # the GPU speculates from the written state
             and incoming is not None
             and part.state_behind
             and pending.grad is grad

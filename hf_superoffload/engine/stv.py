@@ -30,6 +30,7 @@ import torch
 
 from .copy_out import CopyOutRing
 from .deferred_commits import DeferredCommits, Pending
+from .device_speculation import DeviceSpeculation
 from .grad_slots import GradSlots
 from .host_steps import HostSteps, SpeculationRound
 from .link import Link
@@ -121,6 +122,10 @@ class StvStats:
     accumulate_seconds: float = 0.0  # summing accumulated gradients on the host
     tail_moves: int = 0  # gpu_tail="auto" (or the cap) moved buckets to or from the device
     oom_retries: int = 0  # batches retried after a CUDA out-of-memory error (Trainer)
+    # Compact moments: speculative passes run on the GPU (device_speculation.py), and the
+    # worker's time queueing their copies and kernels.
+    speculations_on_device: int = 0
+    device_speculation_seconds: float = 0.0
     bytes_d2h: int = 0
     bytes_h2d: int = 0
 
@@ -167,6 +172,7 @@ class Stv:
         speculate_after_clip: bool = False,
         copy_out: CopyOutRing | None = None,
         grad_slots: GradSlots | None = None,
+        device_speculation: DeviceSpeculation | None = None,
     ):
         self.link = link
         self.stats = StvStats()
@@ -184,7 +190,7 @@ class Stv:
         self.clip_threshold: float | None = None
         # The worker reads each partition's squared norm before speculating on it.
         self.host_sq_norms = link.host_empty(n_partitions, torch.float32)
-        self.host = HostSteps(link, self.stats, self.host_sq_norms, copy_out)
+        self.host = HostSteps(link, self.stats, self.host_sq_norms, copy_out, device_speculation)
         self.worker = Worker()
         # Compact moments' deferred writes, and the slots the next gradients land in meanwhile.
         self.deferred = DeferredCommits(self.worker, self.host, grad_slots, self.wait_for_tasks)

@@ -78,7 +78,10 @@ class HostState:
         with the param's place among the optimizer's params and this rank (``_salt_of``)."""
         salts = [self._salt_of[id(p)] for p in self.fp16_groups[i]]
         master = self.fp32_partitioned_groups_flat[i]
-        return CompactMoments(self._param_spans(i), salts, master.numel(), device)
+        # Copied to the GPU for its speculative passes (device_speculation.py): page-locked.
+        staged = device is None and self._device_speculation is not None
+        empty = self._link.host_empty if staged else None
+        return CompactMoments(self._param_spans(i), salts, master.numel(), device, empty)
 
     def _register_moments(self, part: HostPartition, master: torch.Tensor) -> None:
         """The partition's moments as the base optimizer's state of ``master`` (DeepSpeed's
@@ -128,7 +131,8 @@ class HostState:
         for i, master in enumerate(self.fp32_partitioned_groups_flat):
             if i in self._device_part_at:
                 continue
-            if params_on_device and self._link.is_cuda:
+            staged = params_on_device or self._device_speculation is not None
+            if staged and self._link.is_cuda and not master.is_pinned():
                 # The H2D copy reads the master: page-locked, or every copy would block.
                 pinned = self._link.host_empty(master.numel(), master.dtype)
                 master.data = pinned.copy_(master)

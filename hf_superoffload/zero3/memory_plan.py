@@ -47,6 +47,7 @@ import torch
 
 from ..engine.compact_moments import compact_moment_bytes
 from ..engine.copy_out import copy_out_bytes
+from ..engine.device_speculation import device_speculation_bytes
 from ..engine.device_tail import step_scratch_bytes
 from .activation_memory import (
     DecoderWidths,
@@ -360,6 +361,12 @@ def zero3_memory_plan(config, run: Zero3Run, shape: ModelShape | None = None) ->
         "optimizer_step_scratch": (
             step_scratch_bytes(split.largest_device_sub_group, compact, run.device_type)
             if split.device_count
+            else 0
+        ),
+        # Compact moments: the speculative pass's staging on the GPU (device_speculation.py).
+        "compact_speculation": (
+            device_speculation_bytes(split.largest_host_sub_group, _model_dtype(low))
+            if compact and run.device_type == "cuda" and not run.offload_param
             else 0
         ),
         "reduce_bucket": low * run.reduce_bucket_size,

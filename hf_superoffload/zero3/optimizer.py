@@ -44,6 +44,7 @@ from deepspeed.utils import log_dist
 from .. import ops
 from ..engine.cast_policy import choose_cast_plan
 from ..engine.core_split import use_team
+from ..engine.device_speculation import DeviceSpeculation
 from ..engine.grad_slots import GradSlots
 from ..engine.link import Link
 from ..engine.replicas import Replicas, closes_replicas_on_failure
@@ -121,6 +122,7 @@ class SuperOffloadZero3Optimizer(
         # Read by the set-up hooks below, which DeepSpeed's constructor calls.
         self._accumulates = micro_batches_accumulate(kwargs, ds_config)
         self._compact = options.compact
+        self._device_speculation = None  # made once the link is (DeviceSpeculation)
         self.moments = "compact" if options.compact else "fp32"
         self._salt_of = compact_salts(init_optimizer, kwargs.get("dp_process_group"))
         super().__init__(module, init_optimizer, param_names, timers, ds_config, **kwargs)
@@ -154,6 +156,11 @@ class SuperOffloadZero3Optimizer(
             self._grad_slots = GradSlots(
                 self._link, max(host_numels), self.gradient_accumulation_dtype
             )
+        # Compact moments with the params on the GPU speculate there (memory_plan counts it).
+        if self._compact and host_numels and self.fp16_partitioned_groups_flat[0].is_cuda:
+            self._device_speculation = DeviceSpeculation(
+                self._link, max(host_numels), self.gradient_accumulation_dtype
+            )
         self._stv = Stv(
             self._link,
             lambda: self.optimizer.param_groups,
@@ -162,6 +169,7 @@ class SuperOffloadZero3Optimizer(
             speculate_after_clip=options.speculate_after_clip,
             copy_out=copy_out,
             grad_slots=self._grad_slots,
+            device_speculation=self._device_speculation,
         )
         self._finalizer = weakref.finalize(self, _shutdown, self._stv, self._link, self._replicas)
         self._stv.clip_threshold = self.clip_grad or None
