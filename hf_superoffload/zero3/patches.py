@@ -24,6 +24,12 @@ Always:
 - ``check_accelerate_deepspeed_config``: the same refusal where accelerate reads the config
   (``HfDeepSpeedConfig``: transformers' training arguments, ``accelerate launch``'s plugin),
   before accelerate builds DeepSpeed's CPU Adam ahead of ``deepspeed.initialize``.
+- ``check_engine_config``, ``check_trainer_config``: a config that asks for no SuperOffload
+  builds DeepSpeed's own optimizer, which reads none of the engine variables: those set are
+  refused under either switch when DeepSpeed's engine is about to build an optimizer from it,
+  or a Trainer other than the SuperOffload ones is made with it (those turn it on), before
+  anything is built. Reading such a config refuses nothing: it may be read for a model that
+  trains nothing, or for a SuperOffload trainer.
 - ``check_build_locks``: a DeepSpeed op build refuses to wait on a lock its builder left.
 - ``one_process_without_launcher``: ``python train.py`` with a DeepSpeed config (no launcher,
   no MPI) runs as one process instead of failing on DeepSpeed's MPI discovery.
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import os
 import socket
@@ -41,6 +48,7 @@ from .. import upstream
 from ..extras import is_installed
 from .config import (
     refuse_engine_variables_unread,
+    refuse_engine_variables_without_super_offload,
     refuse_super_offload_below_stage3,
     super_offload_requested,
     with_flag_read,
@@ -210,6 +218,58 @@ def check_accelerate_deepspeed_config(module) -> None:
         return __init__
 
     _wrap(module.HfDeepSpeedConfig, "__init__", make)
+
+
+def check_engine_config(module) -> None:
+    """A DeepSpeed engine about to build an optimizer (one given, or the config's
+    ``"optimizer"``) from a config that asks for no SuperOffload refuses the engine variables
+    set, before it builds anything. An engine that trains nothing (``zero.Init``'s config, TRL's
+    reference model, inference) reads none of them and is not refused: the trainer's does."""
+
+    def make(original):
+        signature = inspect.signature(original)
+        missing = {"optimizer", "config_class"} - set(signature.parameters)
+        if missing:  # the config would go unchecked
+            name = (
+                f"deepspeed.runtime.engine.DeepSpeedEngine.__init__({', '.join(sorted(missing))})"
+            )
+            raise upstream.error("deepspeed", [name])
+
+        def __init__(self, *args, **kwargs):
+            arguments = signature.bind_partial(self, *args, **kwargs).arguments
+            param_dict = getattr(arguments.get("config_class"), "_param_dict", None)
+            if isinstance(param_dict, dict) and (
+                arguments.get("optimizer") is not None or param_dict.get("optimizer")
+            ):
+                refuse_engine_variables_without_super_offload(param_dict)
+            return original(self, *args, **kwargs)
+
+        return __init__
+
+    _wrap(module.DeepSpeedEngine, "__init__", make)
+
+
+def check_trainer_config(module) -> None:
+    """A Trainer other than the SuperOffload ones (which turn ``super_offload`` on, or refuse,
+    in their own ``__init__``) trains with the optimizer its DeepSpeed config builds: the
+    engine variables that config leaves unread are refused when the Trainer is made, before
+    accelerate builds DeepSpeed's CPU Adam and engine in ``train()``."""
+
+    def make(original):
+        def __init__(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            from ..integrations.trainer import SuperOffloadTrainerMixin
+
+            if isinstance(self, SuperOffloadTrainerMixin):
+                return
+            plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+            config = getattr(plugin, "deepspeed_config", None)
+            if isinstance(config, dict):
+                refuse_engine_variables_without_super_offload(config)
+
+        return __init__
+
+    _wrap(module.Trainer, "__init__", make)
 
 
 def check_build_locks(module) -> None:
