@@ -112,6 +112,15 @@ _SCRIPT = textwrap.dedent(
         out[f"Trainer zero{stage}"] = refusal(
             lambda: Trainer(model=build_tiny_llama(), args=args, train_dataset=[])
         )
+    # A SuperOffload trainer turns super_offload on in the same ZeRO-3 config: ours reads them.
+    from hf_superoffload import SuperOffloadTrainer
+
+    args = arguments(3)
+    out["SuperOffloadTrainer zero3"] = refusal(
+        lambda: SuperOffloadTrainer(model=build_tiny_llama(), args=args, train_dataset=[])
+    )
+    offload = args.deepspeed_plugin.deepspeed_config["zero_optimization"]["offload_optimizer"]
+    out["flag"] = offload.get("super_offload")
     out["passed"] = passed
     out["built"] = loaded
     print(json.dumps(out))
@@ -198,6 +207,7 @@ def test_a_config_without_super_offload_refuses_the_engine_variables_set(tmp_pat
     assert "stage 2, offload_optimizer.device 'cpu'" in out["initialize zero2"]
     assert "stage 3, offload_optimizer.device None" in out["initialize zero3 none"]
     assert out["passed"] == dict.fromkeys(out["passed"])  # nothing trains there: no refusal
+    assert out["SuperOffloadTrainer zero3"] is None and out["flag"] is True
     assert out["partitioned"] is False  # refused before DeepSpeed built anything
     assert "cpu_adam" not in out["built"]  # and before it built its CPU Adam
 
@@ -212,6 +222,9 @@ def test_under_the_opt_out_the_same_configs_refuse_them_naming_the_switch(tmp_pa
         assert "and unset HF_SUPEROFFLOAD_DEEPSPEED to run hf_superoffload's engine" in message
     assert out["passed"] == dict.fromkeys(out["passed"])
     assert out["partitioned"] is False and "cpu_adam" not in out["built"]
+    # The SuperOffload trainer refuses them as before: DeepSpeed's own would not read them.
+    assert out["SuperOffloadTrainer zero3"].startswith("HF_SUPEROFFLOAD_DEEPSPEED=0: DeepSpeed")
+    assert out["flag"] is None
 
 
 def test_without_engine_variables_the_plain_config_trains(tmp_path):

@@ -43,6 +43,7 @@ import inspect
 import logging
 import os
 import socket
+import sys
 
 from .. import upstream
 from ..extras import is_installed
@@ -258,9 +259,9 @@ def check_trainer_config(module) -> None:
     def make(original):
         def __init__(self, *args, **kwargs):
             original(self, *args, **kwargs)
-            from ..integrations.trainer import SuperOffloadTrainerMixin
-
-            if isinstance(self, SuperOffloadTrainerMixin):
+            # Not imported: no SuperOffload trainer exists (and a plain Trainer need not load it).
+            ours = sys.modules.get("hf_superoffload.integrations.trainer")
+            if ours is not None and isinstance(self, ours.SuperOffloadTrainerMixin):
                 return
             plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
             config = getattr(plugin, "deepspeed_config", None)
