@@ -156,6 +156,42 @@ _RUNS = textwrap.dedent(
 )
 
 
+# A training loop of the user's through accelerate: accelerate builds DeepSpeed's CPU Adam for
+# a CPU-offload config before deepspeed.initialize.
+_ACCELERATE = textwrap.dedent(
+    """
+    import json
+    import torch
+    import hf_superoffload
+    from deepspeed.ops.op_builder.builder import OpBuilder
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+
+    loaded, load = [], OpBuilder.load
+
+    def recording_load(self, *args, **kwargs):
+        loaded.append(self.name)
+        return load(self, *args, **kwargs)
+
+    OpBuilder.load = recording_load
+    offload = {"device": "cpu", "pin_memory": False}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 3, "offload_optimizer": offload},
+    }
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+    model = torch.nn.Linear(8, 2)
+    try:
+        accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        refused = None
+    except ValueError as error:
+        refused = str(error)
+    print(json.dumps({"refused": refused, "built": loaded}))
+    """
+)
+
+
 def _run(script: str, tmp_path, **variables: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_SUPEROFFLOAD_")}
     env.pop("ACCELERATE_DEEPSPEED_CONFIG_FILE", None)
@@ -259,3 +295,16 @@ def test_a_trainer_exported_option_is_not_the_users_setting():
         os.environ.update(saved[0])
         config._EXPORTED.clear()
         config._EXPORTED.update(saved[1])
+
+
+def test_an_accelerate_loop_is_refused_before_deepspeeds_cpu_adam(tmp_path):
+    outs = []
+    for variables in ({"HF_SUPEROFFLOAD_MOMENTS": "compact"}, {}):
+        done = _run(_ACCELERATE, tmp_path, **variables)
+        assert done.returncode == 0, done.stderr[-3000:]
+        outs.append(json.loads(done.stdout.splitlines()[-1]))
+    refused, runs = outs
+    assert refused["refused"].startswith("This DeepSpeed config asks for no SuperOffload")
+    assert "reads none of HF_SUPEROFFLOAD_MOMENTS (" in refused["refused"]
+    assert "cpu_adam" not in refused["built"]
+    assert runs["refused"] is None and "cpu_adam" in runs["built"]  # what it would have built

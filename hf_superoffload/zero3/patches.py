@@ -9,7 +9,8 @@ Engine patches (off with ``HF_SUPEROFFLOAD_DEEPSPEED=0``):
   "optimizer" in the config) becomes ``HostAdamState``, which builds no op.
 - ``accept_host_adam_state``: DeepSpeed counts HostAdamState among ZeRO's optimizers.
 - ``map_client_optimizer``: accelerate's swap of the Trainer's AdamW for DeepSpeed's CPU Adam
-  gives HostAdamState instead when the config runs SuperOffload.
+  gives HostAdamState instead when the config runs SuperOffload; otherwise the engine variables
+  set, which DeepSpeed's CPU Adam does not read, are refused before it is built.
 - ``log_zero3_metrics``: every Trainer gets ``Zero3MetricsCallback``, which logs tokens/s and
   the ``stv/`` counters when the optimizer that trains is ours (and does nothing otherwise).
 - ``stream_zero3_saves``: ``Trainer.save_model`` streams the weights (integrations/zero3_save.py)
@@ -151,6 +152,8 @@ def map_client_optimizer(module) -> None:
     def make(original):
         def map_pytorch_optim_to_deepspeed(optimizer):
             if not _accelerate_runs_super_offload():
+                # It builds DeepSpeed's CPU Adam, which reads none of the engine variables.
+                refuse_engine_variables_without_super_offload(_accelerate_config())
                 return original(optimizer)
             from .base_optimizer import HostAdamState
             from .options import check_adamw
@@ -163,12 +166,15 @@ def map_client_optimizer(module) -> None:
     _wrap(module, "map_pytorch_optim_to_deepspeed", make)
 
 
-def _accelerate_runs_super_offload() -> bool:
+def _accelerate_config() -> dict:
     from accelerate.state import AcceleratorState
 
     plugin = AcceleratorState().deepspeed_plugin
-    config = getattr(plugin, "deepspeed_config", None) or {}
-    offload = (config.get("zero_optimization") or {}).get("offload_optimizer") or {}
+    return getattr(plugin, "deepspeed_config", None) or {}
+
+
+def _accelerate_runs_super_offload() -> bool:
+    offload = (_accelerate_config().get("zero_optimization") or {}).get("offload_optimizer") or {}
     return super_offload_requested(offload.get("super_offload"))
 
 
