@@ -153,17 +153,34 @@ class HostMemoryPeak:
         return round(self.peak_bytes / 2**30, 2)
 
 
+# The systems hf_superoffload's engines build, which read its engine variables (HF_SUPEROFFLOAD_
+# CAST, _MOMENTS, ...). The others, plain DeepSpeed (whose config without super_offload refuses
+# them) or PyTorch, read none: they run without them, whatever the suite's environment holds.
+READS_ENGINE_VARIABLES = ("superoffload", "superoffload_zero3", "superoffload_zero3_compact")
+
+
+def system_environment(system: str, nproc: int) -> dict[str, str]:
+    from hf_superoffload.zero3.config import ENGINE_VARIABLES
+
+    env = dict(os.environ)
+    if system not in READS_ENGINE_VARIABLES:
+        for name in ENGINE_VARIABLES:
+            env.pop(name, None)
+    if nproc > 1:
+        # torchrun sets OMP_NUM_THREADS=1, which would starve DeepSpeed's OpenMP CPU Adam:
+        # each rank gets its share of the cores, as one process gets all of them.
+        threads = max(1, len(os.sched_getaffinity(0)) // nproc)
+        env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", str(threads))
+    return env
+
+
 def run_system(
     name: str, system: str, gpu_buckets: str | None, args: argparse.Namespace, logs: Path
 ) -> dict:
     cmd = [sys.executable, str(HERE / "train_step.py"), "--system", system]
-    env = None
+    env = system_environment(system, args.nproc)
     if args.nproc > 1:  # data parallel on N GPUs; rank 0 prints the row of all ranks
         cmd[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
-        # torchrun sets OMP_NUM_THREADS=1, which would starve DeepSpeed's OpenMP CPU Adam:
-        # each rank gets its share of the cores, as one process gets all of them.
-        threads = max(1, len(os.sched_getaffinity(0)) // args.nproc)
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
     for flag in MODEL_FLAGS:
         cmd += [f"--{flag}", str(getattr(args, flag))]
     if args.model_config:

@@ -84,6 +84,12 @@ config = yaml.safe_load(open(sys.argv[1]))
 config["deepspeed_config"]["deepspeed_config_file"] = "accelerate_configs/deepspeed/zero3_offload.json"
 yaml.safe_dump(config, open(sys.argv[2], "w"), sort_keys=False)
 PY
+# ZeRO-Offload is plain DeepSpeed: it reads none of the engine's HF_SUPEROFFLOAD_* variables
+# (refused beside its config), so its launches run without them.
+WITHOUT_ENGINE_VARIABLES=(env)
+for v in $(python -c 'from hf_superoffload.zero3.config import ENGINE_VARIABLES as v; print(*v)'); do
+  WITHOUT_ENGINE_VARIABLES+=(-u "$v")
+done
 declare -A CONFIG=([superoffload]=$SP_CONFIG [zerooffload]=$WORK/zerooffload_sp2.yaml)
 declare -A OPTIMIZER=([superoffload]=superoffload [zerooffload]=adamw)
 declare -A SYSTEM_ARGS=()
@@ -135,6 +141,7 @@ launch() {  # sys len cap
     --require_loss_decrease false --loss_plot false --disable_tqdm true
     --optimizer "${OPTIMIZER[$sys]}" --output_dir "$dir/output" ${SYSTEM_ARGS[$sys]:-}
     ${SCRIPT_EXTRA[@]+"${SCRIPT_EXTRA[@]}"})
+  [[ ${OPTIMIZER[$sys]} == adamw ]] && cmd=("${WITHOUT_ENGINE_VARIABLES[@]}" "${cmd[@]}")
   printf '%q ' "${cmd[@]}" > "$dir/command.txt"
   note "$sys at $len: up to $cap s"
   # Each logged step's arrival time: the trainer appends a line to log_history.jsonl per step.

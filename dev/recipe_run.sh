@@ -10,7 +10,8 @@
 #
 # Env: OUT (default ./results), DEADLINE_S (default 570), MODES (default "superoffload zerooffload"),
 # EXTRA (script arguments for the superoffload mode only, e.g. "--superoffload_moments compact":
-# zerooffload runs --optimizer adamw, which refuses superoffload_* arguments),
+# zerooffload runs --optimizer adamw, which refuses superoffload_* arguments; it runs without
+# the engine's HF_SUPEROFFLOAD_* variables too),
 # PLAN (finetune's options for the superoffload mode's RATIO=auto plan, e.g. "--cpu-mem 500":
 # the device hosts' MemTotal reads low until their memory is used).
 set -u
@@ -27,6 +28,12 @@ mkdir -p "$OUT"
 source dev/gpu_env.sh || exit 1
 find ~/.cache -name lock -delete 2>/dev/null
 python -c "import hf_superoffload.ops as o; o.prepare()" > "$OUT/build_ours.log" 2>&1
+# zerooffload, the baseline, is plain DeepSpeed: it reads none of the engine's HF_SUPEROFFLOAD_*
+# variables (the launcher refuses them beside its config), so it runs without them.
+WITHOUT_ENGINE_VARIABLES=(env)
+for v in $(python -c 'from hf_superoffload.zero3.config import ENGINE_VARIABLES as v; print(*v)'); do
+  WITHOUT_ENGINE_VARIABLES+=(-u "$v")
+done
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1
 free -g | head -2
 
@@ -35,7 +42,9 @@ for mode in $MODES; do
   ((left > 60)) || { echo "$mode: skipped, ${left} s left"; continue; }
   runs=/tmp/recipe_runs/$mode
   rm -rf "$runs"
-  python -m hf_superoffload finetune "$MODEL" "$mode" --gpus "$GPUS" --random-init \
+  plain=()
+  [ "$mode" = zerooffload ] && plain=("${WITHOUT_ENGINE_VARIABLES[@]}")
+  ${plain[@]+"${plain[@]}"} python -m hf_superoffload finetune "$MODEL" "$mode" --gpus "$GPUS" --random-init \
     --runs-dir "$runs" --dry-run $([ "$mode" = superoffload ] && echo "$PLAN") -- --max_steps "$STEPS" --logging_steps 1 \
     --save_strategy no --save_model false --require_loss_decrease false \
     $([ "$mode" = superoffload ] && echo "$EXTRA") > "$OUT/$mode.prepare.log" 2>&1 || { cat "$OUT/$mode.prepare.log"; continue; }
@@ -45,7 +54,7 @@ for mode in $MODES; do
   rm -rf "$OUT/$mode.gpu_peak"
   TRAIN_LOG="$dir/output/log_history.jsonl" GPU_PEAK_DIR="$OUT/$mode.gpu_peak" \
     PYTHONPATH="$PWD/dev/gpu_peak_sitecustomize:${PYTHONPATH:-}" \
-    timeout "$left" python dev/process_tree_peak.py "$OUT/$mode.peak.json" -- bash "$dir/command.sh" \
+    ${plain[@]+"${plain[@]}"} timeout "$left" python dev/process_tree_peak.py "$OUT/$mode.peak.json" -- bash "$dir/command.sh" \
     > "$OUT/$mode.log" 2>&1
   echo "$mode: rc $? after $(($(date +%s) - BEGAN)) s"
   cp "$dir"/output/log_history.jsonl "$OUT/$mode.log_history.jsonl" 2>/dev/null

@@ -78,6 +78,8 @@ SURFACE: tuple[Name, ...] = (
     Name(_ENGINE, "get_optimizer_configuration", "wraps (no CPU Adam build)"),
     Name(_ENGINE, "_get_all_zero_checkpoint_state_dicts", "wraps (memory-mapped checkpoints)"),
     Name(_ENGINE, "_config", "reads", kind="attribute"),
+    Name(_ENGINE, "__init__", "wraps (reads its config_class: engine variables unread)"),
+    Name("deepspeed.runtime.config:DeepSpeedConfig", "_param_dict", "reads", kind="attribute"),
     Name(_ENGINE, "_autoep_folding_spec", "reads (checkpoint layout)", kind="attribute"),
     Name(_ENGINE, "_raise_if_autoep_zero3_consolidated_export", "calls (the streamed save)"),
     Name(
@@ -159,6 +161,7 @@ SURFACE: tuple[Name, ...] = (
         )
     ),
     Name("transformers.trainer", "DEFAULT_CALLBACKS", "adds Zero3MetricsCallback to"),
+    Name(_TRAINER, "__init__", "wraps (engine variables its DeepSpeed config leaves unread)"),
     # transformers: what save_pretrained does to a state dict, which the streamed ZeRO-3 save
     # (zero3/streaming_save.py) does too.
     Name("transformers.modeling_utils", "remove_tied_weights_from_state_dict", "calls"),

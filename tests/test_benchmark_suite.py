@@ -55,6 +55,24 @@ def test_ratio_table_gives_superoffloads_speedup_over_each_system():
     assert lines[3].startswith("deepspeed_superoffload") and "killed: SIGKILL" in lines[3]
 
 
+def test_baseline_systems_run_without_the_engine_variables(monkeypatch):
+    """The systems hf_superoffload builds get the engine variables of the suite's environment;
+    the baselines (plain DeepSpeed refuses them beside its config) run without them, and keep
+    the package's other variables."""
+    monkeypatch.setenv("HF_SUPEROFFLOAD_MOMENTS", "compact")
+    monkeypatch.setenv("HF_SUPEROFFLOAD_CPU_THREADS", "14")
+    monkeypatch.setenv("HF_SUPEROFFLOAD_HOST_MEMORY_GIB", "240")
+    assert set(suite.READS_ENGINE_VARIABLES) < set(suite.ALL)
+    for system in suite.ALL:
+        env = suite.system_environment(system, 1)
+        ours = system in suite.READS_ENGINE_VARIABLES
+        assert ("HF_SUPEROFFLOAD_MOMENTS" in env) is ours, system
+        assert ("HF_SUPEROFFLOAD_CPU_THREADS" in env) is ours, system
+        assert env["HF_SUPEROFFLOAD_HOST_MEMORY_GIB"] == "240", system
+    assert "HF_SUPEROFFLOAD_MOMENTS" not in suite.system_environment("deepspeed_zero_offload", 2)
+    assert "OMP_NUM_THREADS" in suite.system_environment("deepspeed_zero_offload", 2)
+
+
 @pytest.mark.slow
 def test_suite_records_a_row_per_system_even_when_none_can_run(tmp_path):
     """On this GPU-less machine train_step.py cannot run: the suite still writes a row a

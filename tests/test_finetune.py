@@ -330,6 +330,24 @@ def test_zerooffload_refuses_superoffload_arguments_before_writing(
     assert not (tmp_path / "runs").exists()
 
 
+def test_zerooffload_refuses_engine_variables_before_writing(capsys, tmp_path, monkeypatch):
+    """zerooffload's DeepSpeed config asks for no SuperOffload, so the launched run would
+    refuse the engine's variables (after loading the model): refused here, before the run
+    directory is written; the package's other variables pass."""
+    monkeypatch.setenv("HF_SUPEROFFLOAD_CPU_THREADS", "14")
+    monkeypatch.setenv("HF_SUPEROFFLOAD_MOMENTS", "compact")
+    monkeypatch.setenv("HF_SUPEROFFLOAD_HOST_MEMORY_GIB", "64")
+    code, _, err = finetune_cli(capsys, tmp_path, "llama-3.1-8b", "zerooffload", "--dry-run")
+    assert code == 2, err
+    assert "reads none of HF_SUPEROFFLOAD_CPU_THREADS, HF_SUPEROFFLOAD_MOMENTS (" in err, err
+    assert "Unset them for this run" in err and "or run superoffload mode" in err
+    assert not (tmp_path / "runs").exists()
+    monkeypatch.delenv("HF_SUPEROFFLOAD_CPU_THREADS")
+    monkeypatch.delenv("HF_SUPEROFFLOAD_MOMENTS")
+    code, _, err = finetune_cli(capsys, tmp_path, "llama-3.1-8b", "zerooffload", "--dry-run")
+    assert code == 0, err
+
+
 def test_zerooffload_passes_other_script_arguments_through(capsys, tmp_path):
     code, _, err = finetune_cli(
         capsys, tmp_path, "llama-3.1-8b", "zerooffload", "--dry-run", "--", "--max_steps", "3"

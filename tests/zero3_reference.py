@@ -10,6 +10,7 @@ and gloo (set before DeepSpeed is first imported).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import math
@@ -183,8 +184,25 @@ def make_engine(
         kwargs["lr_scheduler"] = lambda opt: torch.optim.lr_scheduler.LambdaLR(
             opt, lambda s: 1.0 / (1.0 + 0.5 * s)
         )
-    engine, optimizer, _, _ = deepspeed.initialize(**kwargs)
+    if super_offload:
+        engine, optimizer, _, _ = deepspeed.initialize(**kwargs)
+    else:
+        with without_engine_variables():
+            engine, optimizer, _, _ = deepspeed.initialize(**kwargs)
     return engine, optimizer
+
+
+@contextlib.contextmanager
+def without_engine_variables():
+    """The reference is plain DeepSpeed, which reads none of the engine's HF_SUPEROFFLOAD_*
+    variables a test set for ours (and refuses them beside its config): built without them."""
+    from hf_superoffload.zero3.config import ENGINE_VARIABLES
+
+    saved = {name: os.environ.pop(name) for name in ENGINE_VARIABLES if name in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
 
 
 def batch(case: Zero3Case, step: int, micro: int, rank: int, device) -> torch.Tensor:

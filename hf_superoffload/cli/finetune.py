@@ -150,6 +150,22 @@ def refuse_superoffload_arguments(settings: dict, script_args: list[str]) -> Non
         ) from None
 
 
+def refuse_engine_variables() -> None:
+    """zerooffload's DeepSpeed config asks for no SuperOffload, so the launched run refuses the
+    engine's HF_SUPEROFFLOAD_* variables set (nothing would read them): here, before the run
+    directory is written and the model is loaded."""
+    from ..zero3.config import engine_variables_set
+
+    variables = engine_variables_set()
+    if variables:
+        raise UsageError(
+            f'zerooffload (the baseline, DeepSpeed\'s plain CPU offload: no "super_offload" in '
+            f"its DeepSpeed config) builds DeepSpeed's optimizer, which reads none of "
+            f"{', '.join(variables)} (hf_superoffload's engine options). Unset them for this "
+            f"run (env -u NAME ...), or run superoffload mode."
+        )
+
+
 def _run_dir(runs: Path, name: str) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     folder, count = runs / f"{name}_{stamp}", 1
@@ -179,6 +195,7 @@ def prepare(args: argparse.Namespace) -> tuple[Path, list[str], dict[str, str]]:
         extra = extra[1:]
     if args.mode == "zerooffload":
         refuse_superoffload_arguments(settings, extra)
+        refuse_engine_variables()
     batch = args.batch or settings.get("per_device_train_batch_size", DEFAULT_BATCH)
     if not args.dry_run:
         check_gpus(args, gpus, recipe)

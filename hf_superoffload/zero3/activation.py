@@ -7,7 +7,9 @@ DeepSpeed's engine imports its SuperOffload class from
 TRL) then builds ours with the arguments it would have given its own. ``import hf_superoffload``
 activates; ``HF_SUPEROFFLOAD_DEEPSPEED=0`` keeps DeepSpeed's own SuperOffload, which reads none
 of the engine's ``HF_SUPEROFFLOAD_*`` variables: a config asking for SuperOffload then refuses
-those set when accelerate or DeepSpeed first reads it (``patches.py``).
+those set when accelerate or DeepSpeed first reads it (``patches.py``). Under either switch a
+config that asks for no SuperOffload builds an optimizer that reads none of them: those set are
+refused when a Trainer (not ours) or DeepSpeed's engine is about to build it.
 
 The shipped configs say ``"super_offload": "hf_superoffload"``, which DeepSpeed alone rejects:
 a script that never imports this package stops when DeepSpeed reads its config, naming that
@@ -89,6 +91,9 @@ def _patches(engine: bool) -> dict:
     always = {
         CONFIG_MODULE: patches.read_super_offload_config,
         ACCELERATE_CONFIG_MODULE: patches.check_accelerate_deepspeed_config,
+        # With the engine on, _patch_engine and _patch_trainer apply these too.
+        ENGINE_MODULE: patches.check_engine_config,
+        TRAINER_MODULE: patches.check_trainer_config,
         BUILDER_MODULE: patches.check_build_locks,
         COMM_MODULE: patches.one_process_without_launcher,
         STAGE3_MODULE: _read_our_cut,  # it resumes from our checkpoints (checkpoint_hooks.py)
@@ -109,6 +114,7 @@ _active: dict = {}
 
 
 def _patch_trainer(module) -> None:
+    patches.check_trainer_config(module)
     patches.log_zero3_metrics(module)
     patches.stream_zero3_saves(module)
 
@@ -116,6 +122,7 @@ def _patch_trainer(module) -> None:
 def _patch_engine(module) -> None:
     from .checkpoint_hooks import map_optimizer_files
 
+    patches.check_engine_config(module)
     patches.guard_engine(module)
     map_optimizer_files(module)
 

@@ -106,9 +106,17 @@ def export_zero3_options(options: dict) -> None:
     check_zero3_options(options)
     for name, value in options.items():
         if name not in REPLACED_BY_DEEPSPEED and value is not None:
-            os.environ[ENV_PREFIX + name.upper()] = (
-                str(value).lower() if isinstance(value, bool) else str(value)
-            )
+            variable = ENV_PREFIX + name.upper()
+            text = str(value).lower() if isinstance(value, bool) else str(value)
+            if os.environ.get(variable) is None:
+                _EXPORTED[variable] = text
+            os.environ[variable] = text
+
+
+# The engine variables the trainers of this process set from their own arguments (variable ->
+# value), where the user's environment did not: options for that trainer's optimizer, not a
+# setting a later plain DeepSpeed run of the same process could be thought to honour.
+_EXPORTED: dict[str, str] = {}
 
 
 def check_zero3_options(options: dict) -> None:
@@ -151,11 +159,55 @@ def refuse_engine_options_without_engine(options: dict) -> None:
     )
 
 
+def engine_variables_set() -> list[str]:
+    """The engine variables set in the environment, less those a trainer of this process
+    exported from its arguments (``_EXPORTED``)."""
+    return [
+        name
+        for name in ENGINE_VARIABLES
+        if env.read(name) is not None and os.environ[name] != _EXPORTED.get(name)
+    ]
+
+
+def builds_super_offload(param_dict) -> bool:
+    """Whether a whole DeepSpeed config asks for SuperOffload (``offload_optimizer.super_offload``),
+    ours or DeepSpeed's own (``HF_SUPEROFFLOAD_DEEPSPEED=0``)."""
+    offload = _offload_optimizer(param_dict)
+    return offload is not None and super_offload_requested(offload.get("super_offload"))
+
+
 def refuse_engine_variables_unread(param_dict) -> None:
     """A DeepSpeed config read in a plain script (``deepspeed.initialize``, ``zero.Init``, the
     Trainer through accelerate): when it asks for SuperOffload and DeepSpeed builds its own
     (``HF_SUPEROFFLOAD_DEEPSPEED=0``), the engine variables set are refused as the trainers
-    refuse them. Other configs build no SuperOffload, ours or DeepSpeed's, under either switch."""
-    offload = _offload_optimizer(param_dict)
-    if offload is not None and super_offload_requested(offload.get("super_offload")):
+    refuse them. A config asking for none may still be read for a model that trains nothing
+    (``zero.Init``, TRL's reference model) or for a SuperOffload trainer, which turns it on:
+    ``refuse_engine_variables_without_super_offload`` refuses where an optimizer is built."""
+    if builds_super_offload(param_dict):
         refuse_engine_options_without_engine({})
+
+
+def refuse_engine_variables_without_super_offload(param_dict) -> None:
+    """Where an optimizer is built from the DeepSpeed config ``param_dict`` (DeepSpeed's engine
+    given one) or will be (a Trainer other than the SuperOffload ones is made): a config that
+    asks for no SuperOffload builds DeepSpeed's own optimizer, ZeRO-Offload or not, which reads
+    none of the engine variables; those set are refused, under either switch."""
+    if builds_super_offload(param_dict):
+        return  # refused under the opt-out when read (refuse_engine_variables_unread)
+    variables = engine_variables_set()
+    if not variables:
+        return
+    from .activation import OPT_OUT_ENV, engine_on
+
+    zero = param_dict.get("zero_optimization") if isinstance(param_dict, dict) else None
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0  # DeepSpeed's default
+    device = (_offload_optimizer(param_dict) or {}).get("device")
+    switch = "" if engine_on() else f" and unset {OPT_OUT_ENV}"
+    raise ValueError(
+        f'This DeepSpeed config asks for no SuperOffload (no "super_offload": true in '
+        f"zero_optimization.offload_optimizer; stage {stage!r}, offload_optimizer.device "
+        f"{device!r}), so DeepSpeed builds an optimizer that reads none of "
+        f"{', '.join(variables)} (hf_superoffload's engine options). Unset them to run this "
+        f'config, or add "super_offload": true to offload_optimizer on ZeRO stage 3 with '
+        f'"device": "cpu"{switch} to run hf_superoffload\'s engine with them.'
+    )

@@ -9,7 +9,8 @@ Engine patches (off with ``HF_SUPEROFFLOAD_DEEPSPEED=0``):
   "optimizer" in the config) becomes ``HostAdamState``, which builds no op.
 - ``accept_host_adam_state``: DeepSpeed counts HostAdamState among ZeRO's optimizers.
 - ``map_client_optimizer``: accelerate's swap of the Trainer's AdamW for DeepSpeed's CPU Adam
-  gives HostAdamState instead when the config runs SuperOffload.
+  gives HostAdamState instead when the config runs SuperOffload; otherwise the engine variables
+  set, which DeepSpeed's CPU Adam does not read, are refused before it is built.
 - ``log_zero3_metrics``: every Trainer gets ``Zero3MetricsCallback``, which logs tokens/s and
   the ``stv/`` counters when the optimizer that trains is ours (and does nothing otherwise).
 - ``stream_zero3_saves``: ``Trainer.save_model`` streams the weights (integrations/zero3_save.py)
@@ -24,6 +25,12 @@ Always:
 - ``check_accelerate_deepspeed_config``: the same refusal where accelerate reads the config
   (``HfDeepSpeedConfig``: transformers' training arguments, ``accelerate launch``'s plugin),
   before accelerate builds DeepSpeed's CPU Adam ahead of ``deepspeed.initialize``.
+- ``check_engine_config``, ``check_trainer_config``: a config that asks for no SuperOffload
+  builds DeepSpeed's own optimizer, which reads none of the engine variables: those set are
+  refused under either switch when DeepSpeed's engine is about to build an optimizer from it,
+  or a Trainer other than the SuperOffload ones is made with it (those turn it on), before
+  anything is built. Reading such a config refuses nothing: it may be read for a model that
+  trains nothing, or for a SuperOffload trainer.
 - ``check_build_locks``: a DeepSpeed op build refuses to wait on a lock its builder left.
 - ``one_process_without_launcher``: ``python train.py`` with a DeepSpeed config (no launcher,
   no MPI) runs as one process instead of failing on DeepSpeed's MPI discovery.
@@ -33,14 +40,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import os
 import socket
+import sys
 
 from .. import upstream
 from ..extras import is_installed
 from .config import (
     refuse_engine_variables_unread,
+    refuse_engine_variables_without_super_offload,
     refuse_super_offload_below_stage3,
     super_offload_requested,
     with_flag_read,
@@ -142,6 +152,8 @@ def map_client_optimizer(module) -> None:
     def make(original):
         def map_pytorch_optim_to_deepspeed(optimizer):
             if not _accelerate_runs_super_offload():
+                # It builds DeepSpeed's CPU Adam, which reads none of the engine variables.
+                refuse_engine_variables_without_super_offload(_accelerate_config())
                 return original(optimizer)
             from .base_optimizer import HostAdamState
             from .options import check_adamw
@@ -154,12 +166,15 @@ def map_client_optimizer(module) -> None:
     _wrap(module, "map_pytorch_optim_to_deepspeed", make)
 
 
-def _accelerate_runs_super_offload() -> bool:
+def _accelerate_config() -> dict:
     from accelerate.state import AcceleratorState
 
     plugin = AcceleratorState().deepspeed_plugin
-    config = getattr(plugin, "deepspeed_config", None) or {}
-    offload = (config.get("zero_optimization") or {}).get("offload_optimizer") or {}
+    return getattr(plugin, "deepspeed_config", None) or {}
+
+
+def _accelerate_runs_super_offload() -> bool:
+    offload = (_accelerate_config().get("zero_optimization") or {}).get("offload_optimizer") or {}
     return super_offload_requested(offload.get("super_offload"))
 
 
@@ -210,6 +225,58 @@ def check_accelerate_deepspeed_config(module) -> None:
         return __init__
 
     _wrap(module.HfDeepSpeedConfig, "__init__", make)
+
+
+def check_engine_config(module) -> None:
+    """A DeepSpeed engine about to build an optimizer (one given, or the config's
+    ``"optimizer"``) from a config that asks for no SuperOffload refuses the engine variables
+    set, before it builds anything. An engine that trains nothing (``zero.Init``'s config, TRL's
+    reference model, inference) reads none of them and is not refused: the trainer's does."""
+
+    def make(original):
+        signature = inspect.signature(original)
+        missing = {"optimizer", "config_class"} - set(signature.parameters)
+        if missing:  # the config would go unchecked
+            name = (
+                f"deepspeed.runtime.engine.DeepSpeedEngine.__init__({', '.join(sorted(missing))})"
+            )
+            raise upstream.error("deepspeed", [name])
+
+        def __init__(self, *args, **kwargs):
+            arguments = signature.bind_partial(self, *args, **kwargs).arguments
+            param_dict = getattr(arguments.get("config_class"), "_param_dict", None)
+            if isinstance(param_dict, dict) and (
+                arguments.get("optimizer") is not None or param_dict.get("optimizer")
+            ):
+                refuse_engine_variables_without_super_offload(param_dict)
+            return original(self, *args, **kwargs)
+
+        return __init__
+
+    _wrap(module.DeepSpeedEngine, "__init__", make)
+
+
+def check_trainer_config(module) -> None:
+    """A Trainer other than the SuperOffload ones (which turn ``super_offload`` on, or refuse,
+    in their own ``__init__``) trains with the optimizer its DeepSpeed config builds: the
+    engine variables that config leaves unread are refused when the Trainer is made, before
+    accelerate builds DeepSpeed's CPU Adam and engine in ``train()``."""
+
+    def make(original):
+        def __init__(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            # Not imported: no SuperOffload trainer exists (and a plain Trainer need not load it).
+            ours = sys.modules.get("hf_superoffload.integrations.trainer")
+            if ours is not None and isinstance(self, ours.SuperOffloadTrainerMixin):
+                return
+            plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+            config = getattr(plugin, "deepspeed_config", None)
+            if isinstance(config, dict):
+                refuse_engine_variables_without_super_offload(config)
+
+        return __init__
+
+    _wrap(module.Trainer, "__init__", make)
 
 
 def check_build_locks(module) -> None:
