@@ -196,15 +196,20 @@ def _zero_first_row(grad: torch.Tensor) -> torch.Tensor:
         pytest.param((lambda g: g.clamp(-0.1, 0.1), lambda g: g.clamp_(-0.1, 0.1)), id="clamp"),
     ],
 )
-def test_a_param_hook_edit_is_honoured_exactly(edit):
-    """``param.register_hook`` runs before the optimizer takes the gradient, whenever it was
-    registered: the same as AdamW editing ``.grad`` (zeroing a row; clip_grad_value_'s clamp)
-    before torch's clip_grad_norm_ and its step."""
+@pytest.mark.parametrize("registered", ["before", "after"])
+def test_a_param_hook_edit_is_honoured_exactly(edit, registered):
+    """``param.register_hook`` runs before the optimizer takes the gradient, whether it was
+    registered before or after the optimizer was built: the same as AdamW editing ``.grad``
+    (zeroing a row; clip_grad_value_'s clamp) before torch's clip_grad_norm_ and its step."""
     hook, in_place = edit
     mine, ref = twins()
+    if registered == "before":
+        for p in mine.parameters():
+            p.register_hook(hook)
     opt, ref_opt = ours(mine, max_grad_norm=0.5), adamw(ref)
-    for p in mine.parameters():  # after the optimizer's own hooks
-        p.register_hook(hook)
+    if registered == "after":
+        for p in mine.parameters():
+            p.register_hook(hook)
     edited = 0
     for step in range(len(SCALES)):
         backward(ref, step)
