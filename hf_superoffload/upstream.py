@@ -1,10 +1,11 @@
-"""The upstream surface: every name of DeepSpeed, transformers, accelerate and TRL outside their
-documented API that hf_superoffload reads, calls, wraps or overrides, and the versions of each
-library it was tested with.
+"""The upstream surface: every name of DeepSpeed, transformers, accelerate, TRL and torch
+outside their documented API that hf_superoffload reads, calls, wraps or overrides, and the
+versions of each library it was tested with.
 
 These names can change in any release. So each use is listed here, ``check(library)`` verifies
 them before the package relies on them (the DeepSpeed patches when DeepSpeed builds a
-SuperOffload engine, the Trainer mixin and the TRL trainers when they are defined), and
+SuperOffload engine, the Trainer mixin and the TRL trainers when they are defined, torch's
+clipping helpers when the first standalone optimizer routes them), and
 ``tests/test_upstream_surface.py`` fails when one disappears. A failing check names the missing
 name and the tested versions, instead of an AttributeError deep inside a training step.
 
@@ -185,6 +186,17 @@ SURFACE: tuple[Name, ...] = (
     Name("accelerate.optimizer:AcceleratedOptimizer", "_is_overflow", "writes", kind="attribute"),
     Name("accelerate.utils.deepspeed:HfDeepSpeedConfig", "__init__", "wraps (config refusals)"),
     Name("accelerate.utils.deepspeed:HfDeepSpeedConfig", "config", "reads", kind="attribute"),
+    # torch: the helpers torch's clip_grad_norm_ and clip_grad_value_ look up in their module at
+    # call time, wrapped there so that a function bound by name before the first
+    # SuperOffloadOptimizer existed reaches its routing (engine/clip_routing.py).
+    *(
+        Name("torch.nn.utils.clip_grad", name, "wraps (clipping over the engine's params)")
+        for name in (
+            "_get_total_norm",
+            "_clip_grads_with_norm_",
+            "_group_tensors_by_device_and_dtype",
+        )
+    ),
     # TRL
     Name("trl:SFTTrainer", "_tag_names", "reads (the model card)"),
     Name("trl:DPOTrainer", "_tag_names", "reads (the model card)"),
