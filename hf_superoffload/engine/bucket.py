@@ -11,7 +11,7 @@ import torch
 
 from .buckets import BucketPlan
 from .cast_policy import CastPlan
-from .compact_moments import CompactMoments
+from .compact_moments import CompactMoments, blocks_of, compact_moment_bytes
 from .host_memory import STANDALONE_REMEDIES, HostClaim, check_host_memory
 from .link import Link
 from .partition import HostPartition
@@ -24,6 +24,19 @@ def grad_sum_bytes(numel: int) -> int:
     what the host check counts for accumulation, at start-up where it is declared
     (``standalone_host_parts``), else before each bucket's sum is made."""
     return numel * GRAD_SUM_DTYPE.itemsize
+
+
+def tail_state_bytes(plan: BucketPlan, compact: bool) -> int:
+    """Device bytes a tail bucket of ``plan`` holds (``_hold_state_on_device``): its fp32
+    master and fp32 gradients, and both Adam moments, fp32 or compact (a code a moment an
+    element and a scale pair a block of each param: ``CompactMoments``). The GPU tail's cap
+    check, ``auto``'s budgets and their messages count with this."""
+    numel = plan.numel
+    if compact:
+        moments = compact_moment_bytes(numel, sum(blocks_of(p.numel()) for p in plan.params))
+    else:
+        moments = 2 * 4 * numel
+    return 4 * numel + 4 * numel + moments
 
 
 UNDECLARED_ACCUMULATION_REMEDIES = (
@@ -115,8 +128,8 @@ class Bucket(HostPartition):
         self.reset_for_next_step()
 
     def move_to_device(self, link: Link) -> None:
-        """Make this a tail bucket: master, moments and fp32 gradients on the device (16 B per
-        element there), stepped by torch's AdamW; the host buffers are released."""
+        """Make this a tail bucket: master, moments and fp32 gradients on the device
+        (``tail_state_bytes``), stepped by torch's AdamW; the host buffers are released."""
         host_buffers = (self.master, self.host_grad, self.grad_sum)
         self.grad_sum = self._sum_claim = None
         if self.compact is not None:

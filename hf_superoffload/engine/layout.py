@@ -51,7 +51,7 @@ def lay_out(
     groups' params."""
     order = {id(p): i for i, p in enumerate(model.parameters())} if model is not None else None
     plans = plan_buckets(param_groups, bucket_size, order)
-    chosen = choose_device_buckets(gpu_tail, plans, link.device, cap_bytes)
+    chosen = choose_device_buckets(gpu_tail, plans, link.device, cap_bytes, compact)
     first_device = len(plans) - int(replicas.agree(chosen, "min"))
     host_plans = host_held_plans(plans, first_device, gpu_tail, link.is_cuda)
     host_numel = sum(p.numel for p in host_plans)
