@@ -67,7 +67,10 @@ def _start_up_bytes(monkeypatch) -> tuple[int, int]:
     return sum(seen[0].values()), sums
 
 
-def test_undeclared_accumulation_is_refused_before_a_sum_that_does_not_fit(own_claims, monkeypatch):
+@pytest.mark.parametrize("told", ["nothing", "set_accumulation_boundary"])
+def test_undeclared_accumulation_is_refused_before_a_sum_that_does_not_fit(
+    own_claims, monkeypatch, told
+):
     start_up, sums = _start_up_bytes(monkeypatch)
     monkeypatch.setenv(HOST_MEMORY_ENV, str((start_up + sums - 1) / GiB))
     checks = _spy(monkeypatch, bucket_module)
@@ -75,7 +78,9 @@ def test_undeclared_accumulation_is_refused_before_a_sum_that_does_not_fit(own_c
     before = [p.detach().clone() for p in model.parameters()]
     opt = SuperOffloadOptimizer(model.parameters(), lr=1e-2, model=model, bucket_size=600)
     with pytest.raises(HostMemoryError) as err:
-        for x in _batches()[0]:  # the README's loop: two backward() per step, nothing said
+        for micro, x in enumerate(_batches()[0]):  # the README's loop: two backward() a step
+            if told == "set_accumulation_boundary":
+                opt.set_accumulation_boundary(micro == MICRO - 1)
             model(x).square().sum().backward()
         opt.step()
     message = str(err.value)
