@@ -18,6 +18,7 @@ from engine_reference import (
 )
 
 from hf_superoffload.engine import tail_moves
+from hf_superoffload.engine.bucket import tail_state_bytes
 
 STEPS = 14
 
@@ -70,12 +71,12 @@ def test_growing_and_giving_back_keeps_the_adamw_trajectory():
 
 @pytest.mark.usefixtures("unbounded_device")
 def test_auto_grows_no_further_than_its_lean_budget_unless_a_cap_replaces_it(monkeypatch):
-    budget = []  # elements: the tail-most three buckets
+    budget = []  # bytes: the tail-most three buckets' state
 
-    def lean(device, params, tail_elements):
+    def lean(device, params, tail_bytes):
         return budget[0]
 
-    monkeypatch.setattr(tail_moves, "lean_tail_elements", lean)
+    monkeypatch.setattr(tail_moves, "lean_tail_bytes", lean)
     cfg = _config()
     tuner = ScriptedTuner({3: 10**9, 5: 10**9, 8: 10**9})
     seen = []
@@ -83,7 +84,7 @@ def test_auto_grows_no_further_than_its_lean_budget_unless_a_cap_replaces_it(mon
     def probe(when, step, model, opt):
         if when == "before_step" and step == 0:
             opt._tail.tuner = tuner
-            budget.append(sum(b.plan.numel for b in opt._buckets[-3:]))
+            budget.append(sum(tail_state_bytes(b.plan, False) for b in opt._buckets[-3:]))
         if when == "after_step":
             seen.append(opt.stats["gpu_tail_buckets"])
         if when == "after_step" and step == 6:

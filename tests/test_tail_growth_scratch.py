@@ -4,8 +4,8 @@ the tail it has (device_tail.step_scratch_bytes: the temporaries of the tail's s
 of a larger bucket it adds: the budget of a move counts the scratch growth too, so the next
 step's peak stays within the room it promised.
 
-A simulated card stands in for the GPU's memory: its peak is the tail's state (16 B an
-element) plus what the tail's step creates, measured on the CPU by counting the tensors its ops
+A simulated card stands in for the GPU's memory: its peak is the tail's state
+(bucket.tail_state_bytes) plus what the tail's step creates, measured on the CPU by counting the tensors its ops
 create (tests/tensor_peak.py), on a GPU by the allocator's peak; its room is what that peak
 leaves of a limit. A scripted tuner asks for every bucket, so only the budget bounds the growth.
 """
@@ -21,15 +21,15 @@ from tensor_peak import temporaries_of
 from test_engine_tail_moves import ScriptedTuner
 
 from hf_superoffload.engine import tail_moves
+from hf_superoffload.engine.bucket import tail_state_bytes
 from hf_superoffload.engine.device_tail import DeviceTail, step_scratch_bytes
-from hf_superoffload.engine.placement import DEVICE_BYTES_PER_ELEMENT
 
 STEPS = 8
 
 
 class SimulatedCard:
     """The peak of every tail step (state plus measured temporaries) and the room left under
-    ``limit`` by the highest one so far, as device_headroom_bytes and lean_tail_elements give
+    ``limit`` by the highest one so far, as device_headroom_bytes and lean_tail_bytes give
     it on a GPU from the allocator's peak."""
 
     def __init__(self, monkeypatch, cuda: bool):
@@ -38,7 +38,7 @@ class SimulatedCard:
         step = DeviceTail.step
 
         def measured(tail, buckets, hypers, coef):
-            state = DEVICE_BYTES_PER_ELEMENT * sum(b.master.numel() for b in buckets)
+            state = _state(buckets)
             self.peaks.append(
                 state + temporaries_of(lambda: step(tail, buckets, hypers, coef), cuda)
             )
@@ -51,9 +51,12 @@ class SimulatedCard:
     def headroom(self, device) -> float:
         return self.limit - self.peak()
 
-    def lean_elements(self, device, params: int, tail_elements: int) -> float:
-        without_tail = self.peak() - DEVICE_BYTES_PER_ELEMENT * tail_elements
-        return (self.limit - without_tail) / DEVICE_BYTES_PER_ELEMENT
+    def lean_bytes(self, device, params: int, tail_bytes: int) -> float:
+        return self.limit - (self.peak() - tail_bytes)
+
+
+def _state(buckets) -> int:
+    return sum(tail_state_bytes(b.plan, b.compact is not None) for b in buckets)
 
 
 def _scratch(buckets, compact: bool, device: str) -> int:
@@ -69,10 +72,10 @@ def _check_growth(monkeypatch, device: str, moments: str, bound: str) -> None:
     if bound == "device headroom":  # the card alone bounds the growth
         monkeypatch.setattr(tail_moves, "device_headroom_bytes", card.headroom)
         # On a GPU the lean budget of this small model would bound it first.
-        monkeypatch.setattr(tail_moves, "lean_tail_elements", lambda *args: float("inf"))
+        monkeypatch.setattr(tail_moves, "lean_tail_bytes", lambda *args: float("inf"))
     else:  # no cap: the lean budget bounds the growth, the card itself is roomy
         monkeypatch.setattr(tail_moves, "device_headroom_bytes", lambda device: float("inf"))
-        monkeypatch.setattr(tail_moves, "lean_tail_elements", card.lean_elements)
+        monkeypatch.setattr(tail_moves, "lean_tail_bytes", card.lean_bytes)
     compact = moments == "compact"
     tuner = ScriptedTuner({3: 10**9, 5: 10**9})
 
@@ -80,13 +83,11 @@ def _check_growth(monkeypatch, device: str, moments: str, bound: str) -> None:
         if when == "before_step" and step == 0:
             opt._tail.tuner = tuner
             first, second = opt._buckets[-1], opt._buckets[-2]  # the tail-most host buckets
-            state = DEVICE_BYTES_PER_ELEMENT * (first.plan.numel + second.plan.numel)
+            state = _state([first, second])
             assert _scratch([first], compact, device) > _scratch([second], compact, device)
             # Room for both buckets' state, and for the first's with its step scratch, but
             # not for both with it.
-            short = min(
-                DEVICE_BYTES_PER_ELEMENT * second.plan.numel, _scratch([first], compact, device)
-            )
+            short = min(_state([second]), _scratch([first], compact, device))
             card.limit = state + _scratch([first, second], compact, device) - short // 2
 
     cfg = RunConfig(steps=STEPS, two_groups=True, schedule="warmup_decay")

@@ -11,9 +11,42 @@ import torch
 
 from .buckets import BucketPlan
 from .cast_policy import CastPlan
-from .compact_moments import CompactMoments
+from .compact_moments import CompactMoments, blocks_of, compact_moment_bytes
+from .host_memory import STANDALONE_REMEDIES, HostClaim, check_host_memory
 from .link import Link
 from .partition import HostPartition
+
+GRAD_SUM_DTYPE = torch.float32  # a host bucket's gradient sum while arrivals accumulate
+
+
+def grad_sum_bytes(numel: int) -> int:
+    """Host bytes of the gradient sum ``Bucket.start_summing`` makes for ``numel`` elements:
+    what the host check counts for accumulation, at start-up where it is declared
+    (``standalone_host_parts``), else before each bucket's sum is made."""
+    return numel * GRAD_SUM_DTYPE.itemsize
+
+
+def tail_state_bytes(plan: BucketPlan, compact: bool) -> int:
+    """Device bytes a tail bucket of ``plan`` holds (``_hold_state_on_device``): its fp32
+    master and fp32 gradients, and both Adam moments, fp32 or compact (a code a moment an
+    element and a scale pair a block of each param: ``CompactMoments``). The GPU tail's cap
+    check, ``auto``'s budgets and their messages count with this."""
+    numel = plan.numel
+    if compact:
+        moments = compact_moment_bytes(numel, sum(blocks_of(p.numel()) for p in plan.params))
+    else:
+        moments = 2 * 4 * numel
+    return 4 * numel + 4 * numel + moments
+
+
+UNDECLARED_ACCUMULATION_REMEDIES = (
+    "This step's gradients arrived more than once (several backward() calls per step(), "
+    "set_accumulation_boundary(False), or a param's gradient hook firing twice), so each host "
+    "bucket adds them up in an fp32 gradient sum (4 B/param) that the start-up host check "
+    "did not count: pass gradient_accumulation_steps=<backward calls per step> to "
+    "SuperOffloadOptimizer to have it counted (or refused) before training starts, or call "
+    "step() after every backward(). Otherwise: " + STANDALONE_REMEDIES
+)
 
 
 def host_grad_dtype(model_dtype: torch.dtype, cast: CastPlan) -> torch.dtype:
@@ -40,8 +73,11 @@ class Bucket(HostPartition):
         on_device: bool,
         cast: CastPlan,
         salts: list[int] | None = None,
+        sum_counted: bool = False,
     ):
-        """``salts`` (one a param): its moments are compact (compact_moments.py)."""
+        """``salts`` (one a param): its moments are compact (compact_moments.py).
+        ``sum_counted``: the start-up host check counted its gradient sum (declared
+        accumulation), so none is checked when it is made."""
         self.plan = plan
         numel = plan.numel
         dtype = plan.params[0].dtype
@@ -81,6 +117,10 @@ class Bucket(HostPartition):
         # The step's fp32 gradient sum, on the host, while gradients accumulate over several
         # arrivals (made on first need, kept: accumulation usually goes on).
         self.grad_sum: torch.Tensor | None = None
+        self._sum_counted = sum_counted
+        # What the host check granted for grad_sum where start-up did not count it; held
+        # (HostClaim) while the sum is.
+        self._sum_claim: HostClaim | None = None
         self._link = link
         self._cast = cast
         if on_device:
@@ -88,10 +128,10 @@ class Bucket(HostPartition):
         self.reset_for_next_step()
 
     def move_to_device(self, link: Link) -> None:
-        """Make this a tail bucket: master, moments and fp32 gradients on the device (16 B per
-        element there), stepped by torch's AdamW; the host buffers are released."""
+        """Make this a tail bucket: master, moments and fp32 gradients on the device
+        (``tail_state_bytes``), stepped by torch's AdamW; the host buffers are released."""
         host_buffers = (self.master, self.host_grad, self.grad_sum)
-        self.grad_sum = None
+        self.grad_sum = self._sum_claim = None
         if self.compact is not None:
             self.compact.to(link.device)
         self._hold_state_on_device(
@@ -143,10 +183,21 @@ class Bucket(HostPartition):
         """Every param's last gradient of the step is staged: the bucket may launch."""
         return self.arrived == len(self.plan.params) and all(self.last_seen)
 
+    def reserve_sum(self) -> None:
+        """Before the gradient sum is made: where the start-up check did not count it
+        (accumulation nobody declared), check that the host holds it too, else raise
+        HostMemoryError with nothing allocated (the caller refuses the step)."""
+        if self.grad_sum is None and not self._sum_counted and self._sum_claim is None:
+            self._sum_claim = check_host_memory(
+                {"accumulation": grad_sum_bytes(self.plan.numel)},
+                UNDECLARED_ACCUMULATION_REMEDIES,
+            )
+
     def start_summing(self) -> torch.Tensor:
         """From now on this step's gradients add up on the host, in fp32."""
         if self.grad_sum is None:
-            self.grad_sum = self._link.host_empty(self.plan.numel, torch.float32)
+            self.reserve_sum()
+            self.grad_sum = self._link.host_empty(self.plan.numel, GRAD_SUM_DTYPE)
         self.summing = True
         return self.grad_sum
 

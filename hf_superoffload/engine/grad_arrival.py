@@ -33,6 +33,7 @@ from .arrival_counts import ArrivalCounts
 from .bucket import Bucket
 from .cast_policy import CastPlan
 from .checks import check_dense_grad
+from .host_memory import HostMemoryError
 from .link import Link
 from .replicas import Replicas
 from .stv import Stv
@@ -190,6 +191,20 @@ class GradArrival:
             "then call zero_grad() and run the step again."
         )
 
+    def _reserve_sum(self, bucket: Bucket) -> None:
+        """Before a host bucket starts summing: its gradient sum must fit the host
+        (``Bucket.reserve_sum``). If it does not, the step is refused before the sum is made,
+        restored to where it began, as a gradient after speculation is."""
+        try:
+            bucket.reserve_sum()
+        except HostMemoryError as error:
+            self.discard()
+            self._stv.synchronize(self._buckets)
+            raise HostMemoryError(
+                f"SuperOffloadOptimizer refused the step: {error} The step's gradients so far "
+                "were dropped and its early updates undone."
+            ) from error
+
     def _send_round(self, bucket: Bucket) -> None:
         """Add this round's gradients to the bucket's host sum and begin the next round."""
         self._fill_round(bucket)
@@ -274,6 +289,8 @@ class GradArrival:
         taken (on the device, or on the host for a host sum) and, with ``hand_over``, the STV
         core gets the bucket; otherwise (a host sum only) the round just adds to the sum.
         Returns the event of the gradients' landing."""
+        if not last and not bucket.summing:
+            self._reserve_sum(bucket)  # before anything of this launch is under way
         if self._host_staged(bucket):
             bucket.staging = self._staging_buffer(bucket)
         staging, summing = bucket.staging, bucket.summing or not last
@@ -317,6 +334,8 @@ class GradArrival:
                 "parallelism pass gradient_accumulation_steps to SuperOffloadOptimizer or call "
                 "set_accumulation_boundary() before each backward."
             )
+        if not bucket.on_device and not bucket.summing:
+            self._reserve_sum(bucket)  # before its speculation is retracted
         self._reopened = True
         bucket.launched = False
         if bucket.on_device:

@@ -309,12 +309,14 @@ def standalone_host_parts(
     (model dtype, or fp32 when gradients are cast on the device), the shared copy-out ring
     of rounded params (16-bit models whose params do not cross in fp32: a few buffers of at
     most ``COPY_OUT_PIECE`` elements, not a copy per bucket), and the fp32 gradient sum kept
-    while micro-batches accumulate. Without a GPU, tail buckets live in host memory too: count
-    them. ``compact_blocks``: the moments are compact, in that many blocks (compact_moments.py),
-    and the copy-out ring is always there (a speculative pass leaves the master as it was), as
-    are the gradient slots (grad_slots.py: a few gradient buffers of the largest bucket).
+    while micro-batches accumulate where that is declared (else each bucket's is checked as
+    it is made, ``Bucket.reserve_sum``). Without a GPU, tail buckets live in host memory too:
+    count them. ``compact_blocks``: the moments are compact, in that many blocks
+    (compact_moments.py), and the copy-out ring is always there (a speculative pass leaves the
+    master as it was), as are the gradient slots (grad_slots.py: a few gradient buffers of the largest bucket).
     ``largest_bucket``: the elements of the largest bucket, host or device (the ring's buffers
     hold one, up to ``COPY_OUT_PIECE``); unknown, the host elements bound it."""
+    from .bucket import grad_sum_bytes  # here: bucket -> this
     from .compact_moments import compact_moment_bytes  # here: compact_moments -> ops
     from .copy_out import copy_out_bytes  # here: copy_out -> link -> this
     from .grad_slots import grad_slots_bytes
@@ -331,7 +333,7 @@ def standalone_host_parts(
         "moments": moments,
         "gradients": grad_bytes * host_numel,
         "param_copy_out": copy_out_bytes(largest, ring_dtype),
-        "accumulation": 4 * host_numel if accumulating else 0,
+        "accumulation": grad_sum_bytes(host_numel) if accumulating else 0,
         "grad_slots": grad_slots_bytes(largest, grad_bytes) if compact else 0,
     }
 

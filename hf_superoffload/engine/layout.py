@@ -51,7 +51,7 @@ def lay_out(
     groups' params."""
     order = {id(p): i for i, p in enumerate(model.parameters())} if model is not None else None
     plans = plan_buckets(param_groups, bucket_size, order)
-    chosen = choose_device_buckets(gpu_tail, plans, link.device, cap_bytes)
+    chosen = choose_device_buckets(gpu_tail, plans, link.device, cap_bytes, compact)
     first_device = len(plans) - int(replicas.agree(chosen, "min"))
     host_plans = host_held_plans(plans, first_device, gpu_tail, link.is_cuda)
     host_numel = sum(p.numel for p in host_plans)
@@ -61,7 +61,12 @@ def lay_out(
     claim = check_host_memory(parts, STANDALONE_REMEDIES)  # before allocating, not OOM-killed
     salt = {id(p): i for i, p in enumerate(p for g in param_groups for p in g["params"])}
     salts = {plan.index: [salt[id(p)] for p in plan.params] if compact else None for plan in plans}
-    buckets = [Bucket(p, link, p.index >= first_device, cast, salts[p.index]) for p in plans]
+    # Declared accumulation: the check above counted the gradient sums of these buckets.
+    counted = {p.index for p in host_plans} if accumulating else set()
+    buckets = [
+        Bucket(p, link, p.index >= first_device, cast, salts[p.index], p.index in counted)
+        for p in plans
+    ]
     slot = {id(p): (bucket, i) for bucket in buckets for i, p in enumerate(bucket.plan.params)}
     # Of the largest bucket, host or device ("auto" moves them): what standalone_host_parts counts.
     grad_slots = GradSlots(link, largest, host_grad_dtype(dtype, cast)) if compact else None

@@ -2,8 +2,8 @@
 
 The tail buckets are the last to receive gradients (the first layers) and the first the next
 forward needs; stepping them on the device means the forward never waits for the CPU to
-finish the final buckets. Each costs 16 B per element of device memory (fp32 master, two
-moments, fp32 gradient).
+finish the final buckets. Each costs its state in device memory (``bucket.tail_state_bytes``:
+fp32 master and gradients, 16 B per element with fp32 moments, about 10 with compact ones).
 
 Reproducibility. A tail bucket is stepped by torch's AdamW, a host bucket by the compiled CPU
 kernel, which fuses what torch rounds separately: the two agree to about an ulp per step, not
@@ -31,12 +31,12 @@ import logging
 
 import torch
 
+from .bucket import tail_state_bytes
 from .buckets import BucketPlan
 from .tail_tuner import TailTuner
 
 logger = logging.getLogger("hf_superoffload")
 
-DEVICE_BYTES_PER_ELEMENT = 16
 # "auto": at most this share of the free device memory goes to tail-bucket state ...
 _AUTO_MEMORY_SHARE = 0.25
 # ... and the tail starts at about this share of the params: enough to hide the last CPU
@@ -60,16 +60,18 @@ def choose_device_buckets(
     plans: list[BucketPlan],
     device: torch.device,
     cap_bytes: float | None = None,
+    compact: bool = False,
 ) -> int:
     """Number of tail buckets to step on the device (ints above the bucket count mean all;
-    "auto" on the CPU: none, see the module docstring), within ``cap_bytes`` of tail state."""
+    "auto" on the CPU: none, see the module docstring), within ``cap_bytes`` of tail state
+    (``compact``: the moments are compact)."""
     if isinstance(requested, bool) or not (requested == "auto" or isinstance(requested, int)):
         raise ValueError(f"gpu_tail must be a non-negative int or 'auto', got {requested!r}.")
     if requested != "auto":
         if requested < 0:
             raise ValueError(f"gpu_tail must be >= 0, got {requested}.")
         chosen = min(requested, len(plans))
-        _check_fits(plans, chosen, device, cap_bytes)
+        _check_fits([tail_state_bytes(p, compact) for p in plans], chosen, device, cap_bytes)
         logger.info("hf_superoffload: GPU tail of %d of %d buckets (requested)", chosen, len(plans))
         return chosen
 
@@ -80,21 +82,22 @@ def choose_device_buckets(
     budget = _free_device_bytes(device) * _AUTO_MEMORY_SHARE
     if cap_bytes is not None:
         budget = min(budget, cap_bytes)
-    chosen, numel = 0, 0
+    chosen, numel, state = 0, 0, 0
     for plan in reversed(plans):  # the tail: last to get gradients
-        grown = numel + plan.numel
-        if grown * DEVICE_BYTES_PER_ELEMENT > budget or grown > _AUTO_PARAM_SHARE * total:
+        grown, grown_state = numel + plan.numel, state + tail_state_bytes(plan, compact)
+        if grown_state > budget or grown > _AUTO_PARAM_SHARE * total:
             break
-        chosen, numel = chosen + 1, grown
-    if chosen == 0 and len(plans) > 1 and plans[-1].numel * DEVICE_BYTES_PER_ELEMENT <= budget:
-        chosen, numel = 1, plans[-1].numel  # one tail bucket always helps the next forward
+        chosen, numel, state = chosen + 1, grown, grown_state
+    last = tail_state_bytes(plans[-1], compact)
+    if chosen == 0 and len(plans) > 1 and last <= budget:
+        chosen, numel, state = 1, plans[-1].numel, last  # one tail bucket helps the next forward
     logger.info(
         "hf_superoffload: gpu_tail='auto' -> GPU tail of %d of %d buckets (%.1f%% of params, "
         "%.2f GiB of GPU state; budget %.2f GiB)",
         chosen,
         len(plans),
         100 * numel / max(total, 1),
-        numel * DEVICE_BYTES_PER_ELEMENT / 2**30,
+        state / 2**30,
         budget / 2**30,
     )
     return chosen
@@ -108,9 +111,10 @@ def _free_device_bytes(device: torch.device) -> float:
 
 
 def _check_fits(
-    plans: list[BucketPlan], chosen: int, device: torch.device, cap_bytes: float | None
+    states: list[int], chosen: int, device: torch.device, cap_bytes: float | None
 ) -> None:
-    need = sum(p.numel for p in plans[len(plans) - chosen :]) * DEVICE_BYTES_PER_ELEMENT
+    """``states``: each bucket's tail state in bytes (``tail_state_bytes``)."""
+    need = sum(states[len(states) - chosen :])
     if cap_bytes is not None and need > cap_bytes:
         raise ValueError(
             f"gpu_tail={chosen} needs {need / 2**30:.2f} GiB of GPU memory for the GPU tail's "
@@ -139,19 +143,18 @@ def device_headroom_bytes(device: torch.device) -> float:
     return total - torch.cuda.max_memory_reserved(device) - margin
 
 
-def lean_tail_elements(device: torch.device, params: int, tail_elements: int) -> float:
-    """The most elements ``auto`` keeps on the device without a cap: the tail that brings the
-    GPU peak (seen so far, the present tail taken out) to ``LEAN_SHARE`` of no offload's,
-    estimated from that peak and the param count. Unbounded with no GPU."""
+def lean_tail_bytes(device: torch.device, params: int, tail_bytes: int) -> float:
+    """The most bytes of tail state (``tail_state_bytes``) ``auto`` keeps on the device without
+    a cap: the tail that brings the GPU peak (seen so far, the present tail's ``tail_bytes``
+    taken out) to ``LEAN_SHARE`` of no offload's, estimated from that peak and the param
+    count. Unbounded with no GPU."""
     if device.type != "cuda":
         return float("inf")
-    # A tail element adds all of DEVICE_BYTES_PER_ELEMENT to the peak (measured at 3.4B: 29
-    # buckets of 22.6M elements added 10.1 GiB, 16.5 B each).
-    without_tail = (
-        torch.cuda.max_memory_allocated(device) - DEVICE_BYTES_PER_ELEMENT * tail_elements
-    )
+    # The tail's state adds all of its bytes to the peak (measured at 3.4B: 29 buckets of
+    # 22.6M elements, 16 B each of fp32 state, added 10.1 GiB, 16.5 B each).
+    without_tail = torch.cuda.max_memory_allocated(device) - tail_bytes
     no_offload = without_tail + NO_OFFLOAD_EXTRA_BYTES_PER_PARAM * params
-    return max(0.0, (LEAN_SHARE * no_offload - without_tail) / DEVICE_BYTES_PER_ELEMENT)
+    return max(0.0, LEAN_SHARE * no_offload - without_tail)
 
 
 def make_tail_tuner(requested: int | str, device: torch.device) -> TailTuner | None:

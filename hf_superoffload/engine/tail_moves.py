@@ -20,15 +20,10 @@ from collections.abc import Iterable
 
 import torch
 
-from .bucket import Bucket
+from .bucket import Bucket, tail_state_bytes
 from .device_tail import DeviceTail, step_scratch_bytes
 from .link import Link
-from .placement import (
-    DEVICE_BYTES_PER_ELEMENT,
-    LEAN_SHARE,
-    device_headroom_bytes,
-    lean_tail_elements,
-)
+from .placement import LEAN_SHARE, device_headroom_bytes, lean_tail_bytes
 from .replicas import Replicas
 from .stv import Stv
 from .tail_tuner import TailTuner
@@ -43,6 +38,12 @@ def _step_scratch(buckets: Iterable[Bucket], device_type: str) -> int:
         (step_scratch_bytes(b.plan.numel, b.compact is not None, device_type) for b in buckets),
         default=0,
     )
+
+
+def _state(buckets: Iterable[Bucket]) -> int:
+    """Device bytes of these buckets' state as tail buckets (``tail_state_bytes``, by their
+    moments)."""
+    return sum(tail_state_bytes(b.plan, b.compact is not None) for b in buckets)
 
 
 def cap_bytes(gib: float | None) -> int | None:
@@ -74,7 +75,7 @@ class TailMoves:
         self._buckets, self._link, self._replicas, self._stv = buckets, link, replicas, stv
         self.tuner = tuner
         self.cap_bytes = cap_bytes  # most bytes of tail state (gpu_tail_cap), or None
-        self._lean_elements: float | None = None  # auto's default budget, measured once
+        self._lean_bytes: float | None = None  # auto's default budget, measured once
         self._lean_scratch = 0  # the tail's step scratch in the peak it was measured from
         self._adamw = DeviceTail()
         for bucket in buckets:
@@ -136,7 +137,7 @@ class TailMoves:
         if not self.releasable():
             return 0
         moved = [b for b in self._buckets if b.on_device]
-        held = sum(b.plan.numel for b in moved) * DEVICE_BYTES_PER_ELEMENT
+        held = _state(moved)
         cap = self.cap_bytes
         self.cap_bytes = held // 2 if cap is None else min(cap, held // 2)
         self.move(moved, to_device=False, why=reason)
@@ -150,13 +151,24 @@ class TailMoves:
     def device_elements(self) -> int:
         return sum(b.plan.numel for b in self._buckets if b.on_device)
 
+    def device_state_bytes(self) -> int:
+        """Device bytes the tail's state holds now (what ``gpu_tail_cap`` bounds)."""
+        return _state(b for b in self._buckets if b.on_device)
+
     def _cap_excess_elements(self) -> int:
-        """Minus the elements to give back to get under the cap (0 when under it)."""
-        cap = self.cap_bytes
-        held = self.device_elements() * DEVICE_BYTES_PER_ELEMENT
+        """Minus the elements to give back to get under the cap (0 when under it): those of
+        the device buckets farthest from the tail, the ones ``_buckets_to_give_back`` takes,
+        whose state brings the tail's under the cap."""
+        cap, held = self.cap_bytes, self.device_state_bytes()
         if cap is None or held <= cap:
             return 0
-        return -((held - cap + DEVICE_BYTES_PER_ELEMENT - 1) // DEVICE_BYTES_PER_ELEMENT)
+        numel = 0
+        for bucket in (b for b in self._buckets if b.on_device):
+            if held <= cap:
+                break
+            held -= _state([bucket])
+            numel += bucket.plan.numel
+        return -numel
 
     def _buckets_to_grow(self, want: int) -> list[Bucket]:
         """Host buckets nearest the tail, about ``want`` elements, within the cap (of tail
@@ -165,48 +177,52 @@ class TailMoves:
         scratch of the tail as it is, so a bucket larger than any on the device is charged
         the scratch it adds beside its state."""
         room = self._replicas.agree(device_headroom_bytes(self._link.device), "min")
-        held = self.device_elements() * DEVICE_BYTES_PER_ELEMENT
+        held = self.device_state_bytes()
         cap_room = float("inf") if self.cap_bytes is None else self.cap_bytes - held
         scratch_now = _step_scratch(
             (b for b in self._buckets if b.on_device), self._link.device.type
         )
         if self.cap_bytes is None and self.tuner is not None:
-            lean = self._lean_tail_elements() * DEVICE_BYTES_PER_ELEMENT
+            lean = self._lean_tail_bytes()
             # Measured once: the scratch the tail added since is not in it.
             room = min(room, lean - held - (scratch_now - self._lean_scratch))
-        scratch, chosen, numel = scratch_now, [], 0
+        scratch, chosen, numel, added = scratch_now, [], 0, 0
         for bucket in reversed(self._buckets):
             if numel >= want:
                 break
             if bucket.on_device:
                 continue
-            state = (numel + bucket.plan.numel) * DEVICE_BYTES_PER_ELEMENT
+            state = added + _state([bucket])
             grown = max(scratch, _step_scratch([bucket], self._link.device.type))
             if state > cap_room or state + grown - scratch_now > room:
                 break
             chosen.append(bucket)
-            numel, scratch = numel + bucket.plan.numel, grown
+            numel, added, scratch = numel + bucket.plan.numel, state, grown
         return chosen
 
-    def _lean_tail_elements(self) -> float:
-        if self._lean_elements is None:  # once: later peaks include the grown tail
+    def _lean_tail_bytes(self) -> float:
+        if self._lean_bytes is None:  # once: later peaks include the grown tail
             params = sum(b.plan.numel for b in self._buckets)
-            lean = lean_tail_elements(self._link.device, params, self.device_elements())
-            self._lean_elements = self._replicas.agree(lean, "min")
+            lean = lean_tail_bytes(self._link.device, params, self.device_state_bytes())
+            self._lean_bytes = self._replicas.agree(lean, "min")
             self._lean_scratch = _step_scratch(
                 (b for b in self._buckets if b.on_device), self._link.device.type
             )
-            if self._lean_elements != float("inf"):
+            if self._lean_bytes != float("inf"):
+                # In params at the model's tail state per element (its buckets' moments).
+                elements = self._lean_bytes * params / max(_state(self._buckets), 1)
                 logger.info(
                     "hf_superoffload: gpu_tail='auto' grows the GPU tail to at most %.1fM params "
-                    "(%.0f%% of them), so that the GPU peak stays under %.0f%% of what training "
-                    "without offload would need; set gpu_tail_cap (GiB of optimizer state, "
-                    "e.g. the card's size) to let it grow further for speed",
-                    self._lean_elements / 1e6,
-                    100 * self._lean_elements / params,
+                    "(%.0f%% of them, %.2f GiB of optimizer state), so that the GPU peak stays "
+                    "under %.0f%% of what training without offload would need; set "
+                    "gpu_tail_cap (GiB of optimizer state, e.g. the card's size) to let it grow "
+                    "further for speed",
+                    elements / 1e6,
+                    100 * elements / params,
+                    self._lean_bytes / 2**30,
                     100 * LEAN_SHARE,
                 )
-        return self._lean_elements
+        return self._lean_bytes
 
     def _buckets_to_give_back(self, want: int) -> list[Bucket]:
         """Device buckets farthest from the tail first, at least ``want`` elements (whole
@@ -248,5 +264,5 @@ class TailMoves:
             self.tuner.last_exposed if self.tuner is not None else 0.0,
             sum(b.on_device for b in self._buckets),
             len(self._buckets),
-            self.device_elements() * DEVICE_BYTES_PER_ELEMENT / 2**30,
+            self.device_state_bytes() / 2**30,
         )

@@ -33,7 +33,6 @@ from collections.abc import Callable, Mapping
 import torch
 
 from ..engine import SuperOffloadOptimizer
-from ..engine.placement import DEVICE_BYTES_PER_ELEMENT
 
 logger = logging.getLogger("hf_superoffload")
 
@@ -152,7 +151,7 @@ def release_for_retry(
         return False
     if not optimizer.releasable_device_tail():  # an integer gpu_tail, or none on the GPU
         return False
-    held = optimizer.stats["gpu_tail_params"] * DEVICE_BYTES_PER_ELEMENT
+    held = sum(optimizer.device_bytes().values())  # the tail's state, by its moments
     optimizer.zero_grad()
     optimizer.release_device_tail("CUDA out of memory in forward/backward")
     optimizer.stats_counters.oom_retries += 1

@@ -8,8 +8,9 @@ DeepSpeed's ``partition_grads``, ``set_gradient_accumulation_boundary`` and
 ``_params_expecting_gradients``, ``_launch_the_rest`` and ``_note_presence``. Of the optimizer
 it reads ``_stv``, ``_host_parts``, ``_host_part_at``, ``_device_part_at``, ``_device_parts``,
 ``_accumulates`` and DeepSpeed's partitioning and norms; it writes ``_holds_elements``,
-``_pending_params``, ``_launched``, ``_boundary_arrivals``, ``_accumulates``, each
-sub group's ``present`` and ``norm_for_param_grads``, and the STV core's ``host_sq_norms``.
+``_pending_params``, ``_launched``, ``_boundary_arrivals``, ``_accumulates``,
+``_accumulation_claim``, each sub group's ``present`` and ``norm_for_param_grads``, and the STV
+core's ``host_sq_norms``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,18 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import log_dist
 
+from ..engine.host_memory import HostMemoryError, check_host_memory
 from ..engine.partition import HostPartition
+from ..engine.replicas import shares_failures
+
+HAND_SET_BOUNDARY_REMEDIES = (
+    "The accumulation boundary was set by hand (set_gradient_accumulation_boundary(False)) "
+    "with gradient_accumulation_steps 1, so DeepSpeed's host accumulation buffer, which the "
+    "start-up host check did not count, would be made now: set gradient_accumulation_steps in "
+    "the DeepSpeed config (or the Trainer) to the most backward passes per step, so that it is "
+    "counted (or refused) before training starts; or use fewer GPUs per host, or free host "
+    "memory."
+)
 
 
 class BackwardOffload:
@@ -77,13 +89,16 @@ class BackwardOffload:
             if param.ds_id not in window and self._has_gradient_partition(param):
                 self._accumulated_partition(param).zero_()
 
+    @shares_failures  # a rank refused here ends the others' next collective with its error
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """DeepSpeed's engine forwards a boundary the user sets by hand (its documented way to
         accumulate a variable number of micro-batches, with ``coalesce_grad_reduction`` or
         without): a backward that is not at the boundary accumulates, so with
         ``gradient_accumulation_steps`` 1 the accumulation buffer left out at start-up is made
-        after all (``host_bytes()["accumulation"]`` counts it)."""
+        after all (``host_bytes()["accumulation"]`` counts it), once the host check grants
+        it."""
         if not is_boundary and not self._accumulates:
+            self._claim_accumulation_buffer()
             self._restore_accumulation_buffer()
             self._accumulates = True
             log_dist(
@@ -93,6 +108,22 @@ class BackwardOffload:
                 ranks=[0],
             )
         super().set_gradient_accumulation_boundary(is_boundary)
+
+    def _claim_accumulation_buffer(self) -> None:
+        """Check that the host holds the accumulation buffer before it is made (the claim is
+        held while the optimizer, which holds the buffer, lives). If not, refuse before
+        anything of this call changes: the window's CPU work is waited for and its gradients
+        stay as they were."""
+        numel = self._accumulation_buffer_numel()  # what _restore_accumulation_buffer makes
+        parts = {"accumulation": numel * self.gradient_accumulation_dtype.itemsize}
+        try:
+            self._accumulation_claim = check_host_memory(parts, HAND_SET_BOUNDARY_REMEDIES)
+        except HostMemoryError as error:
+            self.synchronize()
+            raise HostMemoryError(
+                f"SuperOffload on ZeRO-3 refused set_gradient_accumulation_boundary(False): "
+                f"{error} Nothing was changed."
+            ) from error
 
     def _offload_boundary_partitions(self, params, grad_partitions) -> None:
         for param, grad_partition in zip(params, grad_partitions, strict=True):

@@ -161,7 +161,7 @@ class HostState:
         ``host_bytes`` counts it from then on."""
         params = [p for group in self.fp16_groups for p in group]
         buffer = torch.zeros(
-            sum(p.partition_numel() for p in params),
+            self._accumulation_buffer_numel(),
             dtype=self.gradient_accumulation_dtype,
             device=self.device,
         )
@@ -171,6 +171,12 @@ class HostState:
             views[param.ds_id] = buffer.narrow(0, offset, param.partition_numel())
             offset += param.partition_numel()
         self.grad_partitions_flat_buffer = buffer
+
+    def _accumulation_buffer_numel(self) -> int:
+        """Elements of DeepSpeed's host accumulation buffer (in its accumulation dtype): every
+        param's gradient partition. ``_restore_accumulation_buffer`` makes it of this size,
+        and the hand-set boundary's host check counts it first (backward_offload.py)."""
+        return sum(p.partition_numel() for group in self.fp16_groups for p in group)
 
     def _accumulated_partition(self, param) -> torch.Tensor:
         """This window's sum of ``param``'s gradient partitions in DeepSpeed's accumulation
