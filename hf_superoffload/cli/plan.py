@@ -12,9 +12,7 @@ import argparse
 import dataclasses
 import json
 
-from .. import env
 from ..integrations.plugin import _CASTS as CASTS
-from ..integrations.plugin import SuperOffloadOptions
 from ..zero3.activation_memory import uncounted
 from ..zero3.loss_memory import LIGER_MODEL_TYPES
 from ..zero3.memory_plan import MemoryPlan, Zero3Run, zero3_memory_plan
@@ -24,12 +22,11 @@ from . import model_source, plan_output, ratio_auto
 from .errors import EXIT_DOES_NOT_FIT, EXIT_FITS, UsageError
 from .hardware import PRESETS
 from .plan_output import LOSSES
+from .plan_settings import planned_settings
 
 _MORE_GPUS = (2, 4, 8, 16, 32, 64)  # GPU counts tried when a run does not fit
 NO_SAVE = "a run that saves nothing: examples/sft.py --save_model false with --save_strategy no"
 DEFAULT_SEQ, DEFAULT_BATCH = 4096, 4  # the paper's examples' settings
-CAST_ENV = env.PREFIX + "CAST"
-MOMENTS_ENV = env.PREFIX + "MOMENTS"
 
 
 def add_parser(commands) -> None:
@@ -117,9 +114,10 @@ def add_parser(commands) -> None:
         choices=CASTS,
         help="the run's cast (superoffload_cast, HF_SUPEROFFLOAD_CAST), which decides whether "
         "the optimizer makes a host ring for the params going back to the GPU: none with auto "
-        "or gpu, 96 MiB a rank at most with cpu (or compact moments). Default: "
-        "HF_SUPEROFFLOAD_CAST when set, else not known and the ring counted at its most (an "
-        "upper bound, marked in the output)",
+        "or gpu, 96 MiB a rank at most with cpu (or compact moments). Default: a recipe's "
+        "superoffload_cast, else HF_SUPEROFFLOAD_CAST when set, else auto for a recipe and, for "
+        "a model, not known and the ring counted at its most (an upper bound, marked in the "
+        "output)",
     )
     parser.add_argument(
         "--sub-group-size",
@@ -185,65 +183,9 @@ def _check(args) -> None:
     ratio_auto.check_ratio(args.ratio, "--ratio")
 
 
-def run_moments() -> str:
-    """The moments of a run not given --moments: HF_SUPEROFFLOAD_MOMENTS resolved as the
-    trainer resolves it (SuperOffloadOptions), else fp32."""
-    if env.read(MOMENTS_ENV) is None:
-        return "fp32"
-    try:
-        return SuperOffloadOptions().moments
-    except ValueError as error:  # a bad HF_SUPEROFFLOAD_* value the run would refuse too
-        raise UsageError(str(error)) from None
-
-
-def planned_settings(source):
-    """The run plan counts where no option says otherwise (script_arguments.PlannedRun): a
-    recipe's, read as examples/sft.py reads it (what ``hf-superoffload finetune`` launches and
-    plans), HF_SUPEROFFLOAD_MOMENTS and _CAST included; for a model, the defaults and those
-    variables. UsageError for what the script would refuse or the plan cannot count."""
-    from .script_arguments import PlannedRun, planned_run  # here: it loads transformers
-
-    if source.recipe is None:
-        return PlannedRun(
-            seq=None,
-            batch=None,
-            gradient_accumulation=1,
-            sequence_parallel_size=1,
-            moments=run_moments(),
-            cast=run_cast(),
-            checkpointing=True,
-            activation_checkpoint_offload=False,
-            never_saves=False,
-        )
-    try:
-        recipe = planned_run(source.recipe, [])
-    except UsageError as error:
-        raise UsageError(f"recipe {source.recipe_path}: {error}") from None
-    if recipe.sequence_parallel_size > 1:
-        raise UsageError(
-            f"recipe {source.recipe_path}: sequence_parallel_size "
-            f"{recipe.sequence_parallel_size} splits each sequence over that many ranks "
-            "(Ulysses), and the memory plan counts whole sequences on every rank: it cannot "
-            "plan this run"
-        )
-    return recipe
-
-
 def _given(option, setting):
     """An option where given (not None), else the run's setting."""
     return setting if option is None else option
-
-
-def run_cast() -> str | None:
-    """The cast of a model's run not given --cast: HF_SUPEROFFLOAD_CAST resolved as the engine
-    resolves it (SuperOffloadOptions), else None: the run's cast is not known here (its script
-    may pass superoffload_cast), and the plan counts the copy-out ring at its most."""
-    if env.read(CAST_ENV) is None:
-        return None
-    try:
-        return SuperOffloadOptions().cast
-    except ValueError as error:  # a bad HF_SUPEROFFLOAD_* value the run would refuse too
-        raise UsageError(str(error)) from None
 
 
 def _checkpointing(args, source, settings, offload: bool) -> bool:
