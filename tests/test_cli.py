@@ -421,8 +421,13 @@ def test_argparse_errors_exit_2(capsys):
 def test_plans_a_recipe_with_its_sequence_length_and_batch(capsys, tmp_path):
     shipped = ROOT / "examples" / "recipes" / "qwen3-30b-a3b.yaml"
     _, by_recipe = plan_json(capsys, str(shipped), "--hardware", "gh200", "--gpus", "2")
-    _, by_name = plan_json(capsys, "qwen3-30b-a3b", "--hardware", "gh200", "--gpus", "2")
+    # A recipe's run: TRL's loss, and its cast (auto: neither the recipe nor the variable).
+    _, by_name = plan_json(
+        capsys, "qwen3-30b-a3b", "--hardware", "gh200", "--gpus", "2", "--loss", "trl",
+        "--cast", "auto",
+    )  # fmt: skip
     assert by_recipe["gpu_need_bytes"] == by_name["gpu_need_bytes"]
+    assert by_recipe["host_need_bytes"] == by_name["host_need_bytes"]
     assert "planned from the shipped config 'qwen3-30b-a3b'" in " ".join(by_recipe["notes"])
     recipe = tmp_path / "short.yaml"
     recipe.write_text(
@@ -602,16 +607,18 @@ def test_plan_counts_every_saved_activation_without_checkpointing(capsys, tmp_pa
     for name in ("activation_checkpointing", "gradient_checkpointing"):
         recipe = tmp_path / f"{name}.yaml"
         recipe.write_text(f"random_init_from_config: llama-3.1-8b\n{name}: false\n")
-        _, by_recipe = plan_json(capsys, str(recipe), "--hardware", "h100")
+        full_logits = ("--hardware", "h100", "--loss", "full")  # a recipe's default: trl
+        _, by_recipe = plan_json(capsys, str(recipe), *full_logits)
         assert by_recipe["gpu_bytes_per_rank"] == off["gpu_bytes_per_rank"], name
         _, overridden = plan_json(
-            capsys, str(recipe), "--hardware", "h100", "--activation-checkpointing", "on"
+            capsys, str(recipe), *full_logits, "--activation-checkpointing", "on"
         )
         assert overridden["gpu_bytes_per_rank"] == on["gpu_bytes_per_rank"], name
     recipe = tmp_path / "unclear.yaml"
     recipe.write_text("random_init_from_config: llama-3.1-8b\nactivation_checkpointing: maybe\n")
     code, _, err = cli(capsys, "plan", str(recipe), "--hardware", "h100")
-    assert code == 2 and "activation_checkpointing must be true or false, got 'maybe'" in err
+    assert code == 2 and f"recipe {recipe}: examples/sft.py would refuse" in err, err
+    assert "--activation-checkpointing: Truthy value expected: got maybe" in err
 
 
 @pytest.mark.parametrize(

@@ -9,10 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from pathlib import Path
 
 from .errors import UsageError
 from .hardware import GIB, PRESETS, preset
+
+# What the optimizer's start-up check compares its host state with; MemTotal would say "fits"
+# where the check refuses (memory others use, a container's limit).
+HOST_SOURCE = (
+    "the host memory available now, as the optimizer's start-up check counts it: MemAvailable, "
+    "or less where the container's memory limit leaves less; HF_SUPEROFFLOAD_HOST_MEMORY_GIB "
+    "where set (on VMs whose memory grows on use MemAvailable reads low: set it, or give "
+    "--cpu-mem)"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,18 +66,12 @@ def resolve(args) -> Capacity:
             "--gpu-mem (GiB per GPU) and --cpu-mem (GiB per host)"
         )
     host_memory = host_memory or _this_host()
-    if host_memory is None:
-        raise UsageError("cannot read this host's memory size: give --cpu-mem (GiB per host)")
     custom = args.gpu_mem is not None and args.cpu_mem is not None
     return Capacity(
         label="custom" if custom else "this machine",
         gpu_memory=gpu_memory,
         gpus_per_host=args.gpus_per_host,
-        # Some VMs grow their memory as it is used, so MemTotal can read low there.
-        source="--gpu-mem/--cpu-mem"
-        if custom
-        else "this machine: torch, and MemTotal, which reads low on VMs whose memory grows "
-        "on use (give --cpu-mem there)",
+        source="--gpu-mem/--cpu-mem" if custom else f"this machine: torch, and {HOST_SOURCE}",
         host_memory_for=lambda _: host_memory,
     )
 
@@ -82,11 +84,17 @@ def _this_gpu() -> int | None:
     return torch.cuda.get_device_properties(0).total_memory
 
 
-def _this_host() -> int | None:
+def _this_host() -> int:
+    """The host memory the run may take here, as the optimizer's start-up check counts it
+    (engine/host_memory.host_bytes_available): so that a plan that fits this machine is not
+    refused there at start."""
+    from ..engine.host_memory import host_bytes_available  # here: it loads torch
+
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+        return host_bytes_available()
+    except ValueError as error:  # a bad HF_SUPEROFFLOAD_HOST_MEMORY_GIB, refused there too
+        raise UsageError(str(error)) from None
+    except (OSError, KeyError, IndexError) as error:
+        raise UsageError(
+            f"cannot read this host's available memory ({error}): give --cpu-mem (GiB per host)"
+        ) from None

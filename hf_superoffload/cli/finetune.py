@@ -8,7 +8,7 @@ engine), its ``offload_optimizer.ratio`` chosen by the memory plan (``--ratio au
 zerooffload: the same ZeRO-3 settings with DeepSpeed's plain CPU offload and TRL's own trainer
 (``accelerate_configs/deepspeed/zero3_offload.json``, ``--optimizer adamw``), the baseline.
 
-A run directory ``RUNS/MODEL_MODE_bBATCH_DATE/`` holds recipe.yaml, deepspeed.json and
+A run directory ``RUNS/MODEL_MODE_bBATCH_DATE/`` (the batch the run uses) holds recipe.yaml, deepspeed.json and
 accelerate.yaml (the configs used), plan.json (``--ratio auto``), command.sh (the exact launch),
 train.log and output/ (the model, its model card, loss.png, the summary).
 """
@@ -34,6 +34,8 @@ from .finetune_plan import (
     check_gpus,
     plan_ratio,
     planned_machine,
+    planned_run,
+    script_batch,
     superoffload_arguments,
 )
 from .ratio_auto import check_ratio
@@ -75,14 +77,17 @@ def add_parser(commands) -> None:
     parser.add_argument(
         "--batch",
         type=_batch,
-        help="micro-batch per GPU (default: the recipe's per_device_train_batch_size, else 4)",
+        help="micro-batch per GPU (default: the recipe's per_device_train_batch_size, else 4); "
+        "a --per_device_train_batch_size for examples/sft.py comes after it and wins",
     )
     parser.add_argument(
         "--ratio",
         help="superoffload only: DeepSpeed's offload_optimizer.ratio, written into the run's "
         "deepspeed.json. auto (the default): the lowest ratio down to 0.5 whose memory plan "
-        "fits the machine (`hf-superoffload plan --ratio auto`, kept as plan.json); a number in "
-        "[0, 1] fixes it (1.0: all optimizer state on the host)",
+        "fits the machine (`hf-superoffload plan --ratio auto`, kept as plan.json), for the run "
+        "launched: the recipe with examples/sft.py's arguments over it (--max_length, "
+        "--gradient_accumulation_steps, ...); a number in [0, 1] fixes it (1.0: all optimizer "
+        "state on the host)",
     )
     parser.add_argument("--gpus", type=int, help="GPUs (default: the recipe's, the paper's)")
     parser.add_argument(
@@ -196,7 +201,13 @@ def prepare(args: argparse.Namespace) -> tuple[Path, list[str], dict[str, str]]:
     if args.mode == "zerooffload":
         refuse_superoffload_arguments(settings, extra)
         refuse_engine_variables()
-    batch = args.batch or settings.get("per_device_train_batch_size", DEFAULT_BATCH)
+    given_batch = args.batch or settings.get("per_device_train_batch_size", DEFAULT_BATCH)
+    passed = ["--per_device_train_batch_size", str(given_batch)]  # before the script's own
+    # examples/sft.py reads the recipe, then these arguments, the last one given winning (a
+    # batch, sequence length or accumulation after --): the run directory's name, command.sh
+    # and the plan take the run's values as it reads them.
+    batch = script_batch(settings, [*passed, *extra])
+    run_settings = planned_run(settings, [*passed, *extra]) if ratio == "auto" else None
     if not args.dry_run:
         check_gpus(args, gpus, recipe)
     # GH200 nodes are aarch64 (Grace); anything else gets the x86 configs. The shipped ones
@@ -209,7 +220,7 @@ def prepare(args: argparse.Namespace) -> tuple[Path, list[str], dict[str, str]]:
     deepspeed_base = root / "accelerate_configs" / "deepspeed" / DEEPSPEED_JSON[args.mode]
     plan = None
     if ratio == "auto":
-        ratio, plan = plan_ratio(args, recipe, settings, gpus, batch, extra)
+        ratio, plan = plan_ratio(args, recipe, gpus, run_settings)
     elif planned_machine(args):
         print(
             f"--hardware/--gpu-mem/--cpu-mem (PLAN_HARDWARE) are used by --ratio auto only; "
@@ -234,7 +245,7 @@ def prepare(args: argparse.Namespace) -> tuple[Path, list[str], dict[str, str]]:
         yaml.safe_dump(accelerate, f, sort_keys=False)
 
     script_args = ["--config", str(run_dir / "recipe.yaml"), "--output_dir"]
-    script_args += [str(run_dir / "output"), "--per_device_train_batch_size", str(batch)]
+    script_args += [str(run_dir / "output"), *passed]
     if args.mode == "zerooffload":
         script_args += ["--optimizer", "adamw"]  # DeepSpeed's CPU Adam, not ours
     variables = {}

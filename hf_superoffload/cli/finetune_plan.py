@@ -56,19 +56,6 @@ def superoffload_arguments(settings: dict, script_args: list[str]):
     return parser.parse_args_into_dataclasses(script_args, return_remaining_strings=True)[0]
 
 
-def _run_cast(settings: dict, script_args: list[str]) -> str:
-    """The launched run's cast, as the trainer resolves it (SuperOffloadOptions): its
-    superoffload_cast, else HF_SUPEROFFLOAD_CAST, else auto; it decides whether the plan
-    counts a copy-out ring (`plan --cast`)."""
-    from ..integrations.plugin import SuperOffloadOptions
-
-    given = superoffload_arguments(settings, script_args).superoffload_cast
-    try:
-        return SuperOffloadOptions(cast=given).cast
-    except ValueError as error:
-        raise UsageError(f"examples/sft.py would refuse its arguments: {error}") from None
-
-
 def _suggested_hardware() -> str:
     """The preset a refusal's plan command names: this machine's kind of node."""
     return "gh200" if platform.machine() == "aarch64" else "h100-sxm-8"
@@ -87,40 +74,37 @@ def check_gpus(args: argparse.Namespace, gpus: int, recipe: Path) -> None:
         )
 
 
-def plan_ratio(
-    args: argparse.Namespace,
-    recipe: Path,
-    settings: dict,
-    gpus: int,
-    batch: int,
-    script_args: list[str],
-) -> tuple[str, dict | None]:
-    """(ratio, plan JSON or None) for ``--ratio auto``; UsageError or a refusal otherwise."""
-    # Imported here: it loads transformers.
-    from . import script_arguments as script
+def script_batch(settings: dict, script_args: list[str]) -> int:
+    """The batch per GPU examples/sft.py runs: the script's arguments over the recipe's."""
+    from .script_arguments import read  # here: it loads transformers
 
-    cast = _run_cast(settings, script_args)
-    never_saves = script.never_saves(settings, script_args)
-    moments = script.moments(settings, script_args)
-    offload = script.activation_checkpoint_offload(settings, script_args)
-    checkpointing = script.checkpointing(settings, script_args)
-    return _plan(
-        args, recipe, settings, gpus, batch, never_saves, moments, offload, checkpointing, cast
-    )
+    return read(settings, script_args).per_device_train_batch_size
 
 
-def _plan(
-    args: argparse.Namespace,
-    recipe: Path,
-    settings: dict,
-    gpus: int,
-    batch: int,
-    never_saves: bool,
-    moments: str,
-    activation_checkpoint_offload: bool,
-    checkpointing: bool,
-    cast: str,
-) -> tuple[str, dict | None]:
+def planned_run(settings: dict, script_args: list[str]):
+    """The run examples/sft.py is launched for: the recipe's ``settings`` with the script's
+    arguments over them, read by one parser (script_arguments.planned_run); UsageError for what
+    the script would refuse, or what RATIO=auto cannot plan."""
+    from . import script_arguments  # here: it loads transformers
+
+    run = script_arguments.planned_run(settings, script_args)
+    if run.sequence_parallel_size > 1:
+        raise UsageError(
+            f"RATIO=auto cannot plan --sequence_parallel_size {run.sequence_parallel_size}: "
+            "Ulysses splits each sequence over that many ranks, and the memory plan counts "
+            "whole sequences on every rank; give --ratio (RATIO) a number in [0, 1]"
+        )
+    if run.seq is None:
+        raise UsageError(
+            "RATIO=auto plans the run's sequence length, and neither the recipe nor the script's "
+            "arguments give max_length: add it to the recipe, or pass --max_length N after --"
+        )
+    return run
+
+
+def plan_ratio(args: argparse.Namespace, recipe: Path, gpus: int, run) -> tuple[str, dict | None]:
+    """(ratio, plan JSON or None) for ``--ratio auto`` of ``run`` (``planned_run``'s);
+    UsageError or a refusal otherwise."""
     import torch
 
     from . import build_parser
@@ -134,19 +118,21 @@ def _plan(
         )
         return "1.0", None
 
-    model, options = str(recipe), []
+    model = str(recipe)
     if not args.random_init and args.model_path and Path(args.model_path).is_dir():
-        model = args.model_path  # its config, at the recipe's sequence length
-        options += ["--seq", str(settings.get("max_length", 4096))]
-    accumulation = settings.get("gradient_accumulation_steps", 1)
-    argv = ["plan", model, "--gpus", str(gpus), "--batch", str(batch), "--ratio", "auto"]
-    argv += ["--gradient-accumulation-steps", str(accumulation), "--loss", RECIPE_LOSS, *options]
-    if never_saves:
-        argv.append("--no-save")
-    if activation_checkpoint_offload:
-        argv.append("--activation-checkpoint-offload")
-    argv += ["--activation-checkpointing", "on" if checkpointing else "off"]
-    argv += ["--moments", moments, "--cast", cast, *planned_machine(args)]
+        model = args.model_path  # its config
+    # Every setting of the run as an option, so the plan command named below plans this run
+    # whatever the recipe says.
+    argv = ["plan", model, "--gpus", str(gpus), "--seq", str(run.seq), "--batch", str(run.batch)]
+    argv += ["--ratio", "auto", "--gradient-accumulation-steps", str(run.gradient_accumulation)]
+    argv += ["--loss", RECIPE_LOSS, "--no-save" if run.never_saves else "--save"]
+    argv.append(
+        "--activation-checkpoint-offload"
+        if run.activation_checkpoint_offload
+        else "--no-activation-checkpoint-offload"
+    )
+    argv += ["--activation-checkpointing", "on" if run.checkpointing else "off"]
+    argv += ["--moments", run.moments, "--cast", run.cast, *planned_machine(args)]
     where = "the machine given" if planned_machine(args) else "this machine"
     try:
         found = plan_command.answer(build_parser().parse_args(argv))

@@ -3,8 +3,8 @@
 MODEL is a local model directory (its ``config.json`` is read), a ``config.json`` path, the
 short name of an architecture config shipped in ``hf_superoffload/model_configs``, or a recipe
 YAML (``examples/recipes/``): its ``random_init_from_config`` or a local
-``model_name_or_path``, else the shipped config named like the recipe, and its sequence length
-and batch. A local path wins over a shipped name of the same spelling.
+``model_name_or_path``, else the shipped config named like the recipe, and the recipe's settings
+(plan reads the run from them). A local path wins over a shipped name of the same spelling.
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ class ModelSource:
     path: str  # the config.json read
     config: object  # a transformers PretrainedConfig
     notes: tuple[str, ...] = ()
-    seq: int | None = None  # a recipe's max_length
-    batch: int | None = None  # a recipe's per_device_train_batch_size
-    # A recipe's activation checkpointing (either of its names); None: not a recipe.
-    activation_checkpointing: bool | None = None
+    # A recipe's settings (its YAML mapping), which plan reads as examples/sft.py reads them
+    # (script_arguments.planned_run); None: not a recipe.
+    recipe: dict | None = None
+    recipe_path: str | None = None
 
 
 def shipped_configs() -> dict[str, Path]:
@@ -114,7 +114,7 @@ def _to_config(values: dict, config_file: Path):
 
 
 def _from_recipe(path: Path) -> ModelSource:
-    """The model a recipe trains, and its sequence length and batch."""
+    """The model a recipe trains, and the recipe's settings."""
     import yaml
 
     try:
@@ -136,31 +136,5 @@ def _from_recipe(path: Path) -> ModelSource:
             f"shipped config; pass the model's config.json as MODEL instead"
         )
     return dataclasses.replace(
-        source,
-        notes=(*notes, *source.notes),
-        seq=recipe.get("max_length"),
-        batch=recipe.get("per_device_train_batch_size"),
-        activation_checkpointing=_recipe_checkpointing(recipe, path),
+        source, notes=(*notes, *source.notes), recipe=recipe, recipe_path=str(path)
     )
-
-
-def _recipe_checkpointing(recipe: dict, path: Path) -> bool:
-    """Whether the recipe's run checkpoints activations, read as its script reads it: the new
-    name, else the old, else TRL's default (on)."""
-    from argparse import ArgumentTypeError
-
-    from transformers.hf_argparser import string_to_bool
-
-    for name in ("activation_checkpointing", "gradient_checkpointing"):
-        value = recipe.get(name)
-        if value is None:
-            continue
-        if isinstance(value, bool):
-            return value
-        try:
-            return string_to_bool(str(value))
-        except ArgumentTypeError:
-            raise UsageError(
-                f"recipe {path}: {name} must be true or false, got {value!r}"
-            ) from None
-    return True

@@ -12,9 +12,7 @@ import argparse
 import dataclasses
 import json
 
-from .. import env
 from ..integrations.plugin import _CASTS as CASTS
-from ..integrations.plugin import SuperOffloadOptions
 from ..zero3.activation_memory import uncounted
 from ..zero3.loss_memory import LIGER_MODEL_TYPES
 from ..zero3.memory_plan import MemoryPlan, Zero3Run, zero3_memory_plan
@@ -24,11 +22,11 @@ from . import model_source, plan_output, ratio_auto
 from .errors import EXIT_DOES_NOT_FIT, EXIT_FITS, UsageError
 from .hardware import PRESETS
 from .plan_output import LOSSES
+from .plan_settings import planned_settings
 
 _MORE_GPUS = (2, 4, 8, 16, 32, 64)  # GPU counts tried when a run does not fit
 NO_SAVE = "a run that saves nothing: examples/sft.py --save_model false with --save_strategy no"
 DEFAULT_SEQ, DEFAULT_BATCH = 4096, 4  # the paper's examples' settings
-CAST_ENV = env.PREFIX + "CAST"
 
 
 def add_parser(commands) -> None:
@@ -78,23 +76,23 @@ def add_parser(commands) -> None:
     parser.add_argument(
         "--loss",
         choices=LOSSES,
-        default="full",
         help="what computes the loss, which decides the GPU memory of the logits: full (the "
-        "default), the model's own loss over a batch's full logits (a plain Trainer or "
-        "DeepSpeed script); trl, TRL's fused LM head (TRL's SFTTrainer and DPOTrainer: "
-        "examples/sft.py and the recipes, with or without --use_liger_kernel); liger, "
-        "Liger-Kernel's fused linear cross-entropy (a plain Trainer with use_liger_kernel)",
+        "default for a model), the model's own loss over a batch's full logits (a plain Trainer "
+        "or DeepSpeed script); trl (the default for a recipe), TRL's fused LM head (TRL's "
+        "SFTTrainer and DPOTrainer: examples/sft.py and the recipes, with or without "
+        "--use_liger_kernel); liger, Liger-Kernel's fused linear cross-entropy (a plain Trainer "
+        "with use_liger_kernel)",
     )
     parser.add_argument(
         "--offload-param", action="store_true", help="bf16 params on the host too (ZeRO-3)"
     )
     parser.add_argument(
         "--activation-checkpoint-offload",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         help="the checkpointed layers' inputs wait in pinned host memory between forward and "
         "backward (the recipes' --activation_checkpoint_offload true, or transformers' own "
         'activation_checkpointing_kwargs {"offload": true} from 5.17 on): off the GPU, onto '
-        "the host, a power-of-two block per layer",
+        "the host, a power-of-two block per layer. Default: a recipe's, else off",
     )
     parser.add_argument(
         "--activation-checkpointing",
@@ -107,18 +105,19 @@ def add_parser(commands) -> None:
     parser.add_argument(
         "--moments",
         choices=("fp32", "compact"),
-        default="fp32",
-        help="Adam's moments in fp32 (the default) or compact, 8 bits a value "
-        "(HF_SUPEROFFLOAD_MOMENTS=compact): 8 host bytes a param in place of 14",
+        help="Adam's moments in fp32 or compact, 8 bits a value: 8 host bytes a param in place "
+        "of 14. Default: a recipe's superoffload_moments, else HF_SUPEROFFLOAD_MOMENTS when "
+        "set, else fp32 (as the trainer reads them)",
     )
     parser.add_argument(
         "--cast",
         choices=CASTS,
         help="the run's cast (superoffload_cast, HF_SUPEROFFLOAD_CAST), which decides whether "
         "the optimizer makes a host ring for the params going back to the GPU: none with auto "
-        "or gpu, 96 MiB a rank at most with cpu (or compact moments). Default: "
-        "HF_SUPEROFFLOAD_CAST when set, else not known and the ring counted at its most (an "
-        "upper bound, marked in the output)",
+        "or gpu, 96 MiB a rank at most with cpu (or compact moments). Default: a recipe's "
+        "superoffload_cast, else HF_SUPEROFFLOAD_CAST when set, else auto for a recipe and, for "
+        "a model, not known and the ring counted at its most (an upper bound, marked in the "
+        "output)",
     )
     parser.add_argument(
         "--sub-group-size",
@@ -131,16 +130,16 @@ def add_parser(commands) -> None:
     parser.add_argument(
         "--gradient-accumulation-steps",
         type=int,
-        default=1,
         metavar="N",
-        help="above 1, DeepSpeed keeps a host accumulation buffer (2 B/param)",
+        help="above 1, DeepSpeed keeps a host accumulation buffer (2 B/param). Default: a "
+        "recipe's gradient_accumulation_steps, else 1",
     )
     parser.add_argument(
-        "--no-save",
-        action="store_true",
-        help="a run that never saves the model (examples/sft.py --save_model false with "
-        "--save_strategy no): rank 0's host does not hold the save's shard of the 16-bit model "
-        "(one shard of 5 GB and one param)",
+        "--save",
+        action=argparse.BooleanOptionalAction,
+        help="--no-save: a run that never saves the model (examples/sft.py --save_model false "
+        "with --save_strategy no): rank 0's host does not hold the save's shard of the 16-bit "
+        "model (one shard of 5 GB and one param). Default: a recipe's, else a run that saves",
     )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.set_defaults(run=run)
@@ -176,7 +175,7 @@ def _check(args) -> None:
     ):
         if value is not None and value < 1:
             raise UsageError(f"{option} must be at least 1, got {value}")
-    if args.gradient_accumulation_steps < 1:
+    if args.gradient_accumulation_steps is not None and args.gradient_accumulation_steps < 1:
         raise UsageError(
             f"--gradient-accumulation-steps must be at least 1, got "
             f"{args.gradient_accumulation_steps}"
@@ -184,36 +183,25 @@ def _check(args) -> None:
     ratio_auto.check_ratio(args.ratio, "--ratio")
 
 
-def run_cast(given: str | None) -> str | None:
-    """The cast the planned run has: ``given`` (--cast), else HF_SUPEROFFLOAD_CAST resolved as
-    the engine resolves it (SuperOffloadOptions), else None: the run's cast is not known here
-    (its script may pass superoffload_cast), and the plan counts the copy-out ring at its most."""
-    if given is not None:
-        return given
-    if env.read(CAST_ENV) is None:
-        return None
-    try:
-        return SuperOffloadOptions().cast
-    except ValueError as error:  # a bad HF_SUPEROFFLOAD_* value the run would refuse too
-        raise UsageError(str(error)) from None
+def _given(option, setting):
+    """An option where given (not None), else the run's setting."""
+    return setting if option is None else option
 
 
-def _checkpointing(args, source, config) -> bool:
+def _checkpointing(args, source, settings, offload: bool) -> bool:
     """Whether the planned run checkpoints activations: ``--activation-checkpointing``, else
     the recipe's, else on. UsageError for what the plan cannot count without it."""
-    if args.activation_checkpointing is not None:
-        checkpointing = args.activation_checkpointing == "on"
-    else:
-        checkpointing = source.activation_checkpointing is not False
-    if checkpointing:
+    given = args.activation_checkpointing
+    if _given(None if given is None else given == "on", settings.checkpointing):
         return True
-    if args.activation_checkpoint_offload:
+    if offload:
         raise UsageError(
-            "--activation-checkpoint-offload moves the inputs activation checkpointing keeps, "
-            "and the run does not checkpoint activations: plan --activation-checkpointing on, "
-            "or drop --activation-checkpoint-offload"
+            "--activation-checkpoint-offload (or a recipe's activation_checkpoint_offload) moves "
+            "the inputs activation checkpointing keeps, and the run does not checkpoint "
+            "activations: plan --activation-checkpointing on, or drop the offload "
+            "(--no-activation-checkpoint-offload)"
         )
-    why = uncounted(config)
+    why = uncounted(source.config)
     if why:
         raise UsageError(
             f"cannot plan {source.name}: {why}. Train with activation checkpointing on (the "
@@ -334,23 +322,29 @@ def answer(args: argparse.Namespace) -> Answer:
     """The plan for ``args`` (plan's options); UsageError on bad input."""
     _check(args)
     source = model_source.resolve(args.model)
-    _check_loss(args.loss, source.config)
+    # An option wins, then the run's setting: a recipe's, else the default or variable.
+    settings = planned_settings(source)
+    loss = args.loss or ("full" if source.recipe is None else "trl")  # the recipes run TRL's
+    _check_loss(loss, source.config)
     capacity = capacity_options.resolve(args)
+    offload = _given(args.activation_checkpoint_offload, settings.activation_checkpoint_offload)
     zero3_run = Zero3Run(
-        seq=args.seq or source.seq or DEFAULT_SEQ,
-        batch=args.batch or source.batch or DEFAULT_BATCH,
+        seq=args.seq or settings.seq or DEFAULT_SEQ,
+        batch=args.batch or settings.batch or DEFAULT_BATCH,
         ranks=args.gpus,
         ranks_per_host=capacity.ranks_per_host(args.gpus),
         ratio=1.0 if args.ratio == "auto" else float(args.ratio),
         offload_param=args.offload_param,
-        gradient_accumulation=args.gradient_accumulation_steps,
+        gradient_accumulation=_given(
+            args.gradient_accumulation_steps, settings.gradient_accumulation
+        ),
         sub_group_size=args.sub_group_size,
-        saves_model=not args.no_save,
-        fused_cross_entropy=LOSSES[args.loss][0],
-        compact_moments=args.moments == "compact",
-        activation_checkpoint_offload=args.activation_checkpoint_offload,
-        activation_checkpointing=_checkpointing(args, source, source.config),
-        cast=run_cast(args.cast),
+        saves_model=_given(args.save, not settings.never_saves),
+        fused_cross_entropy=LOSSES[loss][0],
+        compact_moments=_given(args.moments, settings.moments) == "compact",
+        activation_checkpoint_offload=offload,
+        activation_checkpointing=_checkpointing(args, source, settings, offload),
+        cast=_given(args.cast, settings.cast),
     )
     shape = _shape(source.config)
     auto_notes, auto_suggestions = [], []

@@ -1,6 +1,9 @@
-"""What ``hf-superoffload finetune`` reads from the arguments it passes to examples/sft.py, to
-plan the run (RATIO=auto, cli/finetune_plan.py): whether it saves, its Adam moments, whether it
-checkpoints activations and where its checkpointed layer inputs wait.
+"""What the memory plan reads from a recipe and the arguments examples/sft.py gets after it:
+the sequence length, the batch, the accumulation, whether the run saves, its Adam moments and
+cast, whether it checkpoints activations and where its checkpointed layer inputs wait.
+``hf-superoffload finetune`` plans the run it launches from them (RATIO=auto,
+cli/finetune_plan.py), and ``hf-superoffload plan RECIPE.yaml`` the recipe's run (no script
+arguments), so the two agree.
 
 They are parsed as the script parses them, by transformers' ``HfArgumentParser`` over fields of
 the same names and types, with the recipe's values as defaults (TRL's parser sets a recipe YAML's
@@ -18,19 +21,22 @@ import json
 from transformers import HfArgumentParser
 from transformers.training_args import _convert_str_dict
 
-from .. import env
 from .errors import UsageError
-
-MOMENTS_ENV = "HF_SUPEROFFLOAD_MOMENTS"
 
 
 @dataclasses.dataclass
 class ScriptArguments:
     """The script's arguments the plan depends on (their names, types and defaults there)."""
 
+    # None where neither gives them: the caller's default (plan's 4096 and 4; finetune's batch).
+    max_length: int | None = None
+    per_device_train_batch_size: int | None = None
+    gradient_accumulation_steps: int = 1
+    sequence_parallel_size: int | None = None  # Ulysses, which the plan does not count
     save_model: bool = True
     save_strategy: str = "steps"
     superoffload_moments: str | None = None
+    superoffload_cast: str | None = None
     activation_checkpoint_offload: bool = False
     # Activation checkpointing: the new name wins where given, else the old one, whose default
     # is TRL's (on).
@@ -76,18 +82,78 @@ def read(settings: dict, script_args: list[str]) -> ScriptArguments:
     return parser.parse_args_into_dataclasses(script_args, return_remaining_strings=True)[0]
 
 
+@dataclasses.dataclass(frozen=True)
+class PlannedRun:
+    """The run the memory plan counts, as the recipe and the script's arguments set it."""
+
+    seq: int | None  # max_length; None: given by neither
+    batch: int | None  # per_device_train_batch_size; None: given by neither
+    gradient_accumulation: int
+    sequence_parallel_size: int  # 1: off
+    moments: str  # "fp32" or "compact", resolved as the trainer resolves it
+    # "auto", "gpu" or "cpu", resolved as the trainer resolves it; None: not known (plan of a
+    # model without --cast or HF_SUPEROFFLOAD_CAST)
+    cast: str | None
+    checkpointing: bool
+    activation_checkpoint_offload: bool
+    never_saves: bool
+
+
+def planned_run(settings: dict, script_args: list[str]) -> PlannedRun:
+    """The run a recipe's ``settings`` and the script's arguments after it describe (each read
+    once, by one parser). UsageError for what the script would refuse."""
+    script = read(settings, script_args)
+    for name in ("max_length", "per_device_train_batch_size", "gradient_accumulation_steps"):
+        value = getattr(script, name)
+        if value is not None and value < 1:
+            raise UsageError(f"{name} must be at least 1, got {value}")
+    options = _optimizer_options(script)
+    return PlannedRun(
+        seq=script.max_length,
+        batch=script.per_device_train_batch_size,
+        gradient_accumulation=script.gradient_accumulation_steps,
+        sequence_parallel_size=script.sequence_parallel_size or 1,
+        moments=options.moments,
+        cast=options.cast,
+        checkpointing=script.checkpointing,
+        activation_checkpoint_offload=_offload(script),
+        never_saves=_never_saves(script),
+    )
+
+
+def _optimizer_options(script: ScriptArguments):
+    """The SuperOffloadOptions the trainer builds from the run's ``superoffload_*`` values: each
+    given one, else its HF_SUPEROFFLOAD_* variable, else the default; refused as it refuses."""
+    from ..integrations.plugin import SuperOffloadOptions
+
+    try:
+        return SuperOffloadOptions(
+            cast=script.superoffload_cast, moments=script.superoffload_moments
+        )
+    except ValueError as error:
+        raise UsageError(f"examples/sft.py would refuse its arguments: {error}") from None
+
+
+def _never_saves(script: ScriptArguments) -> bool:
+    return not script.save_model and str(script.save_strategy).lower() == "no"
+
+
 def never_saves(settings: dict, script_args: list[str]) -> bool:
     """Whether the run saves nothing (``--save_model false``, ``save_strategy`` no), so the plan
     leaves out the save's shard of the 16-bit model in rank 0's host memory."""
-    script = read(settings, script_args)
-    return not script.save_model and str(script.save_strategy).lower() == "no"
+    return _never_saves(read(settings, script_args))
 
 
 def moments(settings: dict, script_args: list[str]) -> str:
     """The moments the run keeps: ``--superoffload_moments``, the recipe's, else
-    HF_SUPEROFFLOAD_MOMENTS (the trainers' order), else fp32."""
-    given = read(settings, script_args).superoffload_moments
-    return str(given or env.read(MOMENTS_ENV) or "fp32").lower()
+    HF_SUPEROFFLOAD_MOMENTS, else fp32 (the trainer's order)."""
+    return _optimizer_options(read(settings, script_args)).moments
+
+
+def cast(settings: dict, script_args: list[str]) -> str:
+    """The run's cast: ``--superoffload_cast``, the recipe's, else HF_SUPEROFFLOAD_CAST, else
+    auto (the trainer's order); it decides whether the plan counts a copy-out ring."""
+    return _optimizer_options(read(settings, script_args)).cast
 
 
 def checkpointing(settings: dict, script_args: list[str]) -> bool:
@@ -102,9 +168,12 @@ def activation_checkpoint_offload(settings: dict, script_args: list[str]) -> boo
     ``--activation_checkpoint_offload``, or transformers' own (``--activation_checkpointing_kwargs
     '{"offload": true}'``, the same). UsageError for what the script would refuse, and for
     transformers' ``every_n_layers`` other than 1, which the plan does not count."""
+    return _offload(read(settings, script_args))
+
+
+def _offload(script: ScriptArguments) -> bool:
     from ..integrations.activation_offload import offload_requested
 
-    script = read(settings, script_args)
     kwargs = script.checkpointing_kwargs
     if script.activation_checkpoint_offload and not script.checkpointing:
         raise UsageError(
@@ -123,8 +192,9 @@ def activation_checkpoint_offload(settings: dict, script_args: list[str]) -> boo
     every_n_layers = kwargs.get("every_n_layers", 1)
     if every_n_layers != 1:
         raise UsageError(
-            f"RATIO=auto plans every layer checkpointed; every_n_layers {every_n_layers} leaves "
-            "the others holding all their activations on the GPU, which the plan does not count: "
-            "give --ratio (RATIO) a number in [0, 1], or drop every_n_layers"
+            f"the memory plan counts every layer checkpointed; every_n_layers {every_n_layers} "
+            "leaves the others holding all their activations on the GPU, which it does not "
+            "count: drop every_n_layers (hf-superoffload finetune: or give --ratio (RATIO) a "
+            "number in [0, 1])"
         )
     return offload
