@@ -19,7 +19,7 @@ import math
 from typing import Any
 
 from .. import env
-from ..engine.checks import check_moments
+from ..engine.checks import check_moments, check_speculation
 
 ENV_PREFIX = env.PREFIX
 _CASTS = ("auto", "gpu", "cpu")
@@ -111,6 +111,7 @@ class SuperOffloadOptions:
         self.cpu_threads = None if threads is None else _int("cpu_threads", threads, minimum=1)
         self.speculate = _bool("speculate", self.speculate, True)
         self.speculate_after_clip = _bool("speculate_after_clip", self.speculate_after_clip, False)
+        check_speculation(self.speculate, self.speculate_after_clip)
         if self.cast is None:
             self.cast = _env("CAST", "auto")
         if self.cast not in _CASTS:
