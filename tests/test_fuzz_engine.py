@@ -137,8 +137,8 @@ def fuzz_cases(draw) -> FuzzCase:
         bucket_size=draw(st.one_of(st.integers(1, 16), st.integers(17, 2_000))),
         gpu_tail=draw(st.sampled_from([0, 0, 1, 2])),
         declare_accumulation=declare,
-        speculate=draw(st.sampled_from([True, True, False])),
-        speculate_after_clip=draw(st.booleans()),
+        speculate=(speculate := draw(st.sampled_from([True, True, False]))),
+        speculate_after_clip=speculate and draw(st.booleans()),  # refused without speculate
         pass_model=pass_model,
         resume_at=draw(st.one_of(st.none(), st.integers(1, steps - 1))) if steps > 1 else None,
     )

@@ -82,6 +82,9 @@ def render(facts: dict) -> str:
     if kernel.get("available_isas"):
         isa += f" (this CPU runs: {', '.join(kernel['available_isas'])})"
     lines.append(_row("instruction set", f"{isa}; {kernel['isa_source']}"))
+    if kernel.get("isa_override_error"):
+        refusal = kernel["isa_override_error"]
+        lines.append(_row("INVALID", f"{refusal} The optimizers refuse to start with it."))
     lines.append(_row("threads", kernel["threads"]))
 
     lines.append("GPUs")
@@ -129,7 +132,9 @@ def render(facts: dict) -> str:
     if not facts["environment"]:
         lines.append("  none set")
     for name, value in facts["environment"].items():
-        lines.append(f"  {name}={value}: {VARIABLES[name].meaning}")
+        invalid = name == env_facts.ISA_ENV and kernel.get("isa_override_error")
+        state = "INVALID, the optimizers refuse it; " if invalid else ""
+        lines.append(f"  {name}={value}: {state}{VARIABLES[name].meaning}")
     return "\n".join(lines)
 
 

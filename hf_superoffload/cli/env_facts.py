@@ -103,14 +103,26 @@ def cpu_adam(cpu: dict, build: bool) -> dict:
         except _build.BuildToolMissingError as error:
             facts["status"] = "cannot build"
             facts["error"] = str(error)
+    override = facts["isa_override"]
     if facts["status"] in ("not built", "cannot build"):
         facts["isa"] = host_facts.expected_isa(cpu)
         facts["isa_source"] = "expected from /proc/cpuinfo (kernel not built)"
+        if override is not None and override not in adam.ISAS:  # no kernel of that name
+            facts["isa_override_error"] = (
+                f"{ISA_ENV}={override}: not one of the CPU Adam's instruction sets "
+                f"({', '.join(adam.ISAS)}); unset it or pick one this CPU runs."
+            )
         return facts
     try:  # loading a finished build is quick: no compiler runs
-        facts["isa"] = adam.active_isa()
         facts["available_isas"] = adam.available_isas()
-        facts["isa_source"] = f"{ISA_ENV}" if facts["isa_override"] else "the kernel's choice"
+        if override is not None and override not in facts["available_isas"]:
+            # What the optimizers refuse to start with (ops.prepare()).
+            facts["isa_override_error"] = adam.isa_refusal(override, facts["available_isas"])
+            facts["isa"] = _build.load_extension().best_isa()
+            facts["isa_source"] = f"the kernel's choice once {ISA_ENV} is unset"
+        else:
+            facts["isa"] = adam.active_isa()
+            facts["isa_source"] = f"{ISA_ENV}" if override else "the kernel's choice"
     except (ImportError, OSError) as error:
         facts["status"] = "broken"
         facts["error"] = str(error)

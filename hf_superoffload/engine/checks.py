@@ -105,9 +105,21 @@ def check_arguments(
     for name, value in (("speculate", speculate), ("speculate_after_clip", speculate_after_clip)):
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be True or False, got {value!r}.")
+    check_speculation(speculate, speculate_after_clip)
     compact = check_moments(moments)
     check_switches(switches)
     return compact
+
+
+def check_speculation(speculate: bool, speculate_after_clip: bool) -> None:
+    """``speculate_after_clip`` turns speculation on for the step after a clipped one; with
+    ``speculate`` off no step speculates, so the pair would be accepted and do nothing."""
+    if speculate_after_clip and not speculate:
+        raise ValueError(
+            "speculate_after_clip=True has no effect with speculate=False: no step speculates, "
+            "after a clipped step or any other. Drop speculate_after_clip (or unset "
+            "HF_SUPEROFFLOAD_SPECULATE_AFTER_CLIP), or leave speculate on."
+        )
 
 
 def group_defaults(lr, betas, eps, weight_decay) -> dict:

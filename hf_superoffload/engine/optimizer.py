@@ -112,12 +112,14 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         self.last_step_skipped = False
         self._taken_over = False  # another optimizer took the params over (ownership.py)
 
+        # Build or load the CPU Adam now, visibly, not inside step 1; a refused
+        # HF_SUPEROFFLOAD_CPU_ADAM_ISA stops here, before the params are claimed.
+        ops.prepare()
         ownership.claim(trainable, self)
         device, dtype = common_device_and_dtype(trainable)
         use_team(
             choose_team(device, cpu_threads), device.type
         )  # this rank's share of the host's cores
-        ops.prepare()  # build or load the CPU Adam now, visibly, not inside step 1
         # Data parallelism (process_group, or the initialised default group): each rank
         # averages every bucket's gradients with the others, so the model must not also be
         # wrapped in DistributedDataParallel.

@@ -135,6 +135,15 @@ def _active_expert_share(model: torch.nn.Module) -> float:
     return top_k / experts if experts and top_k else 1.0
 
 
+def sequence_parallel_size(parallelism_config) -> int:
+    """Ranks that share each sequence under DeepSpeed's Ulysses, from accelerate's
+    ``ParallelismConfig`` (1 without one, or without sequence parallelism)."""
+    pc = parallelism_config
+    if pc is not None and pc.sp_backend == "deepspeed" and pc.sp_enabled:
+        return pc.sp_size
+    return 1
+
+
 def model_flops_per_token(config, n_matmul_params: int, seq_len: int) -> float:
     return 6.0 * n_matmul_params + 12.0 * config.num_hidden_layers * config.hidden_size * seq_len
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from huggingface_hub import ModelCard
 
+from .metrics import sequence_parallel_size
 from .optimizer_report import describe, optimizer_state_placement
 
 BEGIN = "<!-- superoffload:reproduce -->"
@@ -195,15 +196,20 @@ def trainer_kind_tags(trainer) -> list[str]:
     return ["superoffload", *(t for t in getattr(trainer, "_tag_names", ()) if t != "trl")]
 
 
-def training_arguments(args) -> dict:
+def training_arguments(args, sequence_parallel: int = 1) -> dict:
+    """The arguments that matter, and the sequences one optimizer step trains on: as
+    transformers' ``get_total_train_batch_size``, the ranks that share a sequence under Ulysses
+    (``sequence_parallel``) count once."""
     out = {name: getattr(args, name) for name in ARGUMENTS if hasattr(args, name)}
     out = {k: getattr(v, "value", v) for k, v in out.items()}  # enums by their value
     if getattr(args, "max_steps", -1) > 0:
         out.pop("num_train_epochs", None)
-    world = getattr(args, "world_size", 1)
+    data_parallel = getattr(args, "world_size", 1) // sequence_parallel
     out["effective batch size (sequences)"] = (
-        args.per_device_train_batch_size * args.gradient_accumulation_steps * world
+        args.per_device_train_batch_size * args.gradient_accumulation_steps * data_parallel
     )
+    if sequence_parallel > 1:
+        out["sequence parallel (Ulysses) ranks"] = sequence_parallel
     return out
 
 
@@ -259,7 +265,8 @@ def _file_block(title: str, path: str | None, note: str | None = None) -> str:
 
 def reproduce_section(trainer) -> str:
     run = launch()
-    arguments = training_arguments(trainer.args)
+    parallelism = getattr(trainer.accelerator, "parallelism_config", None)
+    arguments = training_arguments(trainer.args, sequence_parallel_size(parallelism))
     # NOTE: the Trainer's own card names the ``optim`` argument; the optimizer that ran, and
     # where its fp32 master and moments lived, is this one.
     model = trainer.accelerator.unwrap_model(trainer.model)

@@ -276,7 +276,12 @@ class _SavedWeights:
 TRAINER_STATE_NAME = "trainer_state.json"  # the Trainer's checkpoint file, written last
 
 
-def last_complete_checkpoint(run_dir: str) -> str | None:
+# DeepSpeed's engine writes this file in a checkpoint folder once its state is saved, naming
+# the tag folder (global_stepN) that holds it; universal checkpoints name theirs in the second.
+DEEPSPEED_LATEST_NAMES = ("latest", "latest_universal")
+
+
+def last_complete_checkpoint(run_dir: str, deepspeed: bool = False) -> str | None:
     """The newest ``checkpoint-N`` of ``run_dir`` that the Trainer finished writing, for
     ``resume_from_checkpoint=True``; None if there is none.
 
@@ -284,8 +289,9 @@ def last_complete_checkpoint(run_dir: str) -> str | None:
     scheduler and RNG states, so a save interrupted half-way (a crash, a preempted machine, a
     full disk) leaves a ``checkpoint-N`` without a readable one. transformers'
     ``get_last_checkpoint`` would pick that folder, and resuming from it loses the step count
-    (and, with ``optimizer.pt`` missing, the Adam moments) without an error. Folders skipped
-    for that reason are logged."""
+    (and, with ``optimizer.pt`` missing, the Adam moments) without an error. On DeepSpeed
+    (``deepspeed=True``) a complete folder also holds DeepSpeed's ``latest`` file and the tag
+    folder it names: the engine loads its state from there. Folders skipped are logged."""
     pattern = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
     found = sorted(
         (int(m.group(1)), os.path.join(run_dir, name))
@@ -293,18 +299,35 @@ def last_complete_checkpoint(run_dir: str) -> str | None:
         if (m := pattern.match(name)) and os.path.isdir(os.path.join(run_dir, name))
     )
     for _, folder in reversed(found):
-        state_file = os.path.join(folder, TRAINER_STATE_NAME)
-        try:
-            TrainerState.load_from_json(state_file)
-        except (OSError, ValueError, TypeError) as error:
-            logger.warning(
-                "hf_superoffload: skipping %s: its save did not finish (%s is missing or "
-                "unreadable: %s); resuming from the checkpoint before it. Delete the folder "
-                "once you no longer need it.",
-                folder,
-                TRAINER_STATE_NAME,
-                error,
-            )
-            continue
-        return folder
+        missing = _unfinished_part(folder, deepspeed)
+        if missing is None:
+            return folder
+        logger.warning(
+            "hf_superoffload: skipping %s: its save did not finish (%s); resuming from the "
+            "checkpoint before it. Delete the folder once you no longer need it.",
+            folder,
+            missing,
+        )
     return None
+
+
+def _unfinished_part(folder: str, deepspeed: bool) -> str | None:
+    """What a checkpoint folder lacks to be resumed from (None: nothing)."""
+    try:
+        TrainerState.load_from_json(os.path.join(folder, TRAINER_STATE_NAME))
+    except (OSError, ValueError, TypeError) as error:
+        return f"{TRAINER_STATE_NAME} is missing or unreadable: {error}"
+    if not deepspeed:
+        return None
+    for name in DEEPSPEED_LATEST_NAMES:
+        try:
+            with open(os.path.join(folder, name), encoding="utf-8") as f:
+                tag = f.read().strip()
+        except OSError:
+            continue
+        if tag and os.path.isdir(os.path.join(folder, tag)):
+            return None
+    return (
+        f"DeepSpeed's {' or '.join(DEEPSPEED_LATEST_NAMES)} file, naming the folder of its "
+        f"saved state, is missing or names no folder"
+    )

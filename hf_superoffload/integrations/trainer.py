@@ -155,10 +155,12 @@ class SuperOffloadTrainerMixin:
         return resolve_save_dtype(getattr(self.args, "superoffload_save_dtype", None))
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        if resume_from_checkpoint is True and not self._on_deepspeed:
+        if resume_from_checkpoint is True:
             # transformers would take the newest checkpoint folder, even one whose save was cut
             # off half-way; the newest complete one is the one to resume from.
-            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
+            resume_from_checkpoint = last_complete_checkpoint(
+                self.args.output_dir, deepspeed=self._on_deepspeed
+            )
             if resume_from_checkpoint is None:
                 raise ValueError(
                     f"resume_from_checkpoint=True, but {self.args.output_dir} holds no complete "

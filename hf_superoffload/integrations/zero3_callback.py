@@ -18,7 +18,7 @@ import sys
 import torch
 from transformers import TrainerCallback
 
-from .metrics import ThroughputMeter, peak_tflops, stv_metrics
+from .metrics import ThroughputMeter, peak_tflops, sequence_parallel_size, stv_metrics
 
 logger = logging.getLogger("hf_superoffload")
 
@@ -67,6 +67,7 @@ class Zero3MetricsCallback(TrainerCallback):
         self._optimizer = None
         self._meter: ThroughputMeter | None = None
         self._hook = None
+        self._sequence_parallel = 1
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self._stop()
@@ -79,6 +80,9 @@ class Zero3MetricsCallback(TrainerCallback):
         # refused now, not at the first checkpoint or the final save after training.
         check_plain_trainer_model(model)
         self._optimizer, self._meter = ours, ThroughputMeter()
+        # Under Ulysses each forward sees this rank's shard of the sequences; the attention
+        # FLOPs follow the whole sequence.
+        self._sequence_parallel = sequence_parallel_size(_parallelism_config(args))
         self._hook = model.register_forward_pre_hook(self._count, with_kwargs=True)
         logger.info(
             "hf_superoffload: this Trainer trains through %s (hf_superoffload on DeepSpeed "
@@ -91,7 +95,7 @@ class Zero3MetricsCallback(TrainerCallback):
             return  # evaluation and generation are not training throughput
         if "input_ids" not in kwargs and args and isinstance(args[0], torch.Tensor):
             kwargs = {**kwargs, "input_ids": args[0]}
-        self._meter.add_batch(kwargs, module)
+        self._meter.add_batch(kwargs, module, self._sequence_parallel)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self._optimizer is None or not logs or "loss" not in logs:
@@ -111,3 +115,15 @@ class Zero3MetricsCallback(TrainerCallback):
         if self._hook is not None:
             self._hook.remove()
         self._optimizer, self._meter, self._hook = None, None, None
+        self._sequence_parallel = 1
+
+
+def _parallelism_config(args):
+    """The ``ParallelismConfig`` the Trainer's Accelerator runs with (an accelerate config's
+    ``parallelism_config`` arrives there through the environment, not through ``args``); the
+    arguments' own before an Accelerator exists."""
+    from accelerate.state import AcceleratorState, is_initialized
+
+    if is_initialized():
+        return AcceleratorState().parallelism_config
+    return getattr(args, "parallelism_config", None)

@@ -1,10 +1,14 @@
 """Compiled CPU kernels, built once and cached (see ``_build``).
 
-``prepare()`` builds (announced with a warning) or loads them; the optimizers call it in their
-constructors. To build ahead of time: ``python -c "import hf_superoffload.ops as o; o.prepare()"``.
+``prepare()`` builds (announced with a warning) or loads them and checks
+``HF_SUPEROFFLOAD_CPU_ADAM_ISA``; the optimizers call it in their constructors. To build ahead
+of time: ``python -c "import hf_superoffload.ops as o; o.prepare()"``.
 """
 
-from ._build import BuildToolMissingError, load_extension, prepare
+from types import ModuleType
+
+from . import _build
+from ._build import BuildToolMissingError, load_extension
 from .adam import (
     active_isa,
     adam_replay,
@@ -16,6 +20,16 @@ from .adam import (
     set_num_threads,
 )
 from .compact import compact_adam, compact_adam_commit_speculate
+
+
+def prepare() -> ModuleType:
+    """Build the CPU Adam now if it is not in the cache yet, load it and return it (see
+    ``_build.prepare``), and refuse a ``HF_SUPEROFFLOAD_CPU_ADAM_ISA`` this CPU cannot run:
+    in the optimizer's constructor, not at its first step inside the worker."""
+    module = _build.prepare()
+    active_isa()  # reads and checks the variable once
+    return module
+
 
 __all__ = [
     "BuildToolMissingError",

@@ -31,10 +31,12 @@ from .. import env
 from ._build import load_extension
 
 _OP_STEP, _OP_ROLLBACK, _OP_REPLAY = 0, 1, 2
-_ISAS = ("avx512", "avx2", "sve", "neon", "scalar")
+ISAS = ("avx512", "avx2", "sve", "neon", "scalar")  # every kernel the build holds, best first
 
 ISA_ENV = "HF_SUPEROFFLOAD_CPU_ADAM_ISA"
-_NOT_READ = "not read"  # the variable is read at the first kernel call, not at import
+# The variable is read at the first use (ops.prepare() in the optimizers' constructors, or a
+# kernel call), not at import.
+_NOT_READ = "not read"
 _isa_override: str | None = _NOT_READ
 _num_threads: int | None = None
 
@@ -42,19 +44,37 @@ _num_threads: int | None = None
 def available_isas() -> list[str]:
     """Instruction sets this CPU can run, best first."""
     ext = load_extension()
-    return [name for name in _ISAS if ext.isa_supported(name)]
+    return [name for name in ISAS if ext.isa_supported(name)]
+
+
+def isa_refusal(value: str, runs: list[str]) -> str:
+    """Why HF_SUPEROFFLOAD_CPU_ADAM_ISA=``value`` cannot be used here (``runs``: what can)."""
+    return f"{ISA_ENV}={value}: this CPU runs {', '.join(runs)}; unset it or pick one."
+
+
+def _isa_from_environment() -> str | None:
+    """HF_SUPEROFFLOAD_CPU_ADAM_ISA's instruction set, None when unset; one this CPU cannot run
+    (or no instruction set's name) is refused here, before a kernel is handed it."""
+    value = env.read(ISA_ENV)
+    if not value:
+        return None
+    runs = available_isas()
+    if value not in runs:
+        raise ValueError(isa_refusal(value, runs))
+    return value
 
 
 def _forced_isa() -> str | None:
     """set_isa's choice, else HF_SUPEROFFLOAD_CPU_ADAM_ISA's (read once), else None."""
     global _isa_override
     if _isa_override is _NOT_READ:
-        _isa_override = env.read(ISA_ENV) or None
+        _isa_override = _isa_from_environment()
     return _isa_override
 
 
 def active_isa() -> str:
-    """The instruction set the kernels use now."""
+    """The instruction set the kernels use now; refuses a HF_SUPEROFFLOAD_CPU_ADAM_ISA this
+    CPU cannot run."""
     return _forced_isa() or load_extension().best_isa()
 
 

@@ -15,6 +15,7 @@ import dataclasses
 import torch
 from trl import TrlParser
 
+from .. import env
 from ..integrations.arguments import SuperOffloadArgumentsMixin, _on_deepspeed
 from ..integrations.trl import SuperOffloadDPOConfig, SuperOffloadSFTConfig
 
@@ -175,8 +176,10 @@ def demo_defaults(kind: str) -> dict:
 
 # The demo's bucket on the standalone engine: one default bucket would hold the whole model;
 # small ones exercise the pipeline. Under DeepSpeed (an accelerate config or --deepspeed) the
-# partition is the config's sub_group_size, and the argument is refused there.
+# partition is the config's sub_group_size, and the argument is refused there. It stands in for
+# the engine's default only: --superoffload_bucket_size, then HF_SUPEROFFLOAD_BUCKET_SIZE, win.
 DEMO_BUCKET_SIZE = 1 << 14
+BUCKET_SIZE_ENV = "HF_SUPEROFFLOAD_BUCKET_SIZE"
 
 
 def build_parser(kind: str, prog: str | None = None) -> TrlParser:
@@ -201,7 +204,8 @@ def parse(kind: str, argv: list[str] | None = None, prog: str | None = None):
     recipe, args = parser.parse_args_and_config(argv)
     check_optimizer_arguments(recipe, args)
     ours = recipe.optimizer == "superoffload"
-    if ours and recipe.demo and args.superoffload_bucket_size is None and not _on_deepspeed(args):
+    unset = args.superoffload_bucket_size is None and env.read(BUCKET_SIZE_ENV) is None
+    if ours and recipe.demo and unset and not _on_deepspeed(args):
         args.superoffload_bucket_size = DEMO_BUCKET_SIZE
     return recipe, args
 

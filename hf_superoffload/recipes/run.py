@@ -85,7 +85,9 @@ def train(kind: str, argv: list[str] | None = None, prog: str | None = None) -> 
     output directory; return the summary."""
     recipe, trainer, model = build_trainer(kind, argv, prog)
     # TrainingArguments carries --resume_from_checkpoint, but the Trainer reads it only here.
-    result = trainer.train(resume_from_checkpoint=trainer.args.resume_from_checkpoint)
+    result = trainer.train(
+        resume_from_checkpoint=resume_argument(trainer.args.resume_from_checkpoint)
+    )
     out = Path(trainer.args.output_dir)
     if recipe.save_model:
         trainer.save_model(str(out))  # model, config and tokenizer
@@ -101,6 +103,26 @@ def train(kind: str, argv: list[str] | None = None, prog: str | None = None) -> 
         summary["written"] = _written(out)
         (out / f"{kind}_summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+# The words transformers' argument parser reads as booleans (hf_argparser.string_to_bool).
+_TRUE_WORDS = ("yes", "true", "t", "y", "1")
+_FALSE_WORDS = ("no", "false", "f", "n", "0")
+
+
+def resume_argument(value: str | bool | None) -> str | bool | None:
+    """``--resume_from_checkpoint`` as ``Trainer.train`` takes it: ``true`` (or yes, 1, ...)
+    resumes from the newest complete checkpoint of ``--output_dir``, ``false`` starts afresh,
+    anything else is a checkpoint folder. TrainingArguments types the field ``str``, so the
+    command line hands ``"true"`` over as a folder name; a folder of that name that exists
+    stays a folder."""
+    if not isinstance(value, str) or os.path.isdir(value):
+        return value
+    if value.lower() in _TRUE_WORDS:
+        return True
+    if value.lower() in _FALSE_WORDS:
+        return False
+    return value
 
 
 def _written(out: Path) -> list[str]:
