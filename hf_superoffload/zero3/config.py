@@ -102,21 +102,39 @@ ENGINE_VARIABLES = tuple(
 def export_zero3_options(options: dict) -> None:
     """Hand the trainer's SuperOffload options to the ZeRO-3 optimizer DeepSpeed will build
     (it reads HF_SUPEROFFLOAD_* when it is constructed), once ``check_zero3_options`` found
-    nothing to refuse."""
+    nothing to refuse. What an earlier trainer of the process exported is withdrawn first: a
+    trainer's optimizer gets its own options and the user's environment, never another
+    trainer's (the trainers export again when train() starts)."""
     check_zero3_options(options)
+    withdraw_exported_options()
     for name, value in options.items():
         if name not in REPLACED_BY_DEEPSPEED and value is not None:
             variable = ENV_PREFIX + name.upper()
             text = str(value).lower() if isinstance(value, bool) else str(value)
-            if os.environ.get(variable) is None:
-                _EXPORTED[variable] = text
+            _REPLACED[variable] = os.environ.get(variable)
+            _EXPORTED[variable] = text
             os.environ[variable] = text
 
 
-# The engine variables the trainers of this process set from their own arguments (variable ->
-# value), where the user's environment did not: options for that trainer's optimizer, not a
-# setting a later plain DeepSpeed run of the same process could be thought to honour.
+def withdraw_exported_options() -> None:
+    """Put back what the last export replaced (unset, or the user's value), for each variable
+    still holding what was exported."""
+    for variable, text in _EXPORTED.items():
+        if os.environ.get(variable) == text:
+            before = _REPLACED.get(variable)
+            if before is None:
+                del os.environ[variable]
+            else:
+                os.environ[variable] = before
+    _EXPORTED.clear()
+    _REPLACED.clear()
+
+
+# The engine variables the last SuperOffload trainer of this process set from its own arguments
+# (variable -> value): options for that trainer's optimizer, not a setting a later plain
+# DeepSpeed run of the same process could be thought to honour; and what each held before.
 _EXPORTED: dict[str, str] = {}
+_REPLACED: dict[str, str | None] = {}
 
 
 def check_zero3_options(options: dict) -> None:
@@ -161,11 +179,12 @@ def refuse_engine_options_without_engine(options: dict) -> None:
 
 def engine_variables_set() -> list[str]:
     """The engine variables set in the environment, less those a trainer of this process
-    exported from its arguments (``_EXPORTED``)."""
+    exported from its arguments where the user had set none (``_EXPORTED``, ``_REPLACED``)."""
     return [
         name
         for name in ENGINE_VARIABLES
-        if env.read(name) is not None and os.environ[name] != _EXPORTED.get(name)
+        if env.read(name) is not None
+        and not (os.environ[name] == _EXPORTED.get(name) and _REPLACED.get(name) is None)
     ]
 
 

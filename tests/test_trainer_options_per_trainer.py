@@ -1,0 +1,80 @@
+"""Each SuperOffload trainer on DeepSpeed hands its own options to the ZeRO-3 optimizer that
+its train() builds: the options go through the environment, so a trainer made later in the same
+process (a notebook, a sweep) must neither inherit an earlier trainer's options nor leave its own
+to the earlier one's train(); the user's own variables come back once no trainer replaces them.
+
+Runs in a subprocess (one CPU rank, DeepSpeed's CPU accelerator), as tests/test_refusal_order.py
+does; the parent Trainer's train() is replaced by one that records what the ZeRO-3 optimizer
+would resolve at that moment (``SuperOffloadOptions()``, as zero3/options.resolve_options reads).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from ranks import free_port
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+
+_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    import transformers
+    from hf_superoffload import SuperOffloadTrainer, SuperOffloadTrainingArguments
+    from hf_superoffload.integrations.plugin import SuperOffloadOptions
+    from hf_superoffload.toy import build_tiny_llama
+    from zero3_reference import trainer_zero3_config
+
+    seen = []
+
+    def recording_train(self, *args, **kwargs):
+        options = SuperOffloadOptions()
+        seen.append({"moments": options.moments, "speculate": options.speculate})
+
+    transformers.Trainer.train = recording_train
+
+    def trainer(name, **fields):
+        args = SuperOffloadTrainingArguments(
+            output_dir=os.path.join(sys.argv[1], name), use_cpu=True, report_to=[], bf16=False,
+            deepspeed=trainer_zero3_config(), **fields,
+        )
+        return SuperOffloadTrainer(model=build_tiny_llama(), args=args)
+
+    first = trainer("first", superoffload_moments="compact", superoffload_speculate=False)
+    second = trainer("second")
+    after_second = os.environ.get("HF_SUPEROFFLOAD_SPECULATE")
+    first.train()
+    second.train()
+    first.train()
+    print(json.dumps({"seen": seen, "after_second": after_second,
+                      "moments_left": os.environ.get("HF_SUPEROFFLOAD_MOMENTS")}))
+    """
+)
+
+
+def test_each_trainer_hands_its_own_options_to_its_optimizer(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_SUPEROFFLOAD_")}
+    env.pop("ACCELERATE_DEEPSPEED_CONFIG_FILE", None)
+    env.update(
+        DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", RANK="0", LOCAL_RANK="0",
+        WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+        PYTHONPATH=os.pathsep.join([str(REPO), str(TESTS), *sys.path]),
+        HF_SUPEROFFLOAD_SPECULATE="true",  # the user's own setting
+    )  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.splitlines()[-1])
+    first = {"moments": "compact", "speculate": False}
+    second = {"moments": "fp32", "speculate": True}  # no options: defaults and the user's
+    assert out["seen"] == [first, second, first]
+    assert out["after_second"] == "true"  # the user's value is back once the second is made
+    assert out["moments_left"] == "compact"  # the last train() started was the first's
