@@ -74,7 +74,7 @@ def _loud(caplog) -> list[logging.LogRecord]:
 
 
 def test_prepare_is_exported():
-    assert ops.prepare is _build.prepare
+    assert ops.prepare.__module__ == ops.__name__  # _build.prepare, then the ISA variable's check
     assert "prepare" in ops.__all__
 
 

@@ -10,6 +10,7 @@ from types import ModuleType
 from . import _build
 from ._build import BuildToolMissingError, load_extension
 from .adam import (
+    _forced_isa,
     active_isa,
     adam_replay,
     adam_rollback,
@@ -27,7 +28,7 @@ def prepare() -> ModuleType:
     ``_build.prepare``), and refuse a ``HF_SUPEROFFLOAD_CPU_ADAM_ISA`` this CPU cannot run:
     in the optimizer's constructor, not at its first step inside the worker."""
     module = _build.prepare()
-    active_isa()  # reads and checks the variable once
+    _forced_isa()  # reads and checks the variable once (unset: nothing to check)
     return module
 
 
