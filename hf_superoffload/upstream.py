@@ -186,16 +186,12 @@ SURFACE: tuple[Name, ...] = (
     Name("accelerate.optimizer:AcceleratedOptimizer", "_is_overflow", "writes", kind="attribute"),
     Name("accelerate.utils.deepspeed:HfDeepSpeedConfig", "__init__", "wraps (config refusals)"),
     Name("accelerate.utils.deepspeed:HfDeepSpeedConfig", "config", "reads", kind="attribute"),
-    # torch: the helpers torch's clip_grad_norm_ and clip_grad_value_ look up in their module at
-    # call time, wrapped there so that a function bound by name before the first
-    # SuperOffloadOptimizer existed reaches its routing (engine/clip_routing.py).
+    # torch: its clipping functions are no-grad wrappers; routing rebinds the function each
+    # calls (its closure cell), so that one bound by name before the first
+    # SuperOffloadOptimizer existed reaches the routing too (engine/clip_routing.py).
     *(
-        Name("torch.nn.utils.clip_grad", name, "wraps (clipping over the engine's params)")
-        for name in (
-            "_get_total_norm",
-            "_clip_grads_with_norm_",
-            "_group_tensors_by_device_and_dtype",
-        )
+        Name("torch.nn.utils.clip_grad", name, "rebinds the function its wrapper calls")
+        for name in ("clip_grad_norm_", "clip_grad_value_", "_clip_grads_with_norm_")
     ),
     # TRL
     Name("trl:SFTTrainer", "_tag_names", "reads (the model card)"),

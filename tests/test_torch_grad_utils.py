@@ -4,7 +4,10 @@ None after backward (the optimizer takes each gradient as it arrives):
 - ``clip_grad_norm_`` bound by name before the optimizer existed (``from torch.nn.utils import
   clip_grad_norm_`` at the top of a script) clips exactly as AdamW after torch's clipping;
 - ``clip_grads_with_norm_`` and ``clip_grad_value_`` (by attribute, by name, through
-  accelerate) are refused before anything changes;
+  accelerate; also over owned params next to others with gradients) are refused before
+  anything changes;
+- the norm for logging is ``opt.clip_grad_norm_()``'s (``get_total_norm`` never sees the
+  owned params' gradients);
 - a gradient edit in ``param.register_hook`` (or in a post-accumulate-grad hook registered
   before the optimizer) is honoured exactly.
 
@@ -14,7 +17,6 @@ moments and the step count of every param.
 
 from __future__ import annotations
 
-import ast
 import copy
 from pathlib import Path
 
@@ -22,7 +24,12 @@ import pytest
 import torch
 from engine_reference import EXP_AVG_SQ_TOL, EXP_AVG_TOL, PARAM_TOL
 from torch import nn
-from torch.nn.utils import clip_grad_norm_, clip_grad_value_  # bound as scripts bind them
+from torch.nn.utils import (  # bound as scripts bind them, before any optimizer exists
+    clip_grad_norm_,
+    clip_grad_value_,
+    clip_grads_with_norm_,
+    get_total_norm,
+)
 
 from hf_superoffload import SuperOffloadOptimizer, upstream
 from hf_superoffload.engine import clip_routing
@@ -168,7 +175,7 @@ def test_clip_grad_value_over_owned_params_is_refused_before_anything_changes():
         torch.nn.utils.clip_grad_value_(mine.parameters(), 0.1)
     with pytest.raises(ValueError, match=advice):
         accelerator.clip_grad_value_(prepared.parameters(), 0.1)
-    with pytest.raises(ValueError, match="found no .grad on any of its params.*" + advice):
+    with pytest.raises(ValueError, match=advice):
         clip_grad_value_(mine.parameters(), 0.1)  # torch's own, bound by name
     prepared_opt.step()
     assert_matches_adamw(opt, mine, ref_opt, ref)
@@ -178,6 +185,70 @@ def test_clip_grad_value_over_owned_params_is_refused_before_anything_changes():
     torch.nn.utils.clip_grad_value_(ref.parameters(), 1e-3)
     for p, g in zip(ref.parameters(), want, strict=True):
         assert torch.equal(p.grad, g)
+
+
+# --- functions bound by name before the optimizer: no gradient to see, refused ---------------
+
+
+def test_clip_grads_with_norm_bound_by_name_is_refused_before_anything_changes():
+    """torch's own function, imported before the optimizer: over owned params it finds no
+    .grad and would return having clipped nothing; it is refused, and the step after it is
+    AdamW's without clipping."""
+    mine, ref = twins()
+    opt, ref_opt = ours(mine), adamw(ref)
+    assert_torch_own(clip_grads_with_norm_)
+    backward(ref, 0)
+    ref_opt.step()
+    backward(mine, 0)
+    with pytest.raises(ValueError, match="clip_grads_with_norm_ cannot clip params"):
+        clip_grads_with_norm_(mine.parameters(), 0.5, torch.tensor(100.0))
+    assert opt.max_grad_norm is None
+    opt.step()
+    assert_matches_adamw(opt, mine, ref_opt, ref)
+
+
+def test_clip_grad_value_bound_by_name_over_owned_and_other_params_changes_nothing():
+    """Owned params next to params with gradients: torch's function would clamp only the
+    others' gradients. Refused before it clamps any; both steps are AdamW's unclipped."""
+    mine, ref = twins()
+    opt, ref_opt = ours(mine), adamw(ref)
+    other, other_ref = twins()
+    other_opt, other_ref_opt = adamw(other), adamw(other_ref)
+    assert_torch_own(clip_grad_value_)
+    for model in (ref, other, other_ref):
+        backward(model, 0)
+    ref_opt.step()
+    backward(mine, 0)
+    grads = [p.grad.clone() for p in other.parameters()]
+    with pytest.raises(
+        ValueError, match=r"clip_grad_value_ cannot clip params .* p\.register_hook"
+    ):
+        clip_grad_value_([*mine.parameters(), *other.parameters()], 1e-3)
+    for p, g in zip(other.parameters(), grads, strict=True):
+        assert torch.equal(p.grad, g)
+    opt.step()
+    other_opt.step()
+    other_ref_opt.step()
+    assert_matches_adamw(opt, mine, ref_opt, ref)
+    for p, q in zip(other.parameters(), other_ref.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_the_norm_for_logging_is_the_optimizers():
+    """get_total_norm takes tensors, not params: over the owned params' gradients (None) it
+    has nothing to see. opt.clip_grad_norm_() (no threshold: the step stays unclipped) returns
+    the norm AdamW's gradients have."""
+    mine, ref = twins()
+    opt, ref_opt = ours(mine), adamw(ref)
+    backward(ref, 0)
+    backward(mine, 0)
+    want = get_total_norm([p.grad for p in ref.parameters()])
+    assert float(opt.clip_grad_norm_()) == pytest.approx(float(want), rel=1e-5)
+    assert [p.grad for p in mine.parameters() if p.grad is not None] == []
+    assert opt.max_grad_norm is None
+    ref_opt.step()
+    opt.step()
+    assert_matches_adamw(opt, mine, ref_opt, ref)
 
 
 # --- gradient edits in hooks ------------------------------------------------------------------
@@ -259,19 +330,22 @@ def test_a_post_accumulate_grad_hook_sees_grad_only_if_registered_before_the_opt
 # --- the torch names the routing relies on ---------------------------------------------------
 
 
-def test_the_private_torch_names_the_routing_wraps_are_listed_and_exist():
-    tree = ast.parse(Path(clip_routing.__file__).read_text())
-    used = {
-        node.attr
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Attribute)
-        and isinstance(node.value, ast.Name)
-        and node.value.id == "torch_clip"
-        and node.attr.startswith("_")
-    }
+def test_the_torch_functions_the_routing_rebinds_are_listed_and_exist():
     listed = {e.name for e in upstream.SURFACE if e.owner == "torch.nn.utils.clip_grad"}
-    assert used and used <= listed, sorted(used - listed)
+    assert set(clip_routing.ROUTES) <= listed, sorted(set(clip_routing.ROUTES) - listed)
     assert upstream.missing("torch") == []
+
+
+def test_a_torch_function_of_another_shape_is_refused_naming_it(monkeypatch):
+    """Routing rebinds the function torch's no-grad wrapper calls; a function without that
+    wrapper is refused, naming it, before any of them is rebound."""
+    from torch.nn.utils import clip_grad
+
+    monkeypatch.setattr(clip_grad, "clip_grad_value_", lambda parameters, clip_value: None)
+    with pytest.raises(
+        upstream.UpstreamChangedError, match=r"clip_grad\.clip_grad_value_ as a no-grad wrapper"
+    ):
+        clip_routing._called_cell("clip_grad_value_")
 
 
 def test_a_missing_torch_name_is_refused_naming_it(monkeypatch):

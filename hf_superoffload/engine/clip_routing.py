@@ -5,26 +5,27 @@ raw training loop (or ``accelerator.clip_grad_norm_``, which calls torch's funct
 torch's function would return 0.0 and clip nothing. Once an optimizer exists, torch's
 functions are routed: over params of a SuperOffloadOptimizer, ``clip_grad_norm_`` returns that
 optimizer's true pre-clip norm (computed during backward) and makes ``max_norm`` the threshold
-its validation clips with, as AdamW after torch's clipping would step; over any other params
-each function is torch's, unchanged. What the engine cannot do (another norm type, a subset of
-its params, params of two optimizers, value clipping) is an error, never a silent no-op.
+its validation clips with, as AdamW after torch's clipping would step; ``clip_grad_value_`` and
+``clip_grads_with_norm_`` (which clips by a norm it is given, one computed from ``.grad``) are
+refused before anything changes, also when the params of such an optimizer come next to others
+that have gradients. What the engine cannot do (another norm type, a subset of its params,
+params of two optimizers) is an error, never a silent no-op. Over any other params each
+function is torch's, unchanged.
 
-Two ways reach torch's ``clip_grad_norm_``:
-- by attribute (``torch.nn.utils.clip_grad_norm_(...)``, accelerate): the attribute is
-  replaced by a wrapper;
-- by a name bound before the first optimizer existed (``from torch.nn.utils import
-  clip_grad_norm_`` at the top of a script): that is torch's own function, which looks up
-  ``_get_total_norm`` and ``_clip_grads_with_norm_`` in its module at call time. Those two are
-  wrapped there: the first records its call, the second finds the owned params in its
-  arguments and clips through the optimizer with the recorded norm type, writing the
-  optimizer's norm into the tensor torch's function returns.
+A script may bind these functions by name before the first optimizer exists (``from
+torch.nn.utils import clip_grad_norm_``): that name holds torch's own function object, so
+replacing the module attribute would not reach it. Each of torch's three is a no-grad wrapper
+that calls, at call time, the function held in its closure cell; routing rebinds that cell.
+The function objects stay torch's, so every name bound to them, before or after, is routed.
+
+``get_total_norm`` is left as torch's: it takes tensors (gradients), not params, and the
+owned params' gradients never reach it, so it cannot tell them from no gradients at all.
 """
 
 from __future__ import annotations
 
 import functools
-import threading
-import weakref
+import types
 
 import torch
 from torch.nn.utils import clip_grad as torch_clip
@@ -33,10 +34,6 @@ from .. import upstream
 from .ownership import owner_of
 
 _installed = False
-# This thread's last call of torch's _get_total_norm: (weak ref to the norm it returned, the
-# norm type, error_if_nonfinite). torch's clip_grad_norm_ passes that norm on to
-# _clip_grads_with_norm_, which finds its norm type here.
-_last_total = threading.local()
 
 NO_GRAD = (
     "hold no .grad after backward: the optimizer takes each gradient as it arrives, and clips "
@@ -47,7 +44,8 @@ VALUE_CLIP_REFUSED = (
     f"torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) or max_grad_norm on the "
     f"optimizer. To clamp each gradient element instead, register a hook on each param before "
     f"backward (it clamps each backward's gradient): "
-    f"p.register_hook(lambda g: g.clamp(-clip_value, clip_value))."
+    f"p.register_hook(lambda g: g.clamp(-clip_value, clip_value)). Clamp the gradients of other "
+    f"params by a call over only them."
 )
 NORM_GIVEN_REFUSED = (
     f"clip_grads_with_norm_ cannot clip params a SuperOffloadOptimizer owns: they {NO_GRAD}. "
@@ -62,22 +60,24 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    upstream.check("torch")  # the private names of torch.nn.utils.clip_grad wrapped below
-    original = torch.nn.utils.clip_grad_norm_
-
-    @functools.wraps(original)
-    def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, **kw):
-        params = _as_list(parameters)
-        owners = _owners(params)
-        if not owners:
-            return original(params, max_norm, norm_type, error_if_nonfinite, **kw)
-        return _clip_through_engine(params, owners, max_norm, norm_type, error_if_nonfinite)
-
-    torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
-    torch_clip.clip_grad_norm_ = clip_grad_norm_
-    _route_torch_internals()
-    _refuse_value_clipping()
+    upstream.check("torch")  # the functions of torch.nn.utils.clip_grad rebound below
+    cells = {name: _called_cell(name) for name in ROUTES}  # all checked before any is rebound
+    for name, cell in cells.items():
+        cell.cell_contents = ROUTES[name](cell.cell_contents)
     _installed = True
+
+
+def _called_cell(name: str) -> types.CellType:
+    """The closure cell holding the function torch's no-grad wrapper ``name`` calls."""
+    wrapper = getattr(torch_clip, name)
+    code = getattr(wrapper, "__code__", None)
+    closure = getattr(wrapper, "__closure__", None) or ()
+    if code is None or code.co_freevars != ("func",) or len(closure) != 1:
+        raise upstream.error(
+            "torch",
+            [f"torch.nn.utils.clip_grad.{name} as a no-grad wrapper of one function (func)"],
+        )
+    return closure[0]
 
 
 def _as_list(parameters) -> list[torch.Tensor]:
@@ -88,69 +88,50 @@ def _owners(params) -> dict:
     return {id(o): o for o in map(owner_of, params) if o is not None}
 
 
-def _route_torch_internals() -> None:
-    """What a clip_grad_norm_ bound by name before ``install`` reaches: torch's own function,
-    which calls ``_get_total_norm`` over the params' gradients (none, for owned params), then
-    ``_clip_grads_with_norm_(params, max_norm, that norm)`` and returns that norm."""
-    get_total_norm = torch_clip._get_total_norm
-    clip_grads_with_norm = torch_clip._clip_grads_with_norm_
-
-    @functools.wraps(get_total_norm)
-    def recorded_get_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
-        total = get_total_norm(tensors, norm_type, error_if_nonfinite, foreach)
-        _last_total.call = (weakref.ref(total), norm_type, error_if_nonfinite)
-        return total
-
-    @functools.wraps(clip_grads_with_norm)
-    def routed_clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=None):
+def _routed_clip_grad_norm_(torch_function):
+    @functools.wraps(torch_function)
+    def clip_grad_norm_(
+        parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None
+    ):
         params = _as_list(parameters)
         owners = _owners(params)
-        call, _last_total.call = getattr(_last_total, "call", None), None
-        if not owners:
-            return clip_grads_with_norm(params, max_norm, total_norm, foreach)
-        if call is None or call[0]() is not total_norm:  # not torch's clip_grad_norm_'s norm
-            raise ValueError(NORM_GIVEN_REFUSED)
-        _, norm_type, error_if_nonfinite = call
-        total = _clip_through_engine(params, owners, max_norm, norm_type, error_if_nonfinite)
-        # torch's clip_grad_norm_ returns total_norm: a fresh tensor of its _get_total_norm.
-        total_norm.copy_(total)
-        return None
+        if owners:
+            return _clip_through_engine(params, owners, max_norm, norm_type, error_if_nonfinite)
+        if isinstance(parameters, types.GeneratorType):  # torch warns on an empty generator
+            params = (p for p in params)
+        return torch_function(params, max_norm, norm_type, error_if_nonfinite, foreach)
 
-    torch_clip._get_total_norm = recorded_get_total_norm
-    torch_clip._clip_grads_with_norm_ = routed_clip_grads_with_norm_
-    # The public name (an alias bound when torch was imported), for calls by attribute.
-    torch.nn.utils.clip_grads_with_norm_ = routed_clip_grads_with_norm_
+    return clip_grad_norm_
 
 
-def _refuse_value_clipping() -> None:
-    """clip_grad_value_ by attribute over owned params is refused before anything changes. One
-    bound by name before ``install`` is torch's own: over owned params only it finds no
-    gradient at all, where torch's grouping helper (which nothing else in its module calls with
-    an empty list) would raise an internal error; it raises this message instead."""
-    original = torch.nn.utils.clip_grad_value_
-
-    @functools.wraps(original)
+def _routed_clip_grad_value_(torch_function):
+    @functools.wraps(torch_function)
     def clip_grad_value_(parameters, clip_value, foreach=None):
         params = _as_list(parameters)
         if _owners(params):
             raise ValueError(VALUE_CLIP_REFUSED)
-        return original(params, clip_value, foreach)
+        return torch_function(params, clip_value, foreach)
 
-    torch.nn.utils.clip_grad_value_ = clip_grad_value_
-    torch_clip.clip_grad_value_ = clip_grad_value_
+    return clip_grad_value_
 
-    group = torch_clip._group_tensors_by_device_and_dtype
 
-    @functools.wraps(group)
-    def grouped_or_refused(tensorlistlist, *args, **kwargs):
-        if tensorlistlist and not tensorlistlist[0]:
-            raise ValueError(
-                f"clip_grad_value_ found no .grad on any of its params. If a "
-                f"SuperOffloadOptimizer owns them: {VALUE_CLIP_REFUSED}"
-            )
-        return group(tensorlistlist, *args, **kwargs)
+def _routed_clip_grads_with_norm_(torch_function):
+    @functools.wraps(torch_function)
+    def clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=None):
+        params = _as_list(parameters)
+        if _owners(params):
+            raise ValueError(NORM_GIVEN_REFUSED)
+        return torch_function(params, max_norm, total_norm, foreach)
 
-    torch_clip._group_tensors_by_device_and_dtype = grouped_or_refused
+    return clip_grads_with_norm_
+
+
+# torch.nn.utils.clip_grad's no-grad wrappers -> what makes the function each calls routed.
+ROUTES = {
+    "clip_grad_norm_": _routed_clip_grad_norm_,
+    "clip_grad_value_": _routed_clip_grad_value_,
+    "_clip_grads_with_norm_": _routed_clip_grads_with_norm_,
+}
 
 
 def _clip_through_engine(params, owners, max_norm, norm_type, error_if_nonfinite):
