@@ -74,3 +74,22 @@ def test_a_random_weights_recipe_run_trains_full_sequences(tmp_path, monkeypatch
     lines = [json.loads(x) for x in (out / "log_history.jsonl").read_text().splitlines()]
     seen = [r["num_tokens"] for r in lines if "num_tokens" in r]
     assert [b - a for a, b in zip([0.0, *seen], seen, strict=False)] == [2 * 96] * 3
+
+
+@pytest.mark.parametrize("sp_size, sequences", [(1, 4 * 4), (2, 4 * 2), (4, 4 * 1)])
+def test_ranks_that_share_a_sequence_get_one_row_for_it(capsys, monkeypatch, sp_size, sequences):
+    """Four ranks: data parallel, every rank trains batch 4 of its own sequences; under
+    Ulysses (sequence_parallel_size 2 or 4) the ranks of one group split the same sequences,
+    so a step takes 4 x 4 / sp_size of them, as the Trainer's total batch counts."""
+    from hf_superoffload.recipes import sequence_parallel
+
+    args = _args(max_steps=1, gradient_accumulation_steps=1)
+    monkeypatch.setattr(type(args), "world_size", property(lambda self: 4))
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    if sp_size > 1:
+        sequence_parallel.configure(sp_size, args, "sdpa")
+    tokenizer = make_char_tokenizer()
+    rows = Dataset.from_list(arithmetic.make_sft_rows())
+    filled = fill_sequences(rows, Recipe, args, tokenizer)
+    assert len(filled) == sequences
+    assert f"random weights: {sequences} rows of at least 256 tokens" in capsys.readouterr().out

@@ -88,6 +88,12 @@ def planned_run(settings: dict, script_args: list[str]):
     from . import script_arguments  # here: it loads transformers
 
     run = script_arguments.planned_run(settings, script_args)
+    if run.optimizer != "superoffload":
+        raise UsageError(
+            f"RATIO=auto plans SuperOffload runs, and --optimizer {run.optimizer} trains with the "
+            "Trainer's own AdamW: drop it (zerooffload mode runs that baseline, under DeepSpeed's "
+            "CPU offload), or give --ratio (RATIO) a number in [0, 1]"
+        )
     if run.sequence_parallel_size > 1:
         raise UsageError(
             f"RATIO=auto cannot plan --sequence_parallel_size {run.sequence_parallel_size}: "
@@ -132,7 +138,9 @@ def plan_ratio(args: argparse.Namespace, recipe: Path, gpus: int, run) -> tuple[
         else "--no-activation-checkpoint-offload"
     )
     argv += ["--activation-checkpointing", "on" if run.checkpointing else "off"]
-    argv += ["--moments", run.moments, "--cast", run.cast, *planned_machine(args)]
+    dtype = next(k for k, v in plan_command.DTYPE_BYTES.items() if v == run.dtype_bytes)
+    argv += ["--moments", run.moments, "--cast", run.cast, "--dtype", dtype]
+    argv += planned_machine(args)
     where = "the machine given" if planned_machine(args) else "this machine"
     try:
         found = plan_command.answer(build_parser().parse_args(argv))

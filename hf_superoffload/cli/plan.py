@@ -27,6 +27,7 @@ from .plan_settings import planned_settings
 _MORE_GPUS = (2, 4, 8, 16, 32, 64)  # GPU counts tried when a run does not fit
 NO_SAVE = "a run that saves nothing: examples/sft.py --save_model false with --save_strategy no"
 DEFAULT_SEQ, DEFAULT_BATCH = 4096, 4  # the paper's examples' settings
+DTYPE_BYTES = {"bf16": 2, "fp32": 4}  # --dtype: bytes of a weight, gradient and activation
 
 
 def add_parser(commands) -> None:
@@ -35,7 +36,7 @@ def add_parser(commands) -> None:
         "plan",
         help="whether a model's full fine-tuning fits, per GPU and per host",
         description="Per-rank GPU and host memory of full fine-tuning MODEL with SuperOffload "
-        "on DeepSpeed ZeRO-3 (bf16 weights, fp32 master and Adam moments on the host, "
+        "on DeepSpeed ZeRO-3 (bf16 weights unless told otherwise, fp32 master and Adam moments on the host, "
         "activation checkpointing unless told otherwise), checked against a hardware preset, "
         "given sizes, or this machine. Exit code 0: fits, 1: does not fit, 2: bad input.",
         epilog=f"Shipped model configs: {shipped}. Presets (one node each; --gpus beyond a "
@@ -84,7 +85,13 @@ def add_parser(commands) -> None:
         "with use_liger_kernel)",
     )
     parser.add_argument(
-        "--offload-param", action="store_true", help="bf16 params on the host too (ZeRO-3)"
+        "--dtype",
+        choices=tuple(DTYPE_BYTES),
+        help="the weights, their gradients and the activations: bf16, or fp32 (a recipe's "
+        "bf16 false). Default: a recipe's (TRL's bf16 unless fp16; fp16 is refused), else bf16",
+    )
+    parser.add_argument(
+        "--offload-param", action="store_true", help="the params on the host too (ZeRO-3)"
     )
     parser.add_argument(
         "--activation-checkpoint-offload",
@@ -345,6 +352,7 @@ def answer(args: argparse.Namespace) -> Answer:
         activation_checkpoint_offload=offload,
         activation_checkpointing=_checkpointing(args, source, settings, offload),
         cast=_given(args.cast, settings.cast),
+        dtype_bytes=DTYPE_BYTES[args.dtype] if args.dtype else settings.dtype_bytes,
     )
     shape = _shape(source.config)
     auto_notes, auto_suggestions = [], []

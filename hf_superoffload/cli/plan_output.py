@@ -91,8 +91,10 @@ def run_line(plan: MemoryPlan) -> str:
         f"{run.sub_group_size / 1e6:.1f}M params (a larger param alone)",
         where,
     ]
+    if run.dtype_bytes == 4:
+        extras.append("fp32 weights")
     if run.offload_param:
-        extras.append("bf16 params on the host")
+        extras.append("the params on the host")
     if not run.activation_checkpointing:
         extras.append("no activation checkpointing: every layer's saved tensors on the GPU")
     elif run.activation_checkpoint_offload:

@@ -25,6 +25,8 @@ def planned_settings(source):
             batch=None,
             gradient_accumulation=1,
             sequence_parallel_size=1,
+            dtype_bytes=2,
+            optimizer="superoffload",
             moments=run_moments(),
             cast=run_cast(),
             checkpointing=True,
@@ -35,6 +37,14 @@ def planned_settings(source):
         recipe = planned_run(source.recipe, [])
     except UsageError as error:
         raise UsageError(f"recipe {source.recipe_path}: {error}") from None
+    if recipe.optimizer != "superoffload":
+        raise UsageError(
+            f"recipe {source.recipe_path}: optimizer {recipe.optimizer} trains with the "
+            "Trainer's own AdamW, whose memory depends on the DeepSpeed config it runs under "
+            "(DeepSpeed's CPU Adam under zero3_offload.json), and the memory plan counts "
+            "SuperOffload runs only: remove optimizer from the recipe (or set it to "
+            "superoffload) to plan its SuperOffload run"
+        )
     if recipe.sequence_parallel_size > 1:
         raise UsageError(
             f"recipe {source.recipe_path}: sequence_parallel_size "

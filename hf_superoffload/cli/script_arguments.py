@@ -1,6 +1,7 @@
 """What the memory plan reads from a recipe and the arguments examples/sft.py gets after it:
 the sequence length, the batch, the accumulation, whether the run saves, its Adam moments and
-cast, whether it checkpoints activations and where its checkpointed layer inputs wait.
+cast, whether it checkpoints activations and where its checkpointed layer inputs wait, the
+weights' dtype (bf16 or fp32), and which optimizer it trains with.
 ``hf-superoffload finetune`` plans the run it launches from them (RATIO=auto,
 cli/finetune_plan.py), and ``hf-superoffload plan RECIPE.yaml`` the recipe's run (no script
 arguments), so the two agree.
@@ -32,6 +33,13 @@ class ScriptArguments:
     max_length: int | None = None
     per_device_train_batch_size: int | None = None
     gradient_accumulation_steps: int = 1
+    # The weights' dtype, as TRL's config resolves it: bf16 unless fp16 is on (None: not fp16).
+    bf16: bool | None = dataclasses.field(default=None, metadata={"nargs": "?", "const": True})
+    fp16: bool = False
+    # superoffload: SuperOffload's trainer; adamw: TRL's with the Trainer's AdamW (the baseline).
+    optimizer: str = dataclasses.field(
+        default="superoffload", metadata={"choices": ["superoffload", "adamw"]}
+    )
     sequence_parallel_size: int | None = None  # Ulysses, which the plan does not count
     save_model: bool = True
     save_strategy: str = "steps"
@@ -90,6 +98,8 @@ class PlannedRun:
     batch: int | None  # per_device_train_batch_size; None: given by neither
     gradient_accumulation: int
     sequence_parallel_size: int  # 1: off
+    dtype_bytes: int  # the weights': 2 (bf16) or 4 (fp32)
+    optimizer: str  # "superoffload" or "adamw", which the plan does not count
     moments: str  # "fp32" or "compact", resolved as the trainer resolves it
     # "auto", "gpu" or "cpu", resolved as the trainer resolves it; None: not known (plan of a
     # model without --cast or HF_SUPEROFFLOAD_CAST)
@@ -113,12 +123,27 @@ def planned_run(settings: dict, script_args: list[str]) -> PlannedRun:
         batch=script.per_device_train_batch_size,
         gradient_accumulation=script.gradient_accumulation_steps,
         sequence_parallel_size=script.sequence_parallel_size or 1,
+        dtype_bytes=_dtype_bytes(script),
+        optimizer=script.optimizer,
         moments=options.moments,
         cast=options.cast,
         checkpointing=script.checkpointing,
         activation_checkpoint_offload=_offload(script),
         never_saves=_never_saves(script),
     )
+
+
+def _dtype_bytes(script: ScriptArguments) -> int:
+    """Bytes of a weight as the run holds them: TRL turns bf16 on unless fp16 is; ``bf16
+    false`` (without fp16) trains fp32 weights. fp16 is refused: the ZeRO-3 path the plan counts
+    refuses it."""
+    if script.fp16:
+        raise UsageError(
+            "fp16 is on, and SuperOffload on ZeRO-3 (the run the memory plan counts) refuses "
+            "fp16 (no loss scaling there): set fp16 false, with bf16 true (bf16 weights) or "
+            "bf16 false (fp32 weights)"
+        )
+    return 2 if script.bf16 is None or script.bf16 else 4
 
 
 def _optimizer_options(script: ScriptArguments):

@@ -26,17 +26,23 @@ def grad_sum_bytes(numel: int) -> int:
     return numel * GRAD_SUM_DTYPE.itemsize
 
 
-def tail_state_bytes(plan: BucketPlan, compact: bool) -> int:
-    """Device bytes a tail bucket of ``plan`` holds (``_hold_state_on_device``): its fp32
-    master and fp32 gradients, and both Adam moments, fp32 or compact (a code a moment an
-    element and a scale pair a block of each param: ``CompactMoments``). The GPU tail's cap
-    check, ``auto``'s budgets and their messages count with this."""
-    numel = plan.numel
-    if compact:
-        moments = compact_moment_bytes(numel, sum(blocks_of(p.numel()) for p in plan.params))
-    else:
-        moments = 2 * 4 * numel
+def device_state_bytes(numel: int, blocks: int, compact: bool) -> int:
+    """Device bytes of ``numel`` elements' optimizer state held on the device: the fp32 master
+    and fp32 gradients, and both Adam moments, fp32 or compact (a code a moment an element and
+    a scale pair a block, ``blocks`` of them: ``compact_moment_bytes``). The standalone
+    engine's tail buckets (``tail_state_bytes``) and the ZeRO-3 sub groups ``ratio`` keeps on
+    the GPU (zero3/memory_plan.py) count with this."""
+    moments = compact_moment_bytes(numel, blocks) if compact else 2 * 4 * numel
     return 4 * numel + 4 * numel + moments
+
+
+def tail_state_bytes(plan: BucketPlan, compact: bool) -> int:
+    """Device bytes a tail bucket of ``plan`` holds (``_hold_state_on_device``): its state
+    counted by ``device_state_bytes``, the compact moments' blocks each param's own
+    (``CompactMoments``). The GPU tail's cap check, ``auto``'s budgets and their messages count
+    with this."""
+    blocks = sum(blocks_of(p.numel()) for p in plan.params) if compact else 0
+    return device_state_bytes(plan.numel, blocks, compact)
 
 
 UNDECLARED_ACCUMULATION_REMEDIES = (

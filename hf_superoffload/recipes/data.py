@@ -50,7 +50,7 @@ def fill_sequences(dataset: Dataset, recipe, args, tokenizer) -> Dataset:
             "tokens; drop --packing"
         )
     steps = args.max_steps if args.max_steps > 0 else 1
-    count = args.per_device_train_batch_size * args.world_size
+    count = args.per_device_train_batch_size * data_parallel_size(args)
     count *= args.gradient_accumulation_steps * steps
     lines = [row["prompt"] + row["completion"] + "\n" for row in dataset]
     per_line = sum(len(ids) for ids in tokenizer(lines[:200])["input_ids"]) / min(len(lines), 200)
@@ -60,5 +60,15 @@ def fill_sequences(dataset: Dataset, recipe, args, tokenizer) -> Dataset:
         start = (i * 7919) % len(lines)  # each row starts elsewhere in the data
         picked = [lines[(start + j) % len(lines)] for j in range(width)]
         rows.append({"text": "".join(picked)})
-    print(f"random weights: {count} rows of at least {args.max_length} tokens from the bundled data, one per sequence")  # fmt: skip
+    print(f"random weights: {count} rows of at least {args.max_length} tokens from the bundled data, one per sequence of the run")  # fmt: skip
     return Dataset.from_list(rows)
+
+
+def data_parallel_size(args) -> int:
+    """The ranks that each train sequences of their own: Ulysses (``parallelism_config``'s
+    ``sp_size``, recipes/sequence_parallel.py) has ``sp_size`` ranks share every sequence, so
+    a step takes ``world_size / sp_size`` of them a micro-batch (the Trainer's total batch
+    counts the same)."""
+    config = getattr(args, "parallelism_config", None)
+    sp_size = config.sp_size if config is not None else 1
+    return args.world_size // sp_size

@@ -45,7 +45,7 @@ import math
 
 import torch
 
-from ..engine.compact_moments import compact_moment_bytes
+from ..engine.bucket import device_state_bytes
 from ..engine.copy_out import copy_out_bytes
 from ..engine.device_speculation import device_speculation_bytes
 from ..engine.device_tail import step_scratch_bytes
@@ -353,11 +353,7 @@ def zero3_memory_plan(config, run: Zero3Run, shape: ModelShape | None = None) ->
     gpu = {
         "param_partition": 0 if run.offload_param else low * partition,
         "gathered_params": gathered,
-        "optimizer_on_gpu": (
-            8 * split.device_numel + compact_moment_bytes(split.device_numel, split.device_blocks)
-            if compact
-            else 16 * split.device_numel
-        ),
+        "optimizer_on_gpu": device_state_bytes(split.device_numel, split.device_blocks, compact),
         "optimizer_step_scratch": (
             step_scratch_bytes(split.largest_device_sub_group, compact, run.device_type)
             if split.device_count
