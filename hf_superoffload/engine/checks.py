@@ -1,7 +1,9 @@
 """Checks of what SuperOffloadOptimizer is given, with errors that say what to change. The
-constructor runs them in this order: ``check_arguments`` (its keyword arguments), torch's
-Optimizer then takes the params into groups (of ``group_defaults``), and ``checked_trainable``
-(the groups and what they hold); ``common_device_and_dtype`` once the params are claimed.
+constructor runs them in this order: ``check_arguments`` (its keyword arguments), then
+``resolve_options`` (the engine options left out, from HF_SUPEROFFLOAD_* variables or the
+defaults), torch's Optimizer then takes the params into groups (of ``group_defaults``), and
+``checked_trainable`` (the groups and what they hold); ``common_device_and_dtype`` once the
+params are claimed.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from .adamw_switches import check_switches
 from .core_split import choose_team
 
 HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
+DEFAULT_BUCKET_SIZE = 1 << 25  # 33.5M elements: ~7 ms of CPU Adam on 16 cores
+CASTS = ("auto", "gpu", "cpu")
 
 logger = logging.getLogger("hf_superoffload")
 
@@ -71,19 +75,17 @@ def check_arguments(
     keywords: Iterable[str],
     max_grad_norm,
     gradient_accumulation_steps,
-    bucket_size,
-    speculate,
-    speculate_after_clip,
-    cpu_threads,
-    moments,
+    options: dict,
     switches: dict,
-) -> bool:
+) -> None:
     """SuperOffloadOptimizer's keyword arguments, before torch's Optimizer takes the params: no
     unknown one (``keywords``: the known names; ``gpu_bucket=3`` is told the closest), the
-    engine options' types (their values are checked where they are used), the moments, and
-    torch.optim.AdamW's ``switches`` (no-op values accepted, others refused:
-    adamw_switches.py). Returns whether the moments are compact."""
+    types of the engine ``options`` given (None: left out, ``resolve_options`` fills it in),
+    and the values that need no params (the others are checked where they are used), the
+    moments, and torch.optim.AdamW's ``switches`` (no-op values accepted, others refused:
+    adamw_switches.py)."""
     refuse_unknown_kwargs(unknown, keywords, "SuperOffloadOptimizer")
+    cpu_threads = options["cpu_threads"]
     if cpu_threads is not None and (
         isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int) or cpu_threads < 1
     ):
@@ -95,20 +97,55 @@ def check_arguments(
         _require_number("max_grad_norm", max_grad_norm, "1.0 (0 or None: no clipping)")
     for name, value, example in (
         ("gradient_accumulation_steps", gradient_accumulation_steps, "4"),
-        ("bucket_size", bucket_size, "2**25"),
+        ("bucket_size", options["bucket_size"], "2**25"),
     ):
+        if value is None and name == "bucket_size":
+            continue
         if not isinstance(value, int) or isinstance(value, bool):
             raise ValueError(
                 f"{name} must be an int, got {value!r} ({type(value).__name__}); pass e.g. "
                 f"{name}={example}."
             )
-    for name, value in (("speculate", speculate), ("speculate_after_clip", speculate_after_clip)):
-        if not isinstance(value, bool):
-            raise ValueError(f"{name} must be True or False, got {value!r}.")
-    check_speculation(speculate, speculate_after_clip)
-    compact = check_moments(moments)
+    if options["bucket_size"] is not None and options["bucket_size"] < 1:
+        raise ValueError(
+            f"bucket_size must be a positive number of elements, got {options['bucket_size']}."
+        )
+    for name in ("speculate", "speculate_after_clip"):
+        if options[name] is not None and not isinstance(options[name], bool):
+            raise ValueError(f"{name} must be True or False, got {options[name]!r}.")
+    _check_given_placement(options["gpu_tail"], options["gpu_tail_cap"], options["cast"])
+    if options["moments"] is not None:
+        check_moments(options["moments"])
     check_switches(switches)
-    return compact
+
+
+def _check_given_placement(gpu_tail, gpu_tail_cap, cast) -> None:
+    """The keywords' types only: a string that reads as a number is a variable's form (and
+    ``resolve_options`` takes it there), not a keyword's."""
+    if gpu_tail is not None and (
+        isinstance(gpu_tail, bool) or not (gpu_tail == "auto" or isinstance(gpu_tail, int))
+    ):
+        raise ValueError(f"gpu_tail must be a non-negative int or 'auto', got {gpu_tail!r}.")
+    if gpu_tail_cap is not None and (
+        isinstance(gpu_tail_cap, bool) or not isinstance(gpu_tail_cap, numbers.Real)
+    ):
+        raise ValueError(
+            f"gpu_tail_cap must be a number of GiB >= 0 or None (no cap), got {gpu_tail_cap!r}."
+        )
+    if cast is not None and cast not in CASTS:
+        raise ValueError(f"cast must be 'auto', 'gpu' or 'cpu', got {cast!r}.")
+
+
+def resolve_options(given: dict):
+    """The engine options of a SuperOffloadOptimizer built directly, as the trainers resolve
+    theirs (SuperOffloadOptions, integrations/plugin.py): a keyword given, else its
+    ``HF_SUPEROFFLOAD_<OPTION>`` variable, else the default; a bad variable, or a pair of
+    options that would do nothing together, is refused with the trainers' error. Keywords
+    passed by ``check_arguments`` stay as given."""
+    # Imported here: plugin.py imports this module (check_moments, check_speculation).
+    from ..integrations.plugin import SuperOffloadOptions
+
+    return SuperOffloadOptions(**given)
 
 
 def check_speculation(speculate: bool, speculate_after_clip: bool) -> None:

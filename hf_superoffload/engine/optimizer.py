@@ -33,16 +33,18 @@ from collections.abc import Iterable
 import torch
 
 from .. import ops
-from . import clip_routing, ownership, state_io
+from . import clip_routing, lifecycle, ownership, state_io
 from .adamw_switches import without_switches
 from .bucket import Bucket
 from .cast_policy import choose_cast_plan, rank0_plan
 from .checks import (
+    DEFAULT_BUCKET_SIZE,  # noqa: F401  (the ZeRO-3 path's sub group size when left out)
     check_arguments,
     check_params_attached,
     checked_trainable,
     common_device_and_dtype,
     group_defaults,
+    resolve_options,
 )
 from .core_split import choose_team, use_team
 from .forward_waits import ForwardWaits
@@ -53,8 +55,6 @@ from .placement import make_tail_tuner
 from .replicas import Replicas, closes_replicas_on_failure, shares_failures
 from .stv import Stv, Verdict, validate
 from .tail_moves import TailMoves, cap_bytes
-
-DEFAULT_BUCKET_SIZE = 1 << 25  # 33.5M elements: ~7 ms of CPU Adam on 16 cores
 
 
 class SuperOffloadOptimizer(torch.optim.Optimizer):
@@ -69,14 +69,15 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         weight_decay: float = 1e-2,
         *,
         max_grad_norm: float | None = 1.0,
-        gpu_tail: int | str = "auto",
+        # The engine options; None: left out (its HF_SUPEROFFLOAD_* variable, else the default).
+        gpu_tail: int | str | None = None,
         gpu_tail_cap: float | None = None,
-        bucket_size: int = DEFAULT_BUCKET_SIZE,
+        bucket_size: int | None = None,
         cpu_threads: int | None = None,
-        speculate: bool = True,
-        speculate_after_clip: bool = False,
-        cast: str = "auto",
-        moments: str = "fp32",
+        speculate: bool | None = None,
+        speculate_after_clip: bool | None = None,
+        cast: str | None = None,
+        moments: str | None = None,
         model: torch.nn.Module | None = None,
         gradient_accumulation_steps: int = 1,
         process_group: torch.distributed.ProcessGroup | None = None,
@@ -91,19 +92,15 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         # torch.optim.AdamW's switches: no-op values accepted, others refused.
         switches = dict(amsgrad=amsgrad, maximize=maximize, foreach=foreach, fused=fused)
         switches.update(capturable=capturable, differentiable=differentiable)
-        compact = check_arguments(
-            unknown,
-            _KEYWORDS,
-            max_grad_norm,
-            gradient_accumulation_steps,
-            bucket_size,
-            speculate,
-            speculate_after_clip,
-            cpu_threads,
-            moments,
-            switches,
+        given = dict(gpu_tail=gpu_tail, gpu_tail_cap=gpu_tail_cap, bucket_size=bucket_size)
+        given.update(cpu_threads=cpu_threads, speculate=speculate, cast=cast, moments=moments)
+        given.update(speculate_after_clip=speculate_after_clip)
+        check_arguments(
+            unknown, _KEYWORDS, max_grad_norm, gradient_accumulation_steps, given, switches
         )
-        self.moments = moments  # "fp32" or "compact": how both Adam moments are held
+        # Explicit > HF_SUPEROFFLOAD_* > default, as the trainers resolve them.
+        options = resolve_options(given)
+        self.moments = options.moments  # "fp32" or "compact": how both Adam moments are held
         defaults = group_defaults(lr, betas, eps, weight_decay)
         super().__init__(without_switches(params), defaults)
         trainable = checked_trainable(self.param_groups, max_grad_norm, gradient_accumulation_steps)
@@ -116,10 +113,17 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         # HF_SUPEROFFLOAD_CPU_ADAM_ISA stops here, before the params are claimed.
         ops.prepare()
         ownership.claim(trainable, self)
+        try:
+            self._build(trainable, options, model, gradient_accumulation_steps, process_group)
+        except BaseException:  # the params go back unowned, with none of our hooks on them
+            lifecycle.undo_construction(self, [id(p) for p in trainable])
+            raise
+
+    def _build(self, trainable, options, model, accumulation_steps: int, process_group) -> None:
+        """The constructor after the params are claimed: every part (``options`` resolved)."""
         device, dtype = common_device_and_dtype(trainable)
-        use_team(
-            choose_team(device, cpu_threads), device.type
-        )  # this rank's share of the host's cores
+        # This rank's share of the host's cores.
+        use_team(choose_team(device, options.cpu_threads), device.type)
         # Data parallelism (process_group, or the initialised default group): each rank
         # averages every bucket's gradients with the others, so the model must not also be
         # wrapped in DistributedDataParallel.
@@ -127,20 +131,20 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         self._replicas.broadcast_([p.data for p in trainable])
 
         self._link = Link(device)
-        self._cast = rank0_plan(choose_cast_plan(cast, device, dtype), self._replicas)
-        cap = cap_bytes(gpu_tail_cap)
+        self._cast = rank0_plan(choose_cast_plan(options.cast, device, dtype), self._replicas)
+        cap = cap_bytes(options.gpu_tail_cap)
         layout = lay_out(
             self.param_groups,
             model,
-            bucket_size=bucket_size,
-            gpu_tail=gpu_tail,
+            bucket_size=options.bucket_size,
+            gpu_tail=options.gpu_tail,
             cap_bytes=cap,
-            accumulating=gradient_accumulation_steps > 1,
+            accumulating=accumulation_steps > 1,
             link=self._link,
             replicas=self._replicas,
             cast=self._cast,
             dtype=dtype,
-            compact=compact,
+            compact=options.moments == "compact",
         )
         self._buckets, self._slot = layout.buckets, layout.slot  # slot: id(param) -> (bucket, i)
         this = weakref.ref(self)  # hooks and the STV core must not keep the optimizer alive
@@ -148,19 +152,19 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             self._link,
             lambda: this().param_groups,
             len(self._buckets),
-            speculate=speculate,
-            speculate_after_clip=speculate_after_clip,
+            speculate=options.speculate,
+            speculate_after_clip=options.speculate_after_clip,
             copy_out=layout.copy_out,
             grad_slots=layout.grad_slots,
         )
         self._stv.clip_threshold = self.max_grad_norm
         self._stv.worker.publish = self._replicas.publish_failure  # this optimizer's failure
         self.stats_counters = self._stv.stats
-        tuner = make_tail_tuner(gpu_tail, device)
-        self._compose(trainable, model, gradient_accumulation_steps, tuner, cap)
+        tuner = make_tail_tuner(options.gpu_tail, device)
+        self._compose(trainable, model, accumulation_steps, tuner, cap)
         hooks, ids = [self._arrival.handles, self._waits.handles], list(self._slot)
         self._finalizer = weakref.finalize(
-            self, _shutdown, self._stv, hooks, self._link, ids, self._replicas
+            self, lifecycle.shutdown, self._stv, hooks, self._link, ids, self._replicas
         )
         clip_routing.install()  # torch's clip_grad_norm_ over our params clips through us
 
@@ -168,7 +172,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         """Build the parts over ``self._buckets``: the forward waits, the gradient arrival
         (which starts and stops the waits' watch) and the GPU tail."""
         self._waits = ForwardWaits(
-            slot=self._slot, before_forward=_before_forward(weakref.ref(self)), model=model
+            slot=self._slot, before_forward=lifecycle.before_forward(weakref.ref(self)), model=model
         )
         shared = dict(
             buckets=self._buckets, link=self._link, replicas=self._replicas, stv=self._stv
@@ -384,41 +388,11 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
 
 
 # The constructor's keyword names (a misspelled one gets the closest of these).
-_KEYWORDS = [
-    name
-    for name in inspect.signature(SuperOffloadOptimizer.__init__).parameters
-    if name not in ("self", "params", "unknown")
-]
+_SIGNATURE = inspect.signature(SuperOffloadOptimizer.__init__).parameters
+_KEYWORDS = [name for name in _SIGNATURE if name not in ("self", "params", "unknown")]
 
 _NOT_COPYABLE = (
     "SuperOffloadOptimizer cannot be copied or pickled: it owns a worker thread, page-locked "
     "host buffers and hooks on the model's params. Save state_dict() and load it into a new "
     "optimizer built over the (copied) model."
 )
-
-
-def _before_forward(this: weakref.ref):
-    """The forward waits' way to the gradient arrival part, holding the optimizer weakly (the
-    model's hooks must not keep it alive)."""
-
-    def wait(buckets: list) -> None:
-        optimizer = this()
-        if optimizer is not None:
-            optimizer._arrival.before_forward(buckets)
-
-    return wait
-
-
-def _shutdown(
-    stv: Stv, hooks: list[list], link: Link, param_ids: list[int], replicas: Replicas
-) -> None:
-    replicas.close()
-    for handles in hooks:  # each part's hooks (a list the part still adds to and removes from)
-        for handle in handles:
-            handle.remove()
-        handles.clear()
-    ownership.release(param_ids)
-    try:
-        stv.close()  # raises a worker failure nobody was told of
-    finally:
-        link.close()  # after the worker: its last tasks may still use the host buffers

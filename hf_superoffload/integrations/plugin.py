@@ -19,10 +19,10 @@ import math
 from typing import Any
 
 from .. import env
-from ..engine.checks import check_moments, check_speculation
+from ..engine.checks import CASTS, DEFAULT_BUCKET_SIZE, check_moments, check_speculation
 
 ENV_PREFIX = env.PREFIX
-_CASTS = ("auto", "gpu", "cpu")
+_CASTS = CASTS  # the planner's too (cli/plan.py)
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
@@ -105,7 +105,7 @@ class SuperOffloadOptions:
                 f"gpu_tail must be a non-negative int or 'auto', got {self.gpu_tail!r}."
             )
         if self.bucket_size is None:
-            self.bucket_size = _env("BUCKET_SIZE", 1 << 25)
+            self.bucket_size = _env("BUCKET_SIZE", DEFAULT_BUCKET_SIZE)
         self.bucket_size = _int("bucket_size", self.bucket_size, minimum=1)
         threads = self.cpu_threads if self.cpu_threads is not None else _env("CPU_THREADS", None)
         self.cpu_threads = None if threads is None else _int("cpu_threads", threads, minimum=1)
@@ -114,9 +114,9 @@ class SuperOffloadOptions:
         check_speculation(self.speculate, self.speculate_after_clip)
         if self.cast is None:
             self.cast = _env("CAST", "auto")
-        if self.cast not in _CASTS:
+        if self.cast not in CASTS:
             raise ValueError(
-                f"cast must be one of {_CASTS}, got {self.cast!r} (env {ENV_PREFIX}CAST)."
+                f"cast must be one of {CASTS}, got {self.cast!r} (env {ENV_PREFIX}CAST)."
             )
         if self.moments is None:
             self.moments = _env("MOMENTS", "fp32")
