@@ -1,7 +1,8 @@
 """Each SuperOffload trainer on DeepSpeed hands its own options to the ZeRO-3 optimizer that
 its train() builds: the options go through the environment, so a trainer made later in the same
 process (a notebook, a sweep) must neither inherit an earlier trainer's options nor leave its own
-to the earlier one's train(); the user's own variables come back once no trainer replaces them.
+to the earlier one's train(); after train() none of them is left for a later optimizer of the
+process, and the user's own variables are back.
 
 Runs in a subprocess (one CPU rank, DeepSpeed's CPU accelerator), as tests/test_refusal_order.py
 does; the parent Trainer's train() is replaced by one that records what the ZeRO-3 optimizer
@@ -53,7 +54,8 @@ _SCRIPT = textwrap.dedent(
     second.train()
     first.train()
     print(json.dumps({"seen": seen, "after_second": after_second,
-                      "moments_left": os.environ.get("HF_SUPEROFFLOAD_MOMENTS")}))
+                      "moments_left": os.environ.get("HF_SUPEROFFLOAD_MOMENTS"),
+                      "speculate_left": os.environ.get("HF_SUPEROFFLOAD_SPECULATE")}))
     """
 )
 
@@ -77,4 +79,6 @@ def test_each_trainer_hands_its_own_options_to_its_optimizer(tmp_path):
     second = {"moments": "fp32", "speculate": True}  # no options: defaults and the user's
     assert out["seen"] == [first, second, first]
     assert out["after_second"] == "true"  # the user's value is back once the second is made
-    assert out["moments_left"] == "compact"  # the last train() started was the first's
+    # After train() nothing of a trainer's is left for a later optimizer; the user's value is.
+    assert out["moments_left"] is None
+    assert out["speculate_left"] == "true"

@@ -42,7 +42,7 @@ except ImportError:  # transformers < 4.50 checks nothing before torch.load
 from .. import upstream
 from ..engine import SuperOffloadOptimizer
 from ..engine.state_io import save_atomically
-from ..zero3.config import export_zero3_options
+from ..zero3.config import export_zero3_options, withdraw_exported_options
 from ..zero3.options import take_trainer_config
 from .accelerate_prepare import prepare_in_place, prepare_without_ddp
 from .arguments import resolve_save_dtype
@@ -168,13 +168,19 @@ class SuperOffloadTrainerMixin:
                     f"checkpoint-N folder; pass a checkpoint path, or False to start afresh."
                 )
         self._micro_batch_window = MicroBatchWindow()  # none left over from a run cut short
-        if self._on_deepspeed:  # this trainer's options, not a later-made trainer's
-            export_zero3_options(self._explicit_options())
         if getattr(self, "model_init", None) is not None:
             # The Trainer builds a new model and drops the optimizer: release ours (host
             # memory, hooks, worker thread) before the new model and optimizer are built.
             self._close_superoffload_optimizer()
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        if not self._on_deepspeed:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        # This trainer's options for the ZeRO-3 optimizer train() builds, not a later-made
+        # trainer's; withdrawn afterwards, so that no later optimizer of the process reads them.
+        export_zero3_options(self._explicit_options())
+        try:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            withdraw_exported_options()
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """As the Trainer's, but the optimizer state is written atomically (state_io): a save
