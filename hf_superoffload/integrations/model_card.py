@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from huggingface_hub import ModelCard
 
+from .card_secrets import redact_argv, redact_yaml
 from .metrics import sequence_parallel_size
 from .optimizer_report import describe, optimizer_state_placement
 
@@ -153,15 +154,20 @@ def launch() -> dict[str, str | None]:
 
     NOTE: ``accelerate launch`` does not pass its ``--config_file`` on to the processes it
     starts (only settings, as ``ACCELERATE_*`` variables); the launcher's own command line is
-    read from /proc, so the file is found on Linux when the launcher is a near ancestor."""
+    read from /proc, so the file is found on Linux when the launcher is a near ancestor.
+    The command's secrets (``--hub_token``, ``--wandb_api_key=...``) are shown as ``***``."""
     argv = list(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])
     argv[0] = "python"
-    out = {"command": shlex.join(argv), "accelerate_config": None, "accelerate_note": None}
+    out = {
+        "command": shlex.join(redact_argv(argv)),
+        "accelerate_config": None,
+        "accelerate_note": None,
+    }
     launched = "ACCELERATE_MIXED_PRECISION" in os.environ
     for parent, cwd in _ancestor_cmdlines():
         launcher = _accelerate_launch_args(parent)
         if launcher is not None:
-            out["command"] = shlex.join(["accelerate", "launch", *launcher])
+            out["command"] = shlex.join(redact_argv(["accelerate", "launch", *launcher]))
             config = _option(launcher, "--config_file", "--config-file")
             if config is None:
                 from accelerate.commands.config import default_config_file
@@ -255,9 +261,10 @@ def _table(rows: dict) -> str:
 
 
 def _file_block(title: str, path: str | None, note: str | None = None) -> str:
+    """The YAML file at ``path`` (a recipe, an accelerate config), its secrets shown as ``***``."""
     if path is None:
         return f"**{title}:** {note}" if note else ""
-    text = _read(path)
+    text = redact_yaml(_read(path))
     if not text:
         return f"**{title}:** `{path}` (not readable when the card was written)"
     return f"**{title}** (`{path}`):\n\n```yaml\n{text.rstrip()}\n```"
@@ -284,7 +291,7 @@ def reproduce_section(trainer) -> str:
         "### Hardware\n\n" + _table(hardware(trainer.accelerator.num_processes)),
         "### Training arguments\n\n" + _table(arguments),
         "### SuperOffload options\n\n" + _table(superoffload_options(trainer)),
-        "### Results\n\n" + _table(results(trainer.state.log_history, _stats(trainer))),
+        "### Results\n\n" + _table(_results(trainer)),
         END,
     ]
     return "\n\n".join(p for p in parts if p)
@@ -309,12 +316,23 @@ def trained_with(trainer) -> str:
     )
 
 
-def _stats(trainer) -> dict | None:
-    """The optimizer's counters now (cumulative), or the snapshot kept at the end of train()."""
+def _results(trainer) -> dict[str, str]:
+    """``results`` with the STV counters as the logs report them: the snapshot kept at the end
+    of train() (each counter the largest over the ranks) while the optimizer has taken no step
+    since; else the optimizer's own now, said to be this process's where there are others (a
+    card written during training, at a checkpoint, is written by the main process alone and
+    cannot gather theirs)."""
     optimizer = trainer._stv_optimizer
-    return (
-        optimizer.stats if optimizer is not None else getattr(trainer, "superoffload_stats", None)
-    )
+    snapshot = getattr(trainer, "superoffload_stats", None)
+    if optimizer is None or (snapshot and snapshot.get("steps") == optimizer.stats.get("steps")):
+        return results(trainer.state.log_history, snapshot)
+    out = results(trainer.state.log_history, optimizer.stats)
+    processes = trainer.accelerator.num_processes
+    if processes > 1:
+        out["STV counters"] = (
+            f"the main process's, during training (the logs give the largest of {processes})"
+        )
+    return out
 
 
 def superoffload_options(trainer) -> dict:
