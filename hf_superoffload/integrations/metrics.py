@@ -1,16 +1,23 @@
 """Training metrics for the logs: tokens/s, model TFLOPS, MFU and the STV counters.
 
 Model FLOPs per token follow the PaLM appendix: 6 N for the weight matmuls forward and backward
-(N = trainable params less the input embedding, whose lookup does no matmul) plus
-12 x layers x hidden x sequence length for the attention scores and values; recomputation by
-activation checkpointing is not counted. MFU divides achieved model FLOP/s per GPU by the GPU's
-dense bf16 peak: ``HF_SUPEROFFLOAD_PEAK_TFLOPS`` when set (any GPU, or a CPU), else the table below
-(GH200, H100 SXM/PCIe/NVL, H200 SXM/NVL, B200, GB200, A100). Without either, ``mfu`` is left
-out of the logs and a message says once how to set the peak.
+(N = matmul params, all but the input embedding, whose lookup does no matmul) plus
+12 x layers x hidden x sequence length for the attention scores and values, the sequence being
+the token's own: a padded row's real tokens, a packed (padding-free) batch's document
+(``sequence_lengths``). DPO's reference forward adds 2 N_ref plus a third of its attention term
+per token. Recomputation by activation checkpointing is not counted. MFU divides achieved model
+FLOP/s per GPU by the GPU's dense bf16 peak: ``HF_SUPEROFFLOAD_PEAK_TFLOPS`` when set (any GPU,
+or a CPU), else the table below (GH200, H100 SXM/PCIe/NVL, H200 SXM/NVL, B200, GB200, A100).
+Without either, ``mfu`` is left out of the logs and a message says once how to set the peak.
 
-Models the formula does not describe (no ``config`` with ``num_hidden_layers`` and
-``hidden_size``: a plain ``nn.Module``, say) still get ``tokens_per_second``; ``tflops`` and
-``mfu`` are then left out of the logs, and why is logged once at INFO.
+``tflops`` and ``mfu`` are left out of the logs, and why is logged once at INFO, where the count
+would not be exact: models the formula does not describe (no ``config`` with
+``num_hidden_layers`` and ``hidden_size``: a plain ``nn.Module``, say), models with frozen
+matmul weights (LoRA, partial fine-tuning: their forward and input-gradient FLOPs depend on where
+the trainable weights sit), padding-free batches (position ids without an attention mask) under
+sequence parallelism, whose shards do not show the documents' lengths, and a plain Trainer's run
+(``zero3_callback.py``) with a live reference model, whose forward it does not see.
+``tokens_per_second`` is logged in every case.
 """
 
 from __future__ import annotations
@@ -103,13 +110,23 @@ def log_missing_peak(device_name: str | None = None) -> None:
     )
 
 
-def matmul_params(model: torch.nn.Module) -> int:
-    """Trainable params that take part in a token's matmuls: all but the input embedding's
-    lookup table (a tied lm_head shares that weight and does a matmul, so then it counts), and
-    of a mixture of experts' expert params (``.experts.`` in their names, as transformers names
-    them) only the share a token is routed to, ``num_experts_per_tok`` of the experts. A model
-    without ``get_input_embeddings`` counts all its trainable params; a ZeRO-3 partitioned
-    param counts its full size (``ds_numel``)."""
+def matmul_params(model: torch.nn.Module, trainable_only: bool = True) -> int:
+    """Params that take part in a token's matmuls (the trainable ones, or all with
+    ``trainable_only=False``): all but the input embedding's lookup table (a tied lm_head shares
+    that weight and does a matmul, so then it counts), and of a mixture of experts' expert params
+    (``.experts.`` in their names, as transformers names them) only the share a token is routed
+    to, ``num_experts_per_tok`` of the experts. A model without ``get_input_embeddings`` counts
+    all its params; a ZeRO-3 partitioned param counts its full size (``ds_numel``)."""
+    active = _active_expert_share(model)
+    total = 0.0
+    for name, p in _matmul_named_params(model):
+        if p.requires_grad or not trainable_only:
+            share = active if ".experts." in f".{name}." else 1.0
+            total += share * getattr(p, "ds_numel", p.numel())
+    return round(total)
+
+
+def _matmul_named_params(model: torch.nn.Module):
     try:
         embeddings = model.get_input_embeddings()
     except (AttributeError, NotImplementedError):
@@ -117,13 +134,12 @@ def matmul_params(model: torch.nn.Module) -> int:
     skip = {id(p) for p in embeddings.parameters()} if embeddings is not None else set()
     if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         skip = set()
-    active = _active_expert_share(model)
-    total = 0.0
-    for name, p in model.named_parameters():
-        if p.requires_grad and id(p) not in skip:
-            share = active if ".experts." in f".{name}." else 1.0
-            total += share * getattr(p, "ds_numel", p.numel())
-    return round(total)
+    return [(name, p) for name, p in model.named_parameters() if id(p) not in skip]
+
+
+def frozen_matmul_params(model: torch.nn.Module) -> list[str]:
+    """Names of the matmul params (``matmul_params``) that do not train."""
+    return [name for name, p in _matmul_named_params(model) if not p.requires_grad]
 
 
 def _active_expert_share(model: torch.nn.Module) -> float:
@@ -145,7 +161,37 @@ def sequence_parallel_size(parallelism_config) -> int:
 
 
 def model_flops_per_token(config, n_matmul_params: int, seq_len: int) -> float:
-    return 6.0 * n_matmul_params + 12.0 * config.num_hidden_layers * config.hidden_size * seq_len
+    """Training FLOPs of one token that attends over ``seq_len`` tokens."""
+    return 6.0 * n_matmul_params + attention_flops(config, seq_len)
+
+
+def attention_flops(config, seq_len: float) -> float:
+    """Attention scores and values, forward and backward, of one token that attends over
+    ``seq_len`` tokens (the forward is a third: 4 x layers x hidden x seq_len)."""
+    return 12.0 * config.num_hidden_layers * config.hidden_size * seq_len
+
+
+def sequence_lengths(inputs: Mapping, ids: torch.Tensor) -> torch.Tensor:
+    """Lengths of the sequences attention runs over in a batch, as the model reads it: the
+    documents of a flash-attention varlen batch (``cu_seq_lens_q``); else each row's tokens
+    under a 2D ``attention_mask``; else the runs of consecutive ``position_ids`` (a padding-free
+    batch: a new document starts where the positions do not go up by one, as transformers' sdpa
+    and flex masks split it); else each row whole."""
+    cu = inputs.get("cu_seq_lens_q")
+    if isinstance(cu, torch.Tensor):
+        return cu.reshape(-1).diff()
+    rows = ids.reshape(-1, ids.shape[-1])
+    mask = inputs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        return mask.sum(dim=-1)
+    positions = inputs.get("position_ids")
+    if isinstance(positions, torch.Tensor) and positions.shape[-1] == rows.shape[-1]:
+        positions = positions.reshape(-1, rows.shape[-1]).expand(rows.shape[0], -1)
+        starts = torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1) != 1
+        starts[:, 0] = True  # a row starts a document
+        first = starts.reshape(-1).nonzero().reshape(-1)
+        return torch.diff(first, append=first.new_tensor([rows.numel()]))
+    return torch.full((rows.shape[0],), rows.shape[-1])
 
 
 def flops_config(model: torch.nn.Module):
@@ -167,12 +213,24 @@ def flops_config(model: torch.nn.Module):
     return config, None
 
 
+def _one_sequence_a_row(inputs: Mapping) -> bool:
+    """Whether each row of a batch is one sequence as the model reads it: the rows of a 2D
+    ``attention_mask``, or rows without position ids (which could pack documents into a row)."""
+    mask = inputs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        return True
+    return not any(
+        isinstance(inputs.get(key), torch.Tensor) for key in ("position_ids", "cu_seq_lens_q")
+    )
+
+
 class ThroughputMeter:
-    """Tokens and sequence lengths seen since the last log, and the time they took."""
+    """Tokens and the FLOPs they took since the last log, and the time they took."""
 
     def __init__(self):
         self._n_params: int | None = None  # counted once: a walk over every param
         self._config = None
+        self._reference: tuple | None = None  # (config, matmul params) of a reference model
         self._no_flops: str | None = None  # why FLOPs are not counted, once known
         self._told_no_peak = False  # the "mfu is not reported" message is logged once
         self.reset()
@@ -182,10 +240,19 @@ class ThroughputMeter:
         self.flops = 0.0
         self.since = time.perf_counter()
 
-    def add_batch(self, inputs, model: torch.nn.Module, sequence_parallel: int = 1) -> None:
-        """Count a micro batch. Under Ulysses sequence parallelism (``sequence_parallel`` ranks
-        share each sequence) ``inputs`` is this rank's shard: its tokens are this rank's, but
-        each of them attends to the whole sequence, ``sequence_parallel`` shards long."""
+    def add_batch(
+        self,
+        inputs,
+        model: torch.nn.Module,
+        sequence_parallel: int = 1,
+        reference_model: torch.nn.Module | None = None,
+    ) -> None:
+        """Count a micro batch: each token's weight matmuls and its attention over its own
+        sequence (``sequence_lengths``). ``reference_model`` runs a forward over the same batch
+        (DPO's reference; 2 FLOPs per param and token, a third of the attention). Under Ulysses
+        sequence parallelism (``sequence_parallel`` ranks share each sequence) ``inputs`` is this
+        rank's shard: its tokens are this rank's, but each of them attends to the whole
+        sequence, ``sequence_parallel`` shards long."""
         ids = inputs.get("input_ids") if isinstance(inputs, Mapping) else None
         if not isinstance(ids, torch.Tensor):
             return
@@ -193,18 +260,56 @@ class ThroughputMeter:
         tokens = int(mask.sum()) if isinstance(mask, torch.Tensor) else ids.numel()
         self.tokens += tokens
         if self._n_params is None and self._no_flops is None:
-            self._config, self._no_flops = flops_config(model)
-            if self._no_flops is None:
-                self._n_params = matmul_params(model)
-            else:
-                logger.info(
-                    "hf_superoffload: logging tokens_per_second without tflops and mfu: "
-                    "%s, so its FLOPs per token are unknown.",
-                    self._no_flops,
-                )
-        if self._n_params is not None:
-            seq_len = ids.shape[-1] * sequence_parallel
-            self.flops += tokens * model_flops_per_token(self._config, self._n_params, seq_len)
+            self.refuse(self._read_models(model, reference_model))
+        if self._no_flops is not None:
+            return
+        if sequence_parallel == 1:
+            lengths = sequence_lengths(inputs, ids).double()
+            attended = float((lengths**2).sum())  # each token, over its own sequence
+        elif _one_sequence_a_row(inputs):
+            attended = float(tokens * ids.shape[-1] * sequence_parallel)
+        else:
+            self.refuse(
+                "a batch under sequence parallelism whose rows may pack several documents "
+                "(position_ids without an attention_mask): each rank holds a shard of a row and "
+                "does not see how long its documents are"
+            )
+            return
+        self.flops += 6.0 * tokens * self._n_params + attention_flops(self._config, attended)
+        if self._reference is not None:
+            config, n_params = self._reference
+            self.flops += 2.0 * tokens * n_params + attention_flops(config, attended) / 3
+
+    def _read_models(self, model, reference_model) -> str | None:
+        """Read what the count needs of the models; why the FLOPs are unknown if they are."""
+        config, why = flops_config(model)
+        if why is not None:
+            return why
+        frozen = frozen_matmul_params(model)
+        if frozen:
+            return (
+                f"{len(frozen)} of its matmul weights do not train ({frozen[0]}, ...): frozen "
+                f"weights still run their forward, and their input-gradient matmuls where a "
+                f"trainable weight lies before them, which this count does not place"
+            )
+        if reference_model is not None:
+            ref_config, why = flops_config(reference_model)
+            if why is not None:
+                return f"the reference model: {why}"
+            self._reference = (ref_config, matmul_params(reference_model, trainable_only=False))
+        self._config, self._n_params = config, matmul_params(model)
+        return None
+
+    def refuse(self, why: str | None) -> None:
+        """Leave tflops and mfu out from now on (``why`` is not None), saying why once."""
+        if why is None or self._no_flops is not None:
+            return
+        self._no_flops = why
+        logger.info(
+            "hf_superoffload: logging tokens_per_second without tflops and mfu: %s, so its "
+            "FLOPs per token are unknown.",
+            why,
+        )
 
     def metrics(self, accelerator, peak: float | None) -> dict[str, float]:
         """Reduce over ranks (tokens and FLOPs summed; per-GPU figures divide by the ranks).
@@ -224,6 +329,16 @@ class ThroughputMeter:
                 self._told_no_peak = True
         self.reset()
         return out
+
+
+def reference_forward_model(trainer) -> torch.nn.Module | None:
+    """The model a trainer runs a forward of beside each training forward: DPO's
+    ``ref_model``, unless its log-probs were computed before training
+    (``precompute_ref_log_probs``)."""
+    reference = getattr(trainer, "ref_model", None)
+    if reference is None or getattr(trainer.args, "precompute_ref_log_probs", False):
+        return None
+    return trainer.accelerator.unwrap_model(reference)
 
 
 def all_ranks_stats(stats: dict[str, float], accelerator) -> dict[str, float]:

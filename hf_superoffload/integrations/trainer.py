@@ -48,7 +48,13 @@ from .accelerate_prepare import prepare_in_place, prepare_without_ddp
 from .arguments import resolve_save_dtype
 from .best_model import check_best_model_restorable, restore_best_masters
 from .checks import DATA_PARALLEL, check_optimizer_arguments, check_supported
-from .metrics import ThroughputMeter, all_ranks_stats, peak_tflops, stv_metrics
+from .metrics import (
+    ThroughputMeter,
+    all_ranks_stats,
+    peak_tflops,
+    reference_forward_model,
+    stv_metrics,
+)
 from .model_card import add_superoffload_section, dataset_names, trainer_kind_tags
 from .oom_retry import MicroBatchWindow, run_micro_batch
 from .plugin import SuperOffloadOptions
@@ -286,7 +292,10 @@ class SuperOffloadTrainerMixin:
     def training_step(self, model, inputs, num_items_in_batch=None):
         optimizer = self.superoffload_optimizer
         self._throughput.add_batch(
-            inputs, self.accelerator.unwrap_model(model), self._sequence_parallel_size()
+            inputs,
+            self.accelerator.unwrap_model(model),
+            self._sequence_parallel_size(),
+            reference_forward_model(self),  # DPO's reference forward: FLOPs of this step too
         )
         if optimizer is None:  # DeepSpeed's engine runs the backward
             return super().training_step(model, inputs, num_items_in_batch)

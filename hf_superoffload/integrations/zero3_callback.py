@@ -83,6 +83,12 @@ class Zero3MetricsCallback(TrainerCallback):
         # Under Ulysses each forward sees this rank's shard of the sequences; the attention
         # FLOPs follow the whole sequence.
         self._sequence_parallel = sequence_parallel_size(_parallelism_config(args))
+        if getattr(args, "precompute_ref_log_probs", None) is False:  # TRL's DPO/KTO configs
+            self._meter.refuse(
+                "the trainer runs a reference model's forward on each batch "
+                "(precompute_ref_log_probs=False), which this callback does not see "
+                "(SuperOffloadDPOTrainer counts it)"
+            )
         self._hook = model.register_forward_pre_hook(self._count, with_kwargs=True)
         logger.info(
             "hf_superoffload: this Trainer trains through %s (hf_superoffload on DeepSpeed "
