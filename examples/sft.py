@@ -18,16 +18,17 @@ and the loss curve (loss.png) to ``--output_dir``, prints a summary, and exits n
 loss did not go down. ``hf-superoffload demo`` runs the same job.
 """
 
-import os
 import sys
 
-# The demo and the random-weight recipes need nothing from the Hub; offline, `datasets` and the
-# trainers skip look-ups (and their waits on a machine without network). It must be set before
-# `huggingface_hub` is imported. A user's setting wins: HF_HUB_OFFLINE=0 to download a model
-# or dataset named by --model_name_or_path or --dataset_name.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Offline mode (HF_HUB_OFFLINE=1) for a run that needs nothing from the Hub: the demo, random
+# weights on local data. It is decided before `huggingface_hub` is imported, which reads the
+# variable once; a run that names a Hub model or dataset or pushes stays online, and a user's
+# own setting wins (recipes/hub_access.py).
+from hf_superoffload.recipes.hub_access import choose_offline_mode
 
-from hf_superoffload.recipes.run import main
+choose_offline_mode(sys.argv[1:])
+
+from hf_superoffload.recipes.run import main  # noqa: E402 (after the offline decision)
 
 if __name__ == "__main__":
     sys.exit(main("sft", sys.argv[1:]))

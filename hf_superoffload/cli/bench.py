@@ -44,4 +44,6 @@ def run(args: argparse.Namespace) -> int:
     suite = find_suite()
     suite_args = ["--help"] if args.suite_help else list(args.extra)
     # The suite's own process: it starts one process per system itself and reads sys.argv.
-    return subprocess.call([sys.executable, str(suite), *suite_args], cwd=suite.parents[1])
+    # It runs in the caller's directory, where relative paths (--out-dir, --model-config) were
+    # meant; the suite finds its own modules beside its file.
+    return subprocess.call([sys.executable, str(suite), *suite_args])

@@ -9,7 +9,6 @@ them.
 from __future__ import annotations
 
 import argparse
-import os
 
 PASSES_THROUGH = True  # the job's own arguments follow; cli.main hands them over
 
@@ -37,15 +36,17 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # The demo needs nothing from the Hub. `datasets`, imported below, then skips its look-ups
-    # (and their waits on a machine without network); a user's setting wins.
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from ..recipes import run as recipe_run
-
     kind = "dpo" if args.dpo else "sft"
     job_args = list(args.extra)
     if args.recipe_help:
         job_args = ["--help"]
+    # Offline mode unless the job names something of the Hub (a model, a dataset, a push),
+    # decided before `huggingface_hub` loads below; a user's setting wins.
+    from ..recipes import hub_access
+
+    hub_access.choose_offline_mode(job_args)
+    from ..recipes import run as recipe_run
+
     return recipe_run.main(
         kind, job_args, prog="hf-superoffload demo" + (" --dpo" if args.dpo else "")
     )

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import sys
@@ -15,7 +16,7 @@ import torch
 from transformers import set_seed
 
 from ..integrations import activation_offload
-from . import liger, report, sequence_parallel
+from . import hub_access, liger, report, sequence_parallel
 from .arguments import parse
 from .data import fill_sequences, load_train_dataset
 from .model import build_model, load_tokenizer
@@ -39,9 +40,21 @@ def _pick_threads(recipe) -> None:
         torch.set_num_threads(1)
 
 
+def check_hub(recipe, args) -> None:
+    """Refuse a run that needs the Hub while offline mode is on (hub_access.py), before the
+    tokenizer or model load: transformers' own error there blames the network."""
+    from huggingface_hub import constants
+
+    values = dataclasses.asdict(recipe)
+    values["push_to_hub"] = args.push_to_hub
+    values["chat_template_path"] = getattr(args, "chat_template_path", None)
+    hub_access.check_hub_reachable(values, constants.HF_HUB_OFFLINE)
+
+
 def build_trainer(kind: str, argv: list[str] | None = None, prog: str | None = None):
     """(recipe arguments, trainer, model) ready to train, from a command line."""
     recipe, args = parse(kind, argv, prog)
+    check_hub(recipe, args)
     sp_size = sequence_parallel.requested_size(recipe)
     if sp_size > 1:  # refused before anything is built
         sequence_parallel.check_arguments(sp_size, kind, args)

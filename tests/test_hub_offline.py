@@ -1,0 +1,179 @@
+"""Offline mode of the recipe scripts (examples/sft.py, examples/dpo.py, ``hf-superoffload
+demo``): set for a run that needs nothing from the Hub, never forced on a run that names a Hub
+model or dataset or pushes, and a clear refusal, before anything is built, when the user's
+HF_HUB_OFFLINE=1 meets a run that needs the Hub. No network is used."""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+from hf_superoffload.cli import main
+from hf_superoffload.recipes import hub_access
+
+ROOT = Path(__file__).resolve().parents[1]
+QWEN_RECIPE = str(ROOT / "examples" / "recipes" / "qwen3-14b.yaml")
+LOCAL_DATA = str(ROOT / "examples" / "data" / "arithmetic_sft.jsonl")
+
+
+@pytest.fixture
+def no_offline_setting(monkeypatch):
+    """os.environ without HF_HUB_OFFLINE (restored afterwards), and the module's record of
+    having set it cleared."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "restored afterwards")
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setattr(hub_access, "_set_here", False)
+
+
+@pytest.mark.parametrize(
+    ("argv", "offline"),
+    [
+        ([], True),  # the demo
+        (["--max_steps", "3", "--output_dir", "out"], True),
+        (["--model_name_or_path", "Qwen/Qwen3-14B"], False),
+        (["--model_name_or_path=Qwen/Qwen3-14B"], False),
+        (["--config", QWEN_RECIPE, "--model_name_or_path", "Qwen/Qwen3-14B"], False),
+        (["--config", QWEN_RECIPE], False),  # the recipe's Hub model and dataset
+        # Random weights ignore the recipe's model; its Hub dataset is still read...
+        (["--config", QWEN_RECIPE, "--random_init_from_config", "qwen3-14b"], False),
+        # ...unless a local file replaces it, or the smoke test's bundled data does.
+        (["--config", QWEN_RECIPE, "--random_init_from_config", "qwen3-14b",
+          "--dataset_path", LOCAL_DATA], True),
+        (["--config", QWEN_RECIPE, "--random_init_from_config", "qwen3-14b",
+          "--shrink_model"], True),
+        (["--config", QWEN_RECIPE, "--random_init_from_config", "qwen3-14b",
+          "--shrink_model", "false"], False),
+        (["--dataset_name", "trl-lib/Capybara"], False),
+        (["--tokenizer_name_or_path", "Qwen/Qwen3-14B"], False),
+        (["--push_to_hub"], False),
+        (["--push_to_hub", "--max_steps", "3"], False),
+        (["--push_to_hub", "true"], False),
+        (["--push_to_hub", "false"], True),
+    ],
+)  # fmt: skip
+def test_offline_only_when_nothing_comes_from_the_hub(argv, offline):
+    environ: dict[str, str] = {}
+    assert hub_access.choose_offline_mode(argv, environ) is offline
+    assert environ == ({"HF_HUB_OFFLINE": "1"} if offline else {})
+
+
+def test_local_model_directory_is_offline(tmp_path):
+    environ: dict[str, str] = {}
+    argv = ["--model_name_or_path", str(tmp_path), "--dataset_path", LOCAL_DATA]
+    assert hub_access.choose_offline_mode(argv, environ)
+    assert environ == {"HF_HUB_OFFLINE": "1"}
+
+
+@pytest.mark.parametrize("value", ["0", "1"])
+def test_users_setting_wins(value):
+    environ = {"HF_HUB_OFFLINE": value}
+    assert not hub_access.choose_offline_mode([], environ)
+    assert not hub_access.choose_offline_mode(["--model_name_or_path", "Qwen/Qwen3-14B"], environ)
+    assert environ == {"HF_HUB_OFFLINE": value}
+
+
+@pytest.mark.parametrize("script", ["sft.py", "dpo.py"])
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        ([], "1"),
+        (["--model_name_or_path", "Qwen/Qwen3-14B"], None),
+        (["--push_to_hub", "--hub_model_id", "me/tiny"], None),
+    ],
+)
+def test_example_scripts(no_offline_setting, monkeypatch, script, argv, expected):
+    """The scripts' own preamble (run here without __main__, so nothing trains)."""
+    monkeypatch.setattr(sys, "argv", [script, *argv])
+    runpy.run_path(str(ROOT / "examples" / script), run_name="offline_check")
+    assert os.environ.get("HF_HUB_OFFLINE") == expected
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["demo"], "1"),
+        (["demo", "--dpo", "--recipe-help"], "1"),
+        (["demo", "--model_name_or_path", "Qwen/Qwen3-14B"], None),
+        (["demo", "--push_to_hub"], None),
+    ],
+)
+def test_demo_command(no_offline_setting, monkeypatch, argv, expected):
+    from hf_superoffload.recipes import run as recipe_run
+
+    jobs = []
+    monkeypatch.setattr(recipe_run, "main", lambda kind, job_args, prog: jobs.append(kind) or 0)
+    assert main(argv) == 0 and jobs
+    assert os.environ.get("HF_HUB_OFFLINE") == expected
+
+
+def _cache(tmp_path, monkeypatch) -> Path:
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    return cache
+
+
+def test_refusal_names_what_needs_the_hub(no_offline_setting, tmp_path, monkeypatch):
+    _cache(tmp_path, monkeypatch)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    values = {"model_name_or_path": "Qwen/Qwen3-14B", "dataset_name": "trl-lib/Capybara",
+              "push_to_hub": True}  # fmt: skip
+    with pytest.raises(ValueError) as refusal:
+        hub_access.check_hub_reachable(values, offline=True)
+    message = str(refusal.value)
+    for part in ("--model_name_or_path Qwen/Qwen3-14B", "--dataset_name trl-lib/Capybara",
+                 "--push_to_hub", "HF_HUB_OFFLINE=1 in your environment",
+                 "Unset HF_HUB_OFFLINE (or set it to 0)"):  # fmt: skip
+        assert part in message
+    hub_access.check_hub_reachable(values, offline=False)  # online: nothing to refuse
+
+
+def test_cached_model_and_dataset_load_offline(no_offline_setting, tmp_path, monkeypatch):
+    cache = _cache(tmp_path, monkeypatch)
+    (cache / "models--Qwen--Qwen3-14B" / "snapshots").mkdir(parents=True)
+    (tmp_path / "datasets" / "trl-lib___capybara").mkdir(parents=True)
+    values = {"model_name_or_path": "Qwen/Qwen3-14B", "dataset_name": "trl-lib/Capybara"}
+    hub_access.check_hub_reachable(values, offline=True)
+    with pytest.raises(ValueError, match=r"--push_to_hub \(uploads"):  # no cache makes a push
+        hub_access.check_hub_reachable({**values, "push_to_hub": True}, offline=True)
+
+
+def test_transformers_offline_named(no_offline_setting, tmp_path, monkeypatch):
+    _cache(tmp_path, monkeypatch)
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    with pytest.raises(ValueError, match=r"Unset TRANSFORMERS_OFFLINE \(or set it to 0\)"):
+        hub_access.check_hub_reachable({"model_name_or_path": "org/model"}, offline=True)
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--model_name_or_path", "Qwen/Qwen3-14B"], "--model_name_or_path Qwen/Qwen3-14B"),
+        (["--push_to_hub", "--hub_model_id", "me/tiny"], "--push_to_hub"),
+    ],
+)
+def test_recipe_refuses_before_building(no_offline_setting, tmp_path, monkeypatch, argv, named):
+    """The user's HF_HUB_OFFLINE=1 with a run that needs the Hub: our refusal, before the
+    tokenizer or model is loaded (transformers' error there says to check the connection)."""
+    from huggingface_hub import constants
+
+    from hf_superoffload.recipes import run as recipe_run
+
+    _cache(tmp_path, monkeypatch)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+    def built(*args):
+        raise AssertionError("the tokenizer was loaded before the refusal")
+
+    monkeypatch.setattr(recipe_run, "load_tokenizer", built)
+    argv = [*argv, "--bf16", "false", "--output_dir", str(tmp_path / "out")]
+    with pytest.raises(ValueError, match="Unset HF_HUB_OFFLINE \\(or set it to 0\\)") as refusal:
+        recipe_run.build_trainer("sft", argv)
+    assert named in str(refusal.value)
