@@ -6,9 +6,11 @@ split, ``max_grad_norm`` as the one clipping threshold, gradient accumulation), 
 arguments it would otherwise ignore (a non-AdamW ``optim``, ``optim_args``, ...), turns the
 Trainer's clipping into the STV validation (the norm it logs is the true pre-clip norm, computed
 during backward, no extra pass), tells the Trainer when a step was skipped (so the LR schedule
-holds), waits for in-flight updates before anything reads the params, saves the fp32 master
-weights (``superoffload_save_dtype``) and loads them back with the best checkpoint
-(``load_best_model_at_end``). The refusals live in checks.py, the weights' handling in save.py.
+holds), waits for in-flight updates before saves, the best model's load and the end of
+``train()`` (a callback reading params mid-training calls ``synchronize()`` on the optimizer
+first), saves the fp32 master weights (``superoffload_save_dtype``) and loads them back with
+the best checkpoint (``load_best_model_at_end``). The refusals live in checks.py, the weights'
+handling in save.py.
 
 As with the plain Trainer, ``trainer.optimizer`` and ``trainer.lr_scheduler`` outlive
 ``train()`` (a second ``train()`` continues with them); the optimizer is synchronized at the

@@ -5,13 +5,21 @@ from __future__ import annotations
 
 import dataclasses
 
+from transformers import TrainerCallback
+
 from ..extras import require
 from .arguments import SuperOffloadArgumentsMixin
 from .trainer import SuperOffloadTrainerMixin
 
 require("trl", purpose="the SuperOffload TRL trainers")
 
-from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer  # noqa: E402
+from trl import (  # noqa: E402
+    DPOConfig,
+    DPOTrainer,
+    SFTConfig,
+    SFTTrainer,
+    SyncRefModelCallback,
+)
 
 from .. import upstream  # noqa: E402
 
@@ -48,5 +56,35 @@ class SuperOffloadSFTTrainer(_TrainingMetrics, SuperOffloadTrainerMixin, SFTTrai
     """TRL's SFTTrainer whose optimizer is SuperOffloadOptimizer."""
 
 
+class _UpdatesLandBeforeRefSync(TrainerCallback):
+    """TR-DPO (``sync_ref_model``): TRL's SyncRefModelCallback mixes the policy's params into
+    the reference at the end of every ``ref_model_sync_steps``-th step, reading them directly.
+    step() returns with CPU Adam updates still in flight (the next forward waits for them, a
+    plain read does not), so on those steps this callback, ordered before TRL's, waits for
+    all of them. On ZeRO-3 too: TRL gathers through the first param by ds_id, which may be a
+    reference param, whose gather does not wait for the policy's updates."""
+
+    def __init__(self, trainer: SuperOffloadDPOTrainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % args.ref_model_sync_steps == 0:
+            self.trainer._superoffload_synchronize()
+
+
 class SuperOffloadDPOTrainer(_TrainingMetrics, SuperOffloadTrainerMixin, DPOTrainer):
     """TRL's DPOTrainer whose policy optimizer is SuperOffloadOptimizer."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.args.sync_ref_model:
+            callbacks = self.callback_handler.callbacks
+            syncs = [i for i, c in enumerate(callbacks) if isinstance(c, SyncRefModelCallback)]
+            if not syncs:
+                raise RuntimeError(
+                    "sync_ref_model=True, but DPOTrainer added no SyncRefModelCallback: this "
+                    "TRL syncs the reference another way, which SuperOffload cannot make wait "
+                    "for its in-flight updates. Use a TRL release in "
+                    f"{upstream.supported_range('trl')} or set sync_ref_model=False."
+                )
+            callbacks.insert(syncs[0], _UpdatesLandBeforeRefSync(self))
