@@ -17,6 +17,7 @@ import yaml
 from hf_superoffload.cli import finetune
 from hf_superoffload.cli import main as cli_main
 from hf_superoffload.recipes import arguments
+from hf_superoffload.recipes.hub_access import choose_offline_mode
 from hf_superoffload.zero3.loss_memory import trl_loss_bytes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -93,7 +94,11 @@ def test_random_init_trains_the_bundled_data_offline(capsys, tmp_path):
     )  # fmt: skip
     assert code == 0
     run_dir = _run_dir(tmp_path)
-    assert "export HF_HUB_OFFLINE=1" in (run_dir / "command.sh").read_text()
+    # The script goes offline by itself (nothing from the Hub): no variable forced here.
+    assert "HF_HUB_OFFLINE" not in (run_dir / "command.sh").read_text()
+    environ: dict[str, str] = {}
+    assert choose_offline_mode(_command(run_dir)[5:], environ)
+    assert environ == {"HF_HUB_OFFLINE": "1"}
     recipe, training = arguments.parse("sft", [*_command(run_dir)[5:], "--bf16", "false"])
     assert recipe.random_init_from_config == "llama-3.1-8b"
     assert recipe.dataset_path == str(REPO / "examples" / "data" / "arithmetic_sft.jsonl")
@@ -195,11 +200,12 @@ def test_a_launch_runs_the_command_and_keeps_its_log(capsys, tmp_path, monkeypat
     import torch
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # the launcher forces none
     prepare = finetune.prepare
 
     def prepared(args):
         run_dir, _, variables = prepare(args)
-        script = "import os; print('trained', os.getcwd(), os.environ['HF_HUB_OFFLINE']); exit(3)"
+        script = "import os; print('trained', os.getcwd(), os.getenv('HF_HUB_OFFLINE')); exit(3)"
         return run_dir, [sys.executable, "-c", script], variables
 
     monkeypatch.setattr(finetune, "prepare", prepared)
@@ -207,8 +213,8 @@ def test_a_launch_runs_the_command_and_keeps_its_log(capsys, tmp_path, monkeypat
         capsys, tmp_path, "phi-4", "superoffload", "--ratio", "1.0", "--random-init"
     )
     assert code == 3
-    assert f"trained {REPO} 1" in out
-    assert (_run_dir(tmp_path) / "train.log").read_text() == f"trained {REPO} 1\n"
+    assert f"trained {REPO} None" in out  # offline mode is the script's decision
+    assert (_run_dir(tmp_path) / "train.log").read_text() == f"trained {REPO} None\n"
 
 
 def test_a_dry_run_without_a_gpu_or_a_machine_writes_ratio_1(capsys, tmp_path, monkeypatch):

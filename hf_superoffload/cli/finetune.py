@@ -248,16 +248,14 @@ def prepare(args: argparse.Namespace) -> tuple[Path, list[str], dict[str, str]]:
     script_args += [str(run_dir / "output"), *passed]
     if args.mode == "zerooffload":
         script_args += ["--optimizer", "adamw"]  # DeepSpeed's CPU Adam, not ours
-    variables = {}
+    # No HF_HUB_OFFLINE here: examples/sft.py goes offline by itself when the run needs nothing
+    # from the Hub (recipes/hub_access.py), and the user's own setting wins there.
+    variables: dict[str, str] = {}
     if args.random_init:
         data = root / "examples" / "data" / "arithmetic_sft.jsonl"
         script_args += ["--random_init_from_config", args.model, "--dataset_path", str(data)]
-        variables["HF_HUB_OFFLINE"] = "1"
-    else:
-        if args.model_path:
-            script_args += ["--model_name_or_path", args.model_path]
-        # The recipe's Hub model and dataset (examples/sft.py would default to offline).
-        variables["HF_HUB_OFFLINE"] = os.environ.get("HF_HUB_OFFLINE", "0")
+    elif args.model_path:
+        script_args += ["--model_name_or_path", args.model_path]
     command = ["accelerate", "launch", "--config_file", str(run_dir / "accelerate.yaml")]
     command += [str(root / "examples" / "sft.py"), *script_args, *extra]
     date = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
