@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 
 import torch.multiprocessing as mp
 
@@ -41,3 +42,19 @@ def spawn_ranks(target, args: tuple, world: int, timeout: float = 300) -> None:
         if proc.is_alive():
             proc.terminate()
     assert [proc.exitcode for proc in procs] == [0] * world, "a rank failed (see its stderr)"
+
+
+def one_cpu_rank_env(**variables: str) -> dict[str, str]:
+    """The environment of a subprocess that runs one DeepSpeed rank on the CPU (gloo), with
+    this checkout and tests/ importable: the caller's, less its HF_SUPEROFFLOAD_* variables
+    and accelerate's DeepSpeed config file, plus ``variables``."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_SUPEROFFLOAD_")}
+    env.pop("ACCELERATE_DEEPSPEED_CONFIG_FILE", None)
+    env.update(
+        DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", RANK="0", LOCAL_RANK="0",
+        WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+        PYTHONPATH=os.pathsep.join([os.path.dirname(tests), tests, *sys.path]),
+    )  # fmt: skip
+    env.update(variables)
+    return env

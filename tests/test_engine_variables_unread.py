@@ -21,12 +21,8 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
-from ranks import free_port
-
-TESTS = Path(__file__).resolve().parent
-REPO = TESTS.parent
+from ranks import one_cpu_rank_env
 
 _SCRIPT = textwrap.dedent(
     """
@@ -193,22 +189,7 @@ _ACCELERATE = textwrap.dedent(
 
 
 def _run(script: str, tmp_path, **variables: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_SUPEROFFLOAD_")}
-    env.pop("ACCELERATE_DEEPSPEED_CONFIG_FILE", None)
-    env.update(
-        DS_ACCELERATOR="cpu",
-        OMP_NUM_THREADS="1",
-        HF_HUB_OFFLINE="1",
-        RANK="0",
-        LOCAL_RANK="0",
-        WORLD_SIZE="1",
-        LOCAL_WORLD_SIZE="1",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-        OUT_DIR=str(tmp_path),
-        PYTHONPATH=os.pathsep.join([str(REPO), str(TESTS), *sys.path]),
-        **variables,
-    )
+    env = one_cpu_rank_env(OUT_DIR=str(tmp_path), **variables)
     return subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
     )

@@ -15,15 +15,11 @@ Each case runs in a subprocess: the switch is read when ``hf_superoffload`` is i
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
-from ranks import free_port
-
-REPO = Path(__file__).resolve().parents[1]
+from ranks import one_cpu_rank_env
 
 _SCRIPT = textwrap.dedent(
     """
@@ -95,19 +91,7 @@ _PARSE = textwrap.dedent(
 
 
 def _run(script: str, **variables: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_SUPEROFFLOAD_")}
-    env.update(
-        DS_ACCELERATOR="cpu",
-        OMP_NUM_THREADS="1",
-        RANK="0",
-        LOCAL_RANK="0",
-        WORLD_SIZE="1",
-        LOCAL_WORLD_SIZE="1",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-        PYTHONPATH=os.pathsep.join([str(REPO), *sys.path]),
-        **variables,
-    )
+    env = one_cpu_rank_env(**variables)
     return subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
     )

@@ -12,16 +12,11 @@ would resolve at that moment (``SuperOffloadOptions()``, as zero3/options.resolv
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
-from ranks import free_port
-
-TESTS = Path(__file__).resolve().parent
-REPO = TESTS.parent
+from ranks import one_cpu_rank_env
 
 _SCRIPT = textwrap.dedent(
     """
@@ -61,14 +56,7 @@ _SCRIPT = textwrap.dedent(
 
 
 def test_each_trainer_hands_its_own_options_to_its_optimizer(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_SUPEROFFLOAD_")}
-    env.pop("ACCELERATE_DEEPSPEED_CONFIG_FILE", None)
-    env.update(
-        DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", RANK="0", LOCAL_RANK="0",
-        WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-        PYTHONPATH=os.pathsep.join([str(REPO), str(TESTS), *sys.path]),
-        HF_SUPEROFFLOAD_SPECULATE="true",  # the user's own setting
-    )  # fmt: skip
+    env = one_cpu_rank_env(HF_SUPEROFFLOAD_SPECULATE="true")  # the user's own setting
     done = subprocess.run(
         [sys.executable, "-c", _SCRIPT, str(tmp_path)],
         env=env, capture_output=True, text=True, timeout=300,
