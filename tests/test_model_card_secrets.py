@@ -31,13 +31,16 @@ HUB_TOKEN = "hf_NOTREALsecretTOKEN123"
 WANDB_KEY = "wandbNOTREALkey456"
 RECIPE_TOKEN = "hf_NOTREALrecipeTOKEN789"
 OLD_TOKEN = "hf_NOTREALcommentedTOKEN000"
-SECRETS = (HUB_TOKEN, WANDB_KEY, RECIPE_TOKEN, OLD_TOKEN)
+FLOW_TOKEN = "hf_NOTREALflowTOKEN321"
+JSON_TOKEN = "hf_NOTREALjsonTOKEN654"
+SECRETS = (HUB_TOKEN, WANDB_KEY, RECIPE_TOKEN, OLD_TOKEN, FLOW_TOKEN, JSON_TOKEN)
 
 RECIPE = f"""\
 model_name_or_path: org/tiny-llama
 hub_token: {RECIPE_TOKEN}  # mine
 # hub_token: {OLD_TOKEN}
 eos_token: "<|end|>"
+model_init_kwargs: {{revision: main, token: {FLOW_TOKEN}}}
 average_tokens_across_devices: true
 learning_rate: 0.001
 """
@@ -46,6 +49,7 @@ model_name_or_path: org/tiny-llama
 hub_token: "***"
 # hub_token: "***"
 eos_token: "<|end|>"
+model_init_kwargs: {revision: main, token: '***'}
 average_tokens_across_devices: true
 learning_rate: 0.001"""
 
@@ -78,6 +82,7 @@ def test_card_shows_secret_options_and_recipe_keys_as_stars(tmp_path, monkeypatc
     recipe.write_text(RECIPE)
     argv = ["examples/sft.py", "--config", str(recipe), "--hub_token", HUB_TOKEN]
     argv += [f"--wandb_api_key={WANDB_KEY}", "--eos_token", "<|end|>"]
+    argv += ["--model_init_kwargs", f'{{"token":"{JSON_TOKEN}"}}']
     argv += ["--average_tokens_across_devices", "true", "--push_to_hub", "true"]
     monkeypatch.setattr(sys, "argv", argv)
     monkeypatch.setattr(sys, "orig_argv", ["/venv/bin/python", *argv])
@@ -90,6 +95,7 @@ def test_card_shows_secret_options_and_recipe_keys_as_stars(tmp_path, monkeypatc
     # The command as it ran, but for the two secrets (shlex quotes ``***`` for the shell).
     shown = ["python", "examples/sft.py", "--config", str(recipe), "--hub_token", "***"]
     shown += ["--wandb_api_key=***", "--eos_token", "<|end|>"]
+    shown += ["--model_init_kwargs", '{"token": "***"}']
     shown += ["--average_tokens_across_devices", "true", "--push_to_hub", "true"]
     assert f"```bash\n{shlex.join(shown)}\n```" in text
     assert f"```yaml\n{RECIPE_SHOWN}\n```" in text
@@ -151,3 +157,68 @@ def test_a_secret_over_several_lines_or_in_json_is_hidden_whole():
     assert redact_yaml(block) == 'run:\n  api_key: "***"\n\n  seed: 0\n'
     json = f'{{\n  "token": "{OLD_TOKEN}",\n  "eos_token": "</s>"\n}}\n'
     assert redact_yaml(json) == '{\n  "token": "***",\n  "eos_token": "</s>"\n}\n'
+
+
+def test_secret_keys_inside_flow_values_are_hidden_and_the_syntax_kept():
+    """A YAML flow collection or JSON value (a recipe's ``model_init_kwargs: {token: X}``, the
+    command's ``--model_init_kwargs '{"token": "X"}'``) is read, its secret keys are hidden at
+    any depth, and it is written back as it came: YAML as YAML, JSON as JSON."""
+    from hf_superoffload.integrations.card_secrets import redact_argv, redact_yaml
+
+    shown = {
+        "model_init_kwargs: {token: hf_SECRET1}": "model_init_kwargs: {token: '***'}",
+        "a: {a: {api_key: hf_SECRET2}, b: 1}  # why": "a: {a: {api_key: '***'}, b: 1}",
+        "- {name: x, password: hf_SECRET3}": "- {name: x, password: '***'}",
+        "  list: [{a: 1}, [{token: hf_SECRET4}]]": "  list: [{a: 1}, [{token: '***'}]]",
+        '  "kwargs": {"token": "hf_SECRET5", "n": 2},': '  "kwargs": {"token": "***", "n": 2},',
+        '{"a": [{"secret": "hf_SECRET6"}]}': '{"a": [{"secret": "***"}]}',
+        # A JSON string inside YAML (``--model_init_kwargs`` copied into a recipe).
+        'kwargs: \'{"token": "hf_SECRET7"}\'': 'kwargs: \'{"token": "***"}\'',
+        # The whole value of a secret key, whatever it holds.
+        "kw: {credentials: {user: me, pass: hf_SECRET8}}": "kw: {credentials: '***'}",
+    }
+    for line, expected in shown.items():
+        assert redact_yaml(f"{line}\nseed: 0\n") == f"{expected}\nseed: 0\n", line
+
+    argv = ["train.py", "--model_init_kwargs", '{"token":"hf_SECRET9"}', "--seed", "0"]
+    argv += ['--model_init_kwargs={"token": "hf_SECRET10", "n": [1]}']
+    argv += ["--dataset_kwargs", "{a: [{api_key: hf_SECRET11}]}", '[{"key": "hf_SECRET12"}]']
+    assert redact_argv(argv) == [
+        "train.py", "--model_init_kwargs", '{"token": "***"}', "--seed", "0",
+        '--model_init_kwargs={"token": "***", "n": [1]}',
+        "--dataset_kwargs", "{a: [{api_key: '***'}]}", '[{"key": "***"}]',
+    ]  # fmt: skip
+
+
+def test_flow_values_without_a_secret_are_left_byte_for_byte():
+    """Nothing to hide: the spacing, quoting, comments and key order the user wrote stay."""
+    from hf_superoffload.integrations.card_secrets import redact_argv, redact_yaml
+
+    recipe = (
+        "model_init_kwargs: {torch_dtype: bfloat16,   attn_implementation: 'sdpa'}  # mine\n"
+        'lr_scheduler_kwargs: {"min_lr_rate":0.1}\n'
+        "special: {eos_token: '</s>', pad_token: <pad>, num_tokens: 3}\n"
+        "report_to: [wandb, trackio]\n"
+        "- {z: 1, a: [2, 3]}\n"
+        'chat_template: "{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}"\n'
+        "kwargs: {\n  revision: main,\n  n: 1\n}\n"
+    )
+    assert redact_yaml(recipe) == recipe
+    argv = ["--model_init_kwargs", '{"torch_dtype":"bfloat16" ,"eos_token":"</s>"}']
+    argv += ['--lr_scheduler_kwargs={"min_lr_rate": 0.1}', "--chat_template", "{{ bos_token }}"]
+    assert redact_argv(argv) == argv
+
+
+def test_a_flow_value_that_cannot_be_read_but_names_a_secret_is_hidden_whole():
+    from hf_superoffload.integrations.card_secrets import redact_argv, redact_yaml
+
+    # A flow collection over several lines: its first line cannot be read on its own.
+    text = "kwargs: {token: hf_SECRET1,\n    revision: main}\nseed: 0\n"
+    assert redact_yaml(text) == 'kwargs: "***"\nseed: 0\n'
+    assert redact_yaml("- [{api_key: hf_SECRET2}\n") == '- "***"\n'
+    assert redact_argv(["--kw", '{"token": "hf_SECRET3"']) == ["--kw", "***"]
+    assert redact_argv(['--kw={"token": hf_SECRET4']) == ["--kw=***"]
+    # One that names no secret is left as it is.
+    assert (
+        redact_yaml("kwargs: {revision: main,\n  n: 1}\n") == "kwargs: {revision: main,\n  n: 1}\n"
+    )
