@@ -5,6 +5,7 @@ HF_HUB_OFFLINE=1 meets a run that needs the Hub. No network is used."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import runpy
 import sys
@@ -54,12 +55,47 @@ def no_offline_setting(monkeypatch):
         (["--push_to_hub", "--max_steps", "3"], False),
         (["--push_to_hub", "true"], False),
         (["--push_to_hub", "false"], True),
+        # hub_model_id only names the repository a push goes to.
+        (["--hub_model_id", "me/tiny"], True),
+        (["--hub_model_id", "me/tiny", "--push_to_hub"], False),
+        # trackio logging to a Hub Space; without a Space it logs locally, and a Space id
+        # means nothing to a run that does not report to trackio.
+        (["--report_to", "trackio", "--trackio_space_id", "me/runs"], False),
+        (["--trackio_space_id=me/runs", "--report_to=trackio"], False),
+        (["--report_to", "trackio"], True),
+        (["--trackio_space_id", "me/runs"], True),
+        (["--report_to", "wandb", "--trackio_space_id", "me/runs"], True),
+        (["--report_to", "none", "--trackio_space_id", "me/runs"], True),
     ],
 )  # fmt: skip
 def test_offline_only_when_nothing_comes_from_the_hub(argv, offline):
     environ: dict[str, str] = {}
     assert hub_access.choose_offline_mode(argv, environ) is offline
     assert environ == ({"HF_HUB_OFFLINE": "1"} if offline else {})
+
+
+def test_trackio_space_from_the_recipe_or_the_environment_stays_online(tmp_path, monkeypatch):
+    """The Space id and report_to from a recipe (report_to as a list), the Space id from
+    TRACKIO_SPACE_ID (trackio's own variable), and report_to all with trackio installed."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("report_to: [trackio]\ntrackio_space_id: me/runs\n")
+    environ: dict[str, str] = {}
+    assert not hub_access.choose_offline_mode(["--config", str(recipe)], environ)
+    assert not hub_access.choose_offline_mode(
+        ["--report_to", "trackio"], {"TRACKIO_SPACE_ID": "me/runs"}
+    )
+    assert hub_access.choose_offline_mode(["--report_to", "none"], {"TRACKIO_SPACE_ID": "me/runs"})
+
+    # report_to all: every integration installed, trackio among them or not.
+    argv = ["--report_to", "all", "--trackio_space_id", "me/runs"]
+    find_spec = importlib.util.find_spec
+    for trackio_installed in (True, False):
+        spec = object() if trackio_installed else None
+        monkeypatch.setattr(
+            importlib.util, "find_spec",
+            lambda name, *rest, spec=spec: spec if name == "trackio" else find_spec(name, *rest),
+        )  # fmt: skip
+        assert hub_access.choose_offline_mode(argv, environ) is not trackio_installed
 
 
 def test_local_model_directory_is_offline(tmp_path):
@@ -144,6 +180,35 @@ def test_cached_model_and_dataset_load_offline(no_offline_setting, tmp_path, mon
         hub_access.check_hub_reachable({**values, "push_to_hub": True}, offline=True)
 
 
+@pytest.mark.parametrize(
+    ("values", "environ", "named", "remedy"),
+    [
+        ({"report_to": ["trackio"], "trackio_space_id": "me/runs"}, {},
+         "--trackio_space_id me/runs (trackio logs to this Hub Space)",
+         "drop --trackio_space_id (trackio then logs locally)"),
+        ({"report_to": "trackio"}, {"TRACKIO_SPACE_ID": "me/runs"},
+         "TRACKIO_SPACE_ID=me/runs (trackio logs to this Hub Space)",
+         "unset TRACKIO_SPACE_ID (trackio then logs locally)"),
+    ],
+)  # fmt: skip
+def test_refusal_names_the_trackio_space(no_offline_setting, values, environ, named, remedy):
+    """A run logging to a Hub Space while offline: the Space is named (no cache stands in for
+    it), with how to log locally instead."""
+    environ = {"HF_HUB_OFFLINE": "1", **environ}
+    with pytest.raises(ValueError) as refusal:
+        hub_access.check_hub_reachable(values, offline=True, environ=environ)
+    message = str(refusal.value)
+    assert named in message and remedy in message
+    assert "HF_HUB_OFFLINE=1 in your environment" in message
+    assert "--push_to_hub" not in message and "local paths" not in message
+    # Not reporting to trackio, or reporting without a Space: nothing leaves the machine.
+    hub_access.check_hub_reachable({**values, "report_to": ["wandb"]}, True, environ)
+    local = {"report_to": ["trackio"]}
+    hub_access.check_hub_reachable(local, offline=True, environ={"HF_HUB_OFFLINE": "1"})
+    # hub_model_id without a push names a repository nobody uploads to.
+    hub_access.check_hub_reachable({"hub_model_id": "me/tiny"}, True, {"HF_HUB_OFFLINE": "1"})
+
+
 def test_transformers_offline_named(no_offline_setting, tmp_path, monkeypatch):
     _cache(tmp_path, monkeypatch)
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
@@ -156,6 +221,7 @@ def test_transformers_offline_named(no_offline_setting, tmp_path, monkeypatch):
     [
         (["--model_name_or_path", "Qwen/Qwen3-14B"], "--model_name_or_path Qwen/Qwen3-14B"),
         (["--push_to_hub", "--hub_model_id", "me/tiny"], "--push_to_hub"),
+        (["--report_to", "trackio", "--trackio_space_id", "me/runs"], "--trackio_space_id me/runs"),
     ],
 )
 def test_recipe_refuses_before_building(no_offline_setting, tmp_path, monkeypatch, argv, named):
@@ -192,6 +258,11 @@ OVERRIDES = [
     ["--shrink_model", "False"],
     ["--model_name_or_path=Qwen/Qwen3-14B", "--random_init_from_config", "qwen3-14b"],
     ["--tokenizer_name_or_path", "Qwen/Qwen3-14B", "--dataset_name", "trl-lib/Capybara"],
+    ["--hub_model_id", "me/tiny"],
+    ["--report_to", "trackio", "--trackio_space_id", "me/runs"],
+    ["--report_to=trackio", "--trackio_space_id=me/runs", "--push_to_hub"],
+    ["--trackio_space_id", "me/runs"],
+    ["--report_to", "all", "--trackio_space_id", "me/runs"],
 ]
 
 

@@ -2,11 +2,14 @@
 
 The demo and the random-weight recipes on local data need nothing from the Hub: offline,
 ``datasets`` and the trainers skip their look-ups (and the waits on a machine without network).
-A run that names a Hub model, tokenizer, dataset or chat template, or pushes to the Hub, is left
-online. ``choose_offline_mode`` decides from the command line before ``huggingface_hub`` is
-imported (it reads ``HF_HUB_OFFLINE`` once, at import); the user's own ``HF_HUB_OFFLINE`` always
-wins. ``check_hub_reachable`` runs on the parsed arguments before anything is built and refuses
-a run that needs the Hub while offline mode is on, unless what it needs is in the local cache.
+A run that names a Hub model, tokenizer, dataset or chat template, pushes to the Hub, or logs to
+a Hub Space (``--report_to trackio`` with ``--trackio_space_id`` or ``TRACKIO_SPACE_ID``) is left
+online; ``--hub_model_id`` only names the repository a push goes to, and needs the Hub only
+beside ``--push_to_hub``. ``choose_offline_mode`` decides from the command line before
+``huggingface_hub`` is imported (it reads ``HF_HUB_OFFLINE`` once, at import); the user's own
+``HF_HUB_OFFLINE`` always wins. ``check_hub_reachable`` runs on the parsed arguments before
+anything is built and refuses a run that needs the Hub while offline mode is on, unless what it
+needs is in the local cache.
 
 This module imports nothing from the Hugging Face libraries.
 """
@@ -14,6 +17,7 @@ This module imports nothing from the Hugging Face libraries.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 from collections.abc import MutableMapping
 from pathlib import Path
@@ -43,12 +47,25 @@ def _to_bool(value) -> bool:
     return _BOOL_WORDS.get(str(value).lower(), bool(value))
 
 
-def hub_uses(values: dict) -> list[tuple[str, str, str]]:
+def _reports_to_trackio(report_to) -> bool:
+    """Whether transformers' ``report_to`` (a name, a list, ``all`` or ``none``) includes
+    trackio: ``all`` means every integration installed."""
+    names = [report_to] if isinstance(report_to, str) else list(report_to or [])
+    if "all" in names:
+        return importlib.util.find_spec("trackio") is not None
+    return "trackio" in names
+
+
+def hub_uses(
+    values: dict, environ: MutableMapping[str, str] = os.environ
+) -> list[tuple[str, str, str]]:
     """What a run with these recipe values takes from or sends to the Hub, as
-    ``(argument, value, repo type)`` rows; repo type is ``model``, ``dataset`` or ``push``.
-    It follows what recipes/model.py and recipes/data.py load: a local path needs no Hub, and
-    neither does ``model_name_or_path`` under ``--random_init_from_config``, nor
-    ``dataset_name`` beside ``--dataset_path`` or under ``--shrink_model``."""
+    ``(argument, value, kind)`` rows; kind is a repo type (``model``, ``dataset``), ``push``
+    or ``space`` (trackio logging to a Hub Space). It follows what recipes/model.py and
+    recipes/data.py load: a local path needs no Hub, and neither does ``model_name_or_path``
+    under ``--random_init_from_config``, nor ``dataset_name`` beside ``--dataset_path`` or
+    under ``--shrink_model``. A trackio Space id (the argument, else ``TRACKIO_SPACE_ID`` in
+    ``environ``) is used only when the run reports to trackio."""
     uses = []
     random_init = values.get("random_init_from_config")
     model = values.get("model_name_or_path")
@@ -66,11 +83,17 @@ def hub_uses(values: dict) -> list[tuple[str, str, str]]:
         uses.append(("--chat_template_path", template, "model"))
     if _to_bool(values.get("push_to_hub", False)):
         uses.append(("--push_to_hub", "", "push"))
+    if _reports_to_trackio(values.get("report_to")):
+        if values.get("trackio_space_id"):
+            uses.append(("--trackio_space_id", values["trackio_space_id"], "space"))
+        elif environ.get("TRACKIO_SPACE_ID"):
+            uses.append(("TRACKIO_SPACE_ID", environ["TRACKIO_SPACE_ID"], "space"))
     return uses
 
 
 _NAMES = ("model_name_or_path", "random_init_from_config", "tokenizer_name_or_path",
-          "dataset_name", "dataset_path", "chat_template_path")  # fmt: skip
+          "dataset_name", "dataset_path", "chat_template_path", "report_to",
+          "trackio_space_id")  # fmt: skip
 _FLAGS = ("shrink_model", "push_to_hub")
 
 
@@ -113,7 +136,7 @@ def choose_offline_mode(argv: list[str], environ: MutableMapping[str, str] = os.
     if VARIABLE in environ:  # the user's setting wins, either way
         return False
     values = values_from_argv(argv)
-    if values is None or hub_uses(values):
+    if values is None or hub_uses(values, environ):
         return False
     environ[VARIABLE] = "1"
     _set_here = environ is os.environ
@@ -153,16 +176,24 @@ def check_hub_reachable(
     values: dict, offline: bool, environ: MutableMapping[str, str] = os.environ
 ) -> None:
     """Refuse, before anything is built, a run that needs the Hub while offline mode is on:
-    a push, or a model, tokenizer or dataset missing from the local cache (a cached one loads
-    offline). ``offline`` is huggingface_hub's own reading of ``HF_HUB_OFFLINE``."""
+    a push, trackio logging to a Hub Space, or a model, tokenizer or dataset missing from the
+    local cache (a cached one loads offline). ``offline`` is huggingface_hub's own reading of
+    ``HF_HUB_OFFLINE``."""
     if not offline:
         return
-    missing = []
-    for argument, value, repo_type in hub_uses(values):
-        if repo_type == "push":
+    missing, kinds = [], {}
+    for argument, value, kind in hub_uses(values, environ):
+        if kind == "push":
             missing.append(f"{argument} (uploads to the Hub)")
-        elif not is_cached(value, repo_type, environ):
-            missing.append(f"{argument} {value} (a Hub {repo_type}, not in the local cache)")
+        elif kind == "space":
+            given = f"{argument} {value}" if argument.startswith("--") else f"{argument}={value}"
+            missing.append(f"{given} (trackio logs to this Hub Space)")
+        elif not is_cached(value, kind, environ):
+            missing.append(f"{argument} {value} (a Hub {kind}, not in the local cache)")
+            kind = "load"
+        else:
+            continue
+        kinds[kind] = argument
     if not missing:
         return
     if _set_here:  # our reading of the command line disagreed with the parser's
@@ -174,10 +205,14 @@ def check_hub_reachable(
         cause = f"{name}={environ.get(name, '1')} in your environment"
         remedy = f"Unset {name} (or set it to 0)"
     instead = []
-    if any(not m.startswith("--push_to_hub") for m in missing):
+    if "load" in kinds:
         instead.append("pass local paths (--model_name_or_path DIR, --dataset_path FILE)")
-    if any(m.startswith("--push_to_hub") for m in missing):
+    if "push" in kinds:
         instead.append("drop --push_to_hub")
+    if "space" in kinds:
+        space = kinds["space"]
+        drop = f"drop {space}" if space.startswith("--") else f"unset {space}"
+        instead.append(f"{drop} (trackio then logs locally)")
     raise ValueError(
         f"this run needs the Hugging Face Hub for {'; '.join(missing)}, but offline mode is "
         f"on: {cause}. {remedy} to reach the Hub, or {' and '.join(instead)}."

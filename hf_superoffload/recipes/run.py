@@ -46,8 +46,8 @@ def check_hub(recipe, args) -> None:
     from huggingface_hub import constants
 
     values = dataclasses.asdict(recipe)
-    values["push_to_hub"] = args.push_to_hub
-    values["chat_template_path"] = getattr(args, "chat_template_path", None)
+    for name in ("push_to_hub", "chat_template_path", "report_to", "trackio_space_id"):
+        values[name] = getattr(args, name, None)  # DPO has no chat template argument
     hub_access.check_hub_reachable(values, constants.HF_HUB_OFFLINE)
 
 
