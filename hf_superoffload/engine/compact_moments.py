@@ -41,6 +41,23 @@ class Segment:
     salt: int
 
 
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """A kernel call's share of a run: ``numel`` elements of one param from ``start`` (a
+    multiple of BLOCK) within its segment, at update number ``step`` of run number ``run``."""
+
+    segment: Segment
+    start: int
+    numel: int
+    step: int
+    run: int
+
+    @property
+    def at(self) -> int:
+        """Where the piece starts in the partition."""
+        return self.segment.offset + self.start
+
+
 class CompactMoments:
     def __init__(
         self,
@@ -116,6 +133,15 @@ class CompactMoments:
                 break
             offset = max(offset, self.segments[index].offset)
         return out
+
+    def run_pieces(self, runs, most: int) -> list[Piece]:
+        """The pieces of every ``(offset, numel, step)`` run, in order, each of at most
+        ``most`` elements (see ``pieces``)."""
+        return [
+            Piece(segment, start, n, step, index)
+            for index, (offset, numel, step) in enumerate(runs)
+            for segment, start, n in self.pieces(offset, numel, most)
+        ]
 
     def piece_moments(self, segment: Segment, start: int, numel: int) -> list[torch.Tensor]:
         """Codes and scales of one piece (views): ``start`` is a multiple of BLOCK."""

@@ -61,22 +61,21 @@ class CompactPasses:
             stats.speculations_on_device += 1
             return
         host.link.host_waits_for(part.last_h2d)  # no transfer still reads the master
-        for offset, numel, step in runs:
-            # A piece a copy-out buffer when it goes to the model, else a param a kernel call.
-            most = self._most() if send else numel
-            for segment, start, n in moments.pieces(offset, numel, most):
-                at = segment.offset + start
-                low = host.take_copy_out(part, at, n) if send else None
-                began = time.perf_counter()
-                ops.compact_adam(
-                    part.master.narrow(0, at, n), grad.narrow(0, at, n),
-                    *moments.piece_moments(segment, start, n), step=step, grad_scale=scale,
-                    salt=segment.salt, element_offset=start, commit=commit, out_lowp=low,
-                    **kwargs,
-                )  # fmt: skip
-                setattr(stats, seconds, getattr(stats, seconds) + time.perf_counter() - began)
-                if send:
-                    host.send_params(part, low, at, n)
+        # A piece a copy-out buffer when it goes to the model, else a param a kernel call.
+        most = self._most() if send else moments.numel
+        for piece in moments.run_pieces(runs, most):
+            at, n, segment = piece.at, piece.numel, piece.segment
+            low = host.take_copy_out(part, at, n) if send else None
+            began = time.perf_counter()
+            ops.compact_adam(
+                part.master.narrow(0, at, n), grad.narrow(0, at, n),
+                *moments.piece_moments(segment, piece.start, n), step=piece.step,
+                grad_scale=scale, salt=segment.salt, element_offset=piece.start, commit=commit,
+                out_lowp=low, **kwargs,
+            )  # fmt: skip
+            setattr(stats, seconds, getattr(stats, seconds) + time.perf_counter() - began)
+            if send:
+                host.send_params(part, low, at, n)
         if seconds == "cpu_step_seconds":  # as the exact path counts its steps, for the tuner
             host.elements_stepped += sum(numel for _, numel, _ in runs)
 
@@ -96,20 +95,22 @@ class CompactPasses:
         host, moments = self.host, part.compact
         host.link.host_waits_for(part.last_h2d)
         stats = host.stats
-        for (offset, numel, step), (_, _, committed) in zip(runs, pending.runs, strict=True):
-            for segment, start, n in moments.pieces(offset, numel, self._most()):
-                at = segment.offset + start
-                low = host.take_copy_out(part, at, n)
-                began = time.perf_counter()
-                ops.compact_adam_commit_speculate(
-                    part.master.narrow(0, at, n), grad.narrow(0, at, n),
-                    incoming.narrow(0, at, n), *moments.piece_moments(segment, start, n),
-                    commit=_half(pending.hyper, committed, pending.scale),
-                    speculate=_half(hyper, step, scale), salt=segment.salt,
-                    element_offset=start, out_lowp=low,
-                )  # fmt: skip
-                stats.cpu_step_seconds += time.perf_counter() - began
-                host.send_params(part, low, at, n)
+        if len(runs) != len(pending.runs):
+            raise ValueError(f"{len(runs)} runs to speculate but {len(pending.runs)} pending")
+        for piece in moments.run_pieces(runs, self._most()):
+            at, n, segment = piece.at, piece.numel, piece.segment
+            committed = pending.runs[piece.run][2]
+            low = host.take_copy_out(part, at, n)
+            began = time.perf_counter()
+            ops.compact_adam_commit_speculate(
+                part.master.narrow(0, at, n), grad.narrow(0, at, n), incoming.narrow(0, at, n),
+                *moments.piece_moments(segment, piece.start, n),
+                commit=_half(pending.hyper, committed, pending.scale),
+                speculate=_half(hyper, piece.step, scale), salt=segment.salt,
+                element_offset=piece.start, out_lowp=low,
+            )  # fmt: skip
+            stats.cpu_step_seconds += time.perf_counter() - began
+            host.send_params(part, low, at, n)
         host.elements_stepped += sum(numel for _, numel, _ in runs)
         stats.commits_fused += 1
 

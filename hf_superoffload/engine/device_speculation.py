@@ -92,22 +92,21 @@ class DeviceSpeculation:
 
         moments, copied = part.compact, 0
         with torch.cuda.device(self.link.device), self.link.h2d():
-            for offset, numel, step in runs:
-                for segment, start, n in moments.pieces(offset, numel, self.piece_numel):
-                    at = segment.offset + start
-                    sources = [part.master.narrow(0, at, n), grad.narrow(0, at, n)]
-                    sources += moments.piece_moments(segment, start, n)
-                    staged = []
-                    for buffer, source in zip(self._buffers.values(), sources, strict=True):
-                        target = buffer[: source.numel()]
-                        target.copy_(source, non_blocking=True)
-                        staged.append(target)
-                        copied += source.numel() * source.element_size()
-                    compact_adam_pass_cuda(
-                        *staged, step=step, grad_scale=scale, salt=segment.salt,
-                        element_offset=start, commit=False,
-                        out_lowp=part.flat_param.narrow(0, at, n), **kwargs,
-                    )  # fmt: skip
+            for piece in moments.run_pieces(runs, self.piece_numel):
+                at, n, segment = piece.at, piece.numel, piece.segment
+                sources = [part.master.narrow(0, at, n), grad.narrow(0, at, n)]
+                sources += moments.piece_moments(segment, piece.start, n)
+                staged = []
+                for buffer, source in zip(self._buffers.values(), sources, strict=True):
+                    target = buffer[: source.numel()]
+                    target.copy_(source, non_blocking=True)
+                    staged.append(target)
+                    copied += source.numel() * source.element_size()
+                compact_adam_pass_cuda(
+                    *staged, step=piece.step, grad_scale=scale, salt=segment.salt,
+                    element_offset=piece.start, commit=False,
+                    out_lowp=part.flat_param.narrow(0, at, n), **kwargs,
+                )  # fmt: skip
             # The next forward waits for it; the worker's next pass over the host state too.
             part.h2d_event = part.last_h2d = self.link.record()
         return copied
