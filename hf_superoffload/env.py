@@ -83,7 +83,7 @@ VARIABLES = _declare(
     Variable(
         "HF_SUPEROFFLOAD_HOST_MEMORY_GIB",
         "host memory (GiB) this job may use, where MemAvailable reads low (growing VMs)",
-        "MemAvailable, or a container's limit",
+        "MemAvailable, or less where the process's cgroup limits memory",
     ),
     # The compiled CPU Adam's.
     Variable(

@@ -246,7 +246,7 @@ def _deepspeed_refusals(rank: int, port: int, out_path: str) -> None:
     def allocates(*args, **kwargs):
         raise AssertionError("DeepSpeed's optimizer was built (it allocates the host state)")
 
-    host_memory.host_bytes_available = lambda: 100_000  # bytes: less than the tiny model needs
+    host_memory.host_memory_available = lambda: (100_000, "a test's figure")  # under the model
     DeepSpeedZeroOptimizer_Stage3.__init__ = allocates
     outcomes["short host"] = initialize(3)
     with open(out_path, "w") as f:

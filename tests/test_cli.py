@@ -79,7 +79,7 @@ def test_env_json_reports_every_section_and_builds_nothing(capsys, monkeypatch, 
     facts = json.loads(out)
     assert set(facts) >= {
         "hf_superoffload", "python", "platform", "packages", "torch", "cpu", "cpu_adam",
-        "gpus", "numa", "resctrl", "deepspeed",
+        "gpus", "numa", "host_memory", "resctrl", "deepspeed",
     }  # fmt: skip
     assert set(facts["packages"]) >= {"torch", "transformers", "accelerate", "trl", "deepspeed"}
     assert facts["torch"]["version"] == torch.__version__
@@ -103,6 +103,7 @@ def test_env_text_names_its_sections(capsys):
         "CPU Adam kernel",
         "GPUs",
         "NUMA nodes",
+        "host memory",
         "DeepSpeed",
         "environment",
     ):

@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from cgroup_files import write_host
 
 from hf_superoffload.engine import host_memory
 from hf_superoffload.engine.grad_slots import GRAD_SLOTS
@@ -111,22 +112,19 @@ GiB = 2**30
 
 @pytest.fixture
 def host_files(tmp_path, monkeypatch):
-    """/proc/meminfo and the cgroup files, as files of the test's."""
+    """/proc/meminfo, and a cgroup v2 or v1 mount whose root is this process's cgroup (as a
+    container with its own cgroup namespace sees it), as files of the test's."""
 
     def write(mem_available_kib: int, cgroup_v2=None, cgroup_v1=None):
-        meminfo = tmp_path / "meminfo"
-        meminfo.write_text(f"MemTotal: 99999999 kB\nMemAvailable:   {mem_available_kib} kB\n")
-        monkeypatch.setattr(host_memory, "MEMINFO", str(meminfo))
-        for name, values in (("CGROUP_V2", cgroup_v2), ("CGROUP_V1", cgroup_v1)):
-            paths = (str(tmp_path / f"{name}.limit"), str(tmp_path / f"{name}.usage"))
-            for i, path in enumerate(paths):
-                if values is None:  # no such controller
-                    if os.path.exists(path):
-                        os.unlink(path)
-                else:
-                    with open(path, "w") as f:
-                        f.write(f"{values[i]}\n")
-            monkeypatch.setattr(host_memory, name, paths)
+        version, limit = (1, cgroup_v1) if cgroup_v1 is not None else (2, cgroup_v2)
+        limits = {} if limit is None else {"": limit}
+        write_host(
+            tmp_path / str(len(list(tmp_path.iterdir()))),
+            monkeypatch,
+            mem_available_kib * 1024,
+            version=version,
+            limits=limits,
+        )
 
     return write
 
@@ -162,7 +160,7 @@ def test_the_user_may_give_the_host_memory_where_memavailable_undercounts(host_f
 def test_the_other_ranks_of_the_host_count(monkeypatch):
     """10 GiB per rank fits 40 GiB for 1..4 ranks of the host, and is refused for 5, naming
     the bytes needed and available and what to change."""
-    monkeypatch.setattr(host_memory, "host_bytes_available", lambda: 40 * GiB)
+    monkeypatch.setattr(host_memory, "host_memory_available", lambda: (40 * GiB, "a figure"))
     parts = {"master": 4 * GiB, "moments": 6 * GiB, "param_copy_out": 0}
     for ranks in (1, 4):
         monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))

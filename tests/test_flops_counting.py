@@ -1,5 +1,6 @@
 """The logged tflops/mfu count each token's attention over its own sequence (a packed
-padding-free batch's document, a padded row's real tokens), DPO's reference forward, and are
+padding-free batch's document, a padded row's real tokens; under sequence parallelism the
+ranks' counts add up to the unsharded batch's), DPO's reference forward, and are
 left out, with the reason logged once, for models with frozen matmul weights.
 
 Each count is compared with one written out by hand: per token 6 N (N: every param but the input
@@ -189,21 +190,56 @@ def test_padding_free_batch_under_sequence_parallelism_is_refused(caplog):
     assert any("under sequence parallelism" in r.getMessage() for r in caplog.records)
 
 
-def test_padded_batch_under_sequence_parallelism_counts_each_row_whole():
-    """A padded batch's shard (attention mask and positions, as TRL's collator gives Ulysses):
-    each real token attends over its whole row, ``sequence_parallel`` shards long."""
+def _shards(batch: dict, ranks: int) -> list[dict]:
+    """Each rank's shard of every row, as DeepSpeed's Ulysses data loader cuts a batch."""
+    chunk = batch["input_ids"].shape[-1] // ranks
+    return [
+        {key: value[:, rank * chunk : (rank + 1) * chunk] for key, value in batch.items()}
+        for rank in range(ranks)
+    ]
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_a_padded_batch_under_sequence_parallelism_counts_what_it_counts_unsharded(ranks):
+    """TRL's padded batch with the position ids Ulysses needs, cut into ``ranks`` shards: the
+    ranks' counts add up to the unsharded batch's, each real token over its row's real tokens
+    (not over the padded row)."""
     model = build_tiny_llama(seed=0)
-    shard = {
-        "input_ids": torch.ones(2, 8, dtype=torch.long),
-        "position_ids": torch.arange(8, 16).expand(2, 8),  # the second half of 16-token rows
-        "attention_mask": torch.tensor([[1] * 8, [1] * 5 + [0] * 3]),
-    }
+    collator = DataCollatorForLanguageModeling(
+        pad_token_id=0, return_position_ids=True, pad_to_multiple_of=ranks
+    )
+    batch = collator([{"input_ids": list(range(1, d + 1))} for d in DOCS])
+    unsharded = ThroughputMeter()
+    unsharded.add_batch(batch, model)
+    meters = [ThroughputMeter() for _ in range(ranks)]
+    for meter, shard in zip(meters, _shards(batch, ranks), strict=True):
+        meter.add_batch(shard, model, sequence_parallel=ranks)
+    assert sum(meter.tokens for meter in meters) == unsharded.tokens == sum(DOCS)
+    assert sum(meter.flops for meter in meters) == pytest.approx(unsharded.flops, rel=1e-12)
+    assert unsharded.flops == pytest.approx(_hand_flops(model, DOCS), rel=1e-12)
+
+
+def test_rows_without_mask_or_positions_under_sequence_parallelism_are_whole_sequences():
+    model = build_tiny_llama(seed=0)
+    batch = {"input_ids": torch.ones(3, 10, dtype=torch.long)}
+    meters = [ThroughputMeter() for _ in range(2)]
+    for meter, shard in zip(meters, _shards(batch, 2), strict=True):
+        meter.add_batch(shard, model, sequence_parallel=2)
+    assert sum(meter.flops for meter in meters) == pytest.approx(
+        _hand_flops(model, [10, 10, 10]), rel=1e-12
+    )
+
+
+def test_a_padded_shard_without_positions_is_refused(caplog):
+    """Without position ids a rank's shard does not say where in its row its tokens are."""
+    model = build_tiny_llama(seed=0)
+    shard = {"input_ids": torch.ones(2, 4, dtype=torch.long), "attention_mask": torch.ones(2, 4)}
     meter = ThroughputMeter()
-    meter.add_batch(shard, model, sequence_parallel=2)
-    config = model.config
-    n = _hand_matmul_params(model)
-    expected = 13 * (6 * n + 12 * config.num_hidden_layers * config.hidden_size * 16)
-    assert meter.flops == pytest.approx(expected, rel=1e-12)
+    with caplog.at_level(logging.INFO, logger="hf_superoffload"):
+        meter.add_batch(shard, model, sequence_parallel=2)
+        out = meter.metrics(Accelerator(cpu=True), 1.0)
+    assert "tflops" not in out and out["tokens_per_second"] > 0
+    assert any("without position_ids" in r.getMessage() for r in caplog.records)
 
 
 def test_plain_trainer_with_a_live_reference_model_leaves_tflops_out(monkeypatch, caplog):

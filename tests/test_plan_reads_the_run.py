@@ -11,6 +11,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+from cgroup_files import write_host
 
 from hf_superoffload.cli import main
 from hf_superoffload.engine import host_memory
@@ -132,34 +133,27 @@ def test_what_the_plan_cannot_count_in_a_recipe_is_refused(capsys, tmp_path):
 
 @pytest.fixture
 def host_files(tmp_path, monkeypatch):
-    """/proc/meminfo and a cgroup v2 limit, as files of the test's (no v1 controller)."""
+    """/proc/meminfo and a cgroup v2 job below the mount's root, as files of the test's."""
 
-    def write(mem_available: int, cgroup_limit: int, cgroup_usage: int) -> None:
-        meminfo = tmp_path / "meminfo"
-        total_kib, available_kib = 1024 * GiB // 1024, mem_available // 1024
-        meminfo.write_text(f"MemTotal: {total_kib} kB\nMemAvailable: {available_kib} kB\n")
-        monkeypatch.setattr(host_memory, "MEMINFO", str(meminfo))
-        v2 = (str(tmp_path / "memory.max"), str(tmp_path / "memory.current"))
-        Path(v2[0]).write_text(f"{cgroup_limit}\n")
-        Path(v2[1]).write_text(f"{cgroup_usage}\n")
-        monkeypatch.setattr(host_memory, "CGROUP_V2", v2)
-        missing = str(tmp_path / "no-v1")
-        monkeypatch.setattr(host_memory, "CGROUP_V1", (missing, missing))
+    def write(mem_available: int, cgroup_limit: int, cgroup_usage: int) -> Path:
+        limits = {"job": (cgroup_limit, cgroup_usage)}
+        mount = write_host(tmp_path, monkeypatch, mem_available, cgroup="/job", limits=limits)
+        return mount / "job" / "memory.max"
 
     return write
 
 
 @pytest.mark.usefixtures("no_variables")
 def test_this_hosts_memory_is_what_the_start_up_check_counts(capsys, host_files, monkeypatch):
-    """A container limited to 100 GiB, 4 used, on a 1 TiB host: the plan has 96 GiB, as the
-    optimizer's start-up check (host_bytes_available) has, not MemTotal; Llama-3.1-8B's 112 GiB
-    then does not fit where MemTotal would say it does."""
-    host_files(mem_available=900 * GiB, cgroup_limit=100 * GiB, cgroup_usage=4 * GiB)
+    """A job's cgroup limited to 100 GiB, 4 used, on a 1 TiB host: the plan has 96 GiB, as
+    the optimizer's start-up check (host_memory_available) has, not MemTotal; Llama-3.1-8B's
+    112 GiB then does not fit where MemTotal would say it does."""
+    limit_file = host_files(mem_available=900 * GiB, cgroup_limit=100 * GiB, cgroup_usage=4 * GiB)
     this_host = ("llama-3.1-8b", "--gpu-mem", "80")
     code, found, err = plan(capsys, *this_host)
     assert found["hardware"]["host_memory_bytes"] == 96 * GiB == host_memory.host_bytes_available()
     assert code == 1 and "host" in found["reasons"][0], found["reasons"]
-    assert "container's memory limit" in found["hardware"]["source"]
+    assert f"here cgroup limit {limit_file} 100.00 GiB" in found["hardware"]["source"]
     code, _, _ = plan(capsys, *this_host, "--cpu-mem", "1024")
     assert code == 0
     monkeypatch.setenv("HF_SUPEROFFLOAD_HOST_MEMORY_GIB", "300")  # the job's figure, as there

@@ -167,11 +167,11 @@ def _zero3_rank(rank: int, port: int, out_dir: str, where: str) -> None:
     def body() -> None:
         if rank == 1 and where == "constructor":
 
-            def short_host() -> int:
+            def short_host() -> tuple[int, str]:
                 _mark_failure(out_dir)
-                return 100_000  # bytes: this rank's host cannot hold its partition
+                return 100_000, "a test's figure"  # bytes: too few for this rank's partition
 
-            host_memory.host_bytes_available = short_host
+            host_memory.host_memory_available = short_host
         engine, _ = make_engine(case, True, WORLD)
         for step in range(case.steps):
             if rank == 1 and where == "worker" and step == 1:

@@ -17,9 +17,9 @@ from .hardware import GIB, PRESETS, preset
 # where the check refuses (memory others use, a container's limit).
 HOST_SOURCE = (
     "the host memory available now, as the optimizer's start-up check counts it: MemAvailable, "
-    "or less where the container's memory limit leaves less; HF_SUPEROFFLOAD_HOST_MEMORY_GIB "
-    "where set (on VMs whose memory grows on use MemAvailable reads low: set it, or give "
-    "--cpu-mem)"
+    "or less where the memory limit of this process's cgroup or of a parent leaves less; "
+    "HF_SUPEROFFLOAD_HOST_MEMORY_GIB where set (on VMs whose memory grows on use MemAvailable "
+    "reads low: set it, or give --cpu-mem)"
 )
 
 
@@ -65,13 +65,17 @@ def resolve(args) -> Capacity:
             f"no GPU here to plan for: name one with --hardware {'|'.join(PRESETS)}, or give "
             "--gpu-mem (GiB per GPU) and --cpu-mem (GiB per host)"
         )
-    host_memory = host_memory or _this_host()
+    if host_memory:
+        host_source = "--cpu-mem"
+    else:
+        host_memory, here = _this_host()
+        host_source = f"{HOST_SOURCE}; here {here}"
     custom = args.gpu_mem is not None and args.cpu_mem is not None
     return Capacity(
         label="custom" if custom else "this machine",
         gpu_memory=gpu_memory,
         gpus_per_host=args.gpus_per_host,
-        source="--gpu-mem/--cpu-mem" if custom else f"this machine: torch, and {HOST_SOURCE}",
+        source="--gpu-mem/--cpu-mem" if custom else f"this machine: torch, and {host_source}",
         host_memory_for=lambda _: host_memory,
     )
 
@@ -84,14 +88,14 @@ def _this_gpu() -> int | None:
     return torch.cuda.get_device_properties(0).total_memory
 
 
-def _this_host() -> int:
-    """The host memory the run may take here, as the optimizer's start-up check counts it
-    (engine/host_memory.host_bytes_available): so that a plan that fits this machine is not
-    refused there at start."""
-    from ..engine.host_memory import host_bytes_available  # here: it loads torch
+def _this_host() -> tuple[int, str]:
+    """The host memory the run may take here, and what says so, as the optimizer's start-up
+    check counts it (engine/host_memory.host_memory_available): so that a plan that fits this
+    machine is not refused there at start."""
+    from ..engine.host_memory import host_memory_available  # here: it loads torch
 
     try:
-        return host_bytes_available()
+        return host_memory_available()
     except ValueError as error:  # a bad HF_SUPEROFFLOAD_HOST_MEMORY_GIB, refused there too
         raise UsageError(str(error)) from None
     except (OSError, KeyError, IndexError) as error:

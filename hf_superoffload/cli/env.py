@@ -2,8 +2,8 @@
 
 Versions, the CPU and its SIMD features, the CPU Adam's build status and instruction set, GPUs
 with measured host<->GPU bandwidth, NUMA nodes, each local rank's CPUs for its CPU Adam
-(engine/core_split.py), resctrl/MPAM and DeepSpeed. ``--json`` prints
-the same facts for scripts.
+(engine/core_split.py), the host memory the optimizers count as available, resctrl/MPAM and
+DeepSpeed. ``--json`` prints the same facts for scripts.
 """
 
 from __future__ import annotations
@@ -112,6 +112,14 @@ def render(facts: dict) -> str:
         size = f"{memory / _GIB:.1f} GiB" if memory is not None else "memory unknown"
         cpus = f"cpus {node['cpus']}" if node["cpus"] else "no CPUs (device or far memory)"
         lines.append(f"  node{node['node']}: {cpus}, {size}")
+
+    memory = facts["host_memory"]
+    lines.append("host memory (what the optimizers' start-up check and `plan` count)")
+    if memory["available_bytes"] is None:
+        lines.append(_row("UNREADABLE", f"{memory['error']}; the optimizers refuse to start"))
+    else:
+        lines.append(_row("available", f"{memory['available_bytes'] / _GIB:.1f} GiB"))
+        lines.append(_row("from", memory["source"]))
 
     lines.extend(_core_split_lines(facts["core_split"]))
 

@@ -17,6 +17,7 @@ import torch
 
 from .. import __version__, env
 from ..engine.cpu_topology import gpu_numa_node
+from ..engine.host_memory import host_memory_available
 from . import bandwidth, host_facts
 
 PACKAGES = ("torch", "transformers", "accelerate", "trl", "deepspeed", "datasets", "ninja")
@@ -36,11 +37,22 @@ def collect(build: bool = False, measure_bandwidth: bool = True) -> dict:
         "cpu_adam": cpu_adam(cpu, build),
         "gpus": found_gpus,
         "numa": host_facts.numa_nodes(),
+        "host_memory": host_memory(),
         "core_split": core_split(found_gpus),
         "resctrl": host_facts.resctrl(cpu),
         "deepspeed": deepspeed(),
         "environment": variables_set(),
     }
+
+
+def host_memory() -> dict:
+    """The host memory this process may still take and what says so, as the optimizers'
+    start-up check and ``plan`` count it; or why it cannot be read (they refuse then too)."""
+    try:
+        available, source = host_memory_available()
+    except (ValueError, OSError) as error:
+        return {"available_bytes": None, "source": None, "error": str(error)}
+    return {"available_bytes": available, "source": source}
 
 
 def variables_set() -> dict[str, str]:

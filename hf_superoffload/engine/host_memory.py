@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .. import env
+from . import cgroup_memory
 from .replicas import PeerRankError, latest_generation, published_failures
 
 PAGE = mmap.PAGESIZE
@@ -92,11 +93,8 @@ def _unpin_all(owned: dict[int, torch.Tensor]) -> None:
 # Refusing a host state that cannot fit, before allocating it
 
 MEMINFO = "/proc/meminfo"
-CGROUP_V2 = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current")
-CGROUP_V1 = (
-    "/sys/fs/cgroup/memory/memory.limit_in_bytes",
-    "/sys/fs/cgroup/memory/memory.usage_in_bytes",
-)
+PROC_CGROUP = cgroup_memory.PROC_CGROUP  # which cgroup this process is in
+MOUNTINFO = cgroup_memory.MOUNTINFO  # where its hierarchy is mounted
 
 
 class HostMemoryError(MemoryError):
@@ -109,8 +107,15 @@ HOST_MEMORY_ENV = "HF_SUPEROFFLOAD_HOST_MEMORY_GIB"
 
 
 def host_bytes_available() -> int:
-    """Bytes of host memory this process can still take, pinned or pageable: the kernel's
-    ``MemAvailable``, or less where a container's memory limit (cgroup v2 or v1) leaves less;
+    """Bytes of host memory this process can still take, pinned or pageable
+    (``host_memory_available``)."""
+    return host_memory_available()[0]
+
+
+def host_memory_available() -> tuple[int, str]:
+    """Bytes of host memory this process can still take, pinned or pageable, and what says
+    so: the kernel's ``MemAvailable``, or less where a memory limit of the process's cgroup or
+    of one of its parents (cgroup v2 or v1, ``cgroup_memory``) leaves less;
     ``HF_SUPEROFFLOAD_HOST_MEMORY_GIB`` replaces both where set (the job's whole figure:
     ``check_host_memory`` takes off it what earlier checks granted)."""
     override = env.read(HOST_MEMORY_ENV)
@@ -124,22 +129,16 @@ def host_bytes_available() -> int:
                 f"{HOST_MEMORY_ENV}={override!r}: give the GiB of host memory this job may "
                 f"use, a number above 0 (e.g. {HOST_MEMORY_ENV}=240), or unset it"
             )
-        return int(gib * 2**30)
+        return int(gib * 2**30), f"{HOST_MEMORY_ENV}={override}"
     with open(MEMINFO) as f:
         fields = dict(line.split(":", 1) for line in f)
     available = int(fields["MemAvailable"].split()[0]) * 1024
-    for limit_file, usage_file in (CGROUP_V2, CGROUP_V1):
-        try:
-            with open(limit_file) as f:
-                limit = f.read().strip()
-            with open(usage_file) as f:
-                usage = int(f.read().strip())
-        except (OSError, ValueError):
-            continue  # no such controller here
-        if limit != "max" and int(limit) < 2**60:  # v1 writes "no limit" as a huge number
-            available = min(available, max(0, int(limit) - usage))
-        break
-    return available
+    cgroup = cgroup_memory.headroom(PROC_CGROUP, MOUNTINFO)
+    if cgroup.bytes is not None and cgroup.bytes < available:
+        return cgroup.bytes, cgroup.where
+    if cgroup.bytes is None:
+        return available, f"MemAvailable in {MEMINFO}; {cgroup.where}"
+    return available, f"MemAvailable in {MEMINFO}, tighter than the {cgroup.where}"
 
 
 # Processes of the job on this host, as launchers that set one say it (torchrun and
@@ -250,18 +249,16 @@ def held_host_parts() -> dict[str, int]:
 
 def _left_for_the_job(ranks: int) -> tuple[int, str]:
     """Bytes of host memory this check may grant for all ``ranks`` of the host, and whence.
-    ``MemAvailable`` (or the container's limit) already shows what earlier checks' allocations
+    ``MemAvailable`` (or the cgroup's limit) already shows what earlier checks' allocations
     took. ``HF_SUPEROFFLOAD_HOST_MEMORY_GIB`` is the job's whole figure, so what this process's
     earlier checks granted and still holds is taken off it, for each rank of the host (each
     holds its own, as it checks its own)."""
-    figure = host_bytes_available()
+    figure, source = host_memory_available()
     override = env.read(HOST_MEMORY_ENV)
-    if not override:
-        return figure, "MemAvailable, or the container's limit"
     held = held_host_parts()
     per_rank = sum(held.values())
-    if not per_rank:
-        return figure, f"{HOST_MEMORY_ENV}={override}"
+    if not override or not per_rank:
+        return figure, source
     listed = ", ".join(f"{name} {nbytes / 2**30:.2f}" for name, nbytes in held.items())
     return max(0, figure - per_rank * ranks), (
         f"{HOST_MEMORY_ENV}={override} less {per_rank / 2**30:.2f} GiB per rank x {ranks} "

@@ -4,7 +4,8 @@ Model FLOPs per token follow the PaLM appendix: 6 N for the weight matmuls forwa
 (N = matmul params, all but the input embedding, whose lookup does no matmul) plus
 12 x layers x hidden x sequence length for the attention scores and values, the sequence being
 the token's own: a padded row's real tokens, a packed (padding-free) batch's document
-(``sequence_lengths``). DPO's reference forward adds 2 N_ref plus a third of its attention term
+(``sequence_lengths``), under Ulysses sequence parallelism too (``sharded_attention``: each
+rank counts a share, and the shares add up to the unsharded count). DPO's reference forward adds 2 N_ref plus a third of its attention term
 per token. Recomputation by activation checkpointing is not counted. MFU divides achieved model
 FLOP/s per GPU by the GPU's dense bf16 peak: ``HF_SUPEROFFLOAD_PEAK_TFLOPS`` when set (any GPU,
 or a CPU), else the table below (GH200, H100 SXM/PCIe/NVL, H200 SXM/NVL, B200, GB200, A100).
@@ -213,15 +214,34 @@ def flops_config(model: torch.nn.Module):
     return config, None
 
 
-def _one_sequence_a_row(inputs: Mapping) -> bool:
-    """Whether each row of a batch is one sequence as the model reads it: the rows of a 2D
-    ``attention_mask``, or rows without position ids (which could pack documents into a row)."""
-    mask = inputs.get("attention_mask")
+def sharded_attention(inputs: Mapping, ids: torch.Tensor, sequence_parallel: int):
+    """Under Ulysses sequence parallelism, where ``inputs`` is this rank's shard of each row:
+    ``(attended, None)``, this rank's share of the batch's attention term, or ``(None, why)``.
+    The shares of the ranks add up to what the unsharded batch counts (``sequence_lengths``):
+    L x L for a sequence of L real tokens. A real token at (global) position p counts 2p + 1,
+    and positions 0 .. L-1, wherever they lie, add up to L x L; the ranks' shares differ, their
+    sum does not. This reads the rows of a 2D ``attention_mask`` as one sequence each, their
+    real tokens at positions 0 .. L-1, as TRL's collator gives them and Ulysses's attention
+    reads them. Rows with neither a mask nor positions are whole sequences, every token real."""
+    mask, positions = inputs.get("attention_mask"), inputs.get("position_ids")
+    has_positions = isinstance(positions, torch.Tensor) and positions.shape[-1] == ids.shape[-1]
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-        return True
-    return not any(
-        isinstance(inputs.get(key), torch.Tensor) for key in ("position_ids", "cu_seq_lens_q")
-    )
+        if not has_positions:
+            return None, (
+                "a padded batch under sequence parallelism without position_ids: a rank's "
+                "shard does not show where in its row its tokens are"
+            )
+        rows = mask.reshape(-1, ids.shape[-1])
+        positions = positions.reshape(-1, ids.shape[-1]).expand(rows.shape[0], -1)
+        spans = 2 * positions.double() + 1
+        return float((spans * (rows != 0)).sum()), None
+    if has_positions or isinstance(inputs.get("cu_seq_lens_q"), torch.Tensor):
+        return None, (
+            "a batch under sequence parallelism whose rows may pack several documents "
+            "(position_ids without an attention_mask): each rank holds a shard of a row and "
+            "does not see how long its documents are"
+        )
+    return float(ids.numel() * ids.shape[-1] * sequence_parallel), None
 
 
 class ThroughputMeter:
@@ -251,8 +271,8 @@ class ThroughputMeter:
         sequence (``sequence_lengths``). ``reference_model`` runs a forward over the same batch
         (DPO's reference; 2 FLOPs per param and token, a third of the attention). Under Ulysses
         sequence parallelism (``sequence_parallel`` ranks share each sequence) ``inputs`` is this
-        rank's shard: its tokens are this rank's, but each of them attends to the whole
-        sequence, ``sequence_parallel`` shards long."""
+        rank's shard: its tokens are this rank's, and its share of the attention term is one
+        that adds up over the ranks to the unsharded batch's (``sharded_attention``)."""
         ids = inputs.get("input_ids") if isinstance(inputs, Mapping) else None
         if not isinstance(ids, torch.Tensor):
             return
@@ -266,15 +286,11 @@ class ThroughputMeter:
         if sequence_parallel == 1:
             lengths = sequence_lengths(inputs, ids).double()
             attended = float((lengths**2).sum())  # each token, over its own sequence
-        elif _one_sequence_a_row(inputs):
-            attended = float(tokens * ids.shape[-1] * sequence_parallel)
         else:
-            self.refuse(
-                "a batch under sequence parallelism whose rows may pack several documents "
-                "(position_ids without an attention_mask): each rank holds a shard of a row and "
-                "does not see how long its documents are"
-            )
-            return
+            attended, why = sharded_attention(inputs, ids, sequence_parallel)
+            if why is not None:
+                self.refuse(why)
+                return
         self.flops += 6.0 * tokens * self._n_params + attention_flops(self._config, attended)
         if self._reference is not None:
             config, n_params = self._reference
