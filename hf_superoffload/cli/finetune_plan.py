@@ -102,8 +102,8 @@ def planned_run(settings: dict, script_args: list[str]):
         )
     if run.seq is None:
         raise UsageError(
-            "RATIO=auto plans the run's sequence length, and neither the recipe nor the script's "
-            "arguments give max_length: add it to the recipe, or pass --max_length N after --"
+            "RATIO=auto plans the run's sequence length, and max_length is null (no limit): "
+            "give it a number in the recipe, or pass --max_length N after --"
         )
     return run
 
