@@ -85,10 +85,11 @@ def add_parser(commands) -> None:
         choices=LOSSES,
         help="what computes the loss, which decides the GPU memory of the logits: full (the "
         "default for a model), the model's own loss over a batch's full logits (a plain Trainer "
-        "or DeepSpeed script); trl (the default for a recipe), TRL's fused LM head (TRL's "
-        "SFTTrainer and DPOTrainer: examples/sft.py and the recipes, with or without "
-        "--use_liger_kernel); liger, Liger-Kernel's fused linear cross-entropy (a plain Trainer "
-        "with use_liger_kernel)",
+        "or DeepSpeed script), and a recipe's that sets label_smoothing_factor (TRL's "
+        "SFTTrainer then computes the loss from the full logits); trl (the default for a "
+        "recipe), TRL's fused LM head (TRL's SFTTrainer and DPOTrainer: examples/sft.py and the "
+        "recipes, with or without --use_liger_kernel); liger, Liger-Kernel's fused linear "
+        "cross-entropy (a plain Trainer with use_liger_kernel)",
     )
     parser.add_argument(
         "--dtype",
@@ -350,7 +351,7 @@ def answer(args: argparse.Namespace) -> Answer:
     source = model_source.resolve(args.model)
     # An option wins, then the run's setting: a recipe's, else the default or variable.
     settings = planned_settings(source)
-    loss = args.loss or ("full" if source.recipe is None else "trl")  # the recipes run TRL's
+    loss = args.loss or settings.loss  # a recipe's as TRL computes it; a model's own
     _check_loss(loss, source.config)
     capacity = capacity_options.resolve(args)
     offload = _given(args.activation_checkpoint_offload, settings.activation_checkpoint_offload)
@@ -405,6 +406,12 @@ def answer(args: argparse.Namespace) -> Answer:
     )
     suggestions += auto_suggestions
     notes = [*source.notes, *auto_notes, *plan_output.model_notes(source.config, verdict.plan)]
+    if args.loss is None and settings.label_smoothing_factor:
+        notes.append(
+            f"label_smoothing_factor {settings.label_smoothing_factor}: TRL's SFTTrainer "
+            "computes the loss from the batch's full logits (transformers' LabelSmoother), "
+            "counted as --loss full, and runs one more forward without gradients for its metrics"
+        )
     notes += plan_output.bound_notes(verdict.plan)
     return Answer(
         verdict.fits,

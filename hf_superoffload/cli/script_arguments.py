@@ -1,7 +1,8 @@
 """What the memory plan reads from a recipe and the arguments examples/sft.py gets after it:
 the sequence length, the batch, the accumulation, whether the run saves, its Adam moments and
 cast, whether it checkpoints activations and where its checkpointed layer inputs wait, the
-weights' dtype (bf16 or fp32), and which optimizer it trains with.
+weights' dtype (bf16 or fp32), which optimizer it trains with, and what computes its loss
+(label smoothing makes TRL build the batch's full logits).
 ``hf-superoffload finetune`` plans the run it launches from them (RATIO=auto,
 cli/finetune_plan.py), and ``hf-superoffload plan RECIPE.yaml`` the recipe's run (no script
 arguments), so the two agree.
@@ -59,6 +60,11 @@ class ScriptArguments:
     # old name is the only one before transformers renamed it, and an alias after.
     activation_checkpointing_kwargs: str | None = None
     gradient_checkpointing_kwargs: str | None = None
+    # TRL's SFTTrainer (1.16) computes a non-zero label smoothing's loss from the batch's full
+    # logits (transformers' LabelSmoother) for its "nll" loss (and the deprecated "chunked_nll",
+    # which its config turns into "nll"); "dft" keeps the fused head and no smoothing.
+    label_smoothing_factor: float = 0.0
+    loss_type: str = "nll"
 
     @property
     def checkpointing(self) -> bool:
@@ -135,6 +141,10 @@ class PlannedRun:
     checkpointing: bool
     activation_checkpoint_offload: bool
     never_saves: bool
+    # What computes the loss, as plan's --loss names it (plan_output.LOSSES): "trl", TRL's
+    # fused LM head; "full", the batch's full logits (label smoothing's, or a model's own).
+    loss: str = "full"
+    label_smoothing_factor: float = 0.0  # the run's; non-zero: why the loss is "full"
 
 
 def planned_run(settings: dict, script_args: list[str]) -> PlannedRun:
@@ -158,7 +168,19 @@ def planned_run(settings: dict, script_args: list[str]) -> PlannedRun:
         checkpointing=script.checkpointing,
         activation_checkpoint_offload=_offload(script),
         never_saves=_never_saves(script),
+        loss=_loss(script),
+        label_smoothing_factor=script.label_smoothing_factor,
     )
+
+
+def _loss(script: ScriptArguments) -> str:
+    """What computes the loss of the SFT run: TRL's fused LM head ("trl"), which never holds
+    the batch's logits, unless label smoothing is on under the "nll" loss: then TRL's
+    SFTTrainer (1.16, compute_loss) runs the model's forward to its full logits for
+    transformers' LabelSmoother ("full"), and a second forward without gradients through the
+    fused head for its metrics."""
+    smoothing = script.label_smoothing_factor != 0
+    return "full" if smoothing and script.loss_type in ("nll", "chunked_nll") else "trl"
 
 
 def _dtype_bytes(script: ScriptArguments) -> int:
