@@ -607,7 +607,10 @@ def test_plan_counts_every_saved_activation_without_checkpointing(capsys, tmp_pa
     assert "no activation checkpointing: every layer's saved tensors on the GPU" in out
     for name in ("activation_checkpointing", "gradient_checkpointing"):
         recipe = tmp_path / f"{name}.yaml"
-        recipe.write_text(f"random_init_from_config: llama-3.1-8b\n{name}: false\n")
+        recipe.write_text(
+            f"random_init_from_config: llama-3.1-8b\n{name}: false\n"
+            "max_length: 4096\nper_device_train_batch_size: 4\n"  # the model's plan's
+        )
         full_logits = ("--hardware", "h100", "--loss", "full")  # a recipe's default: trl
         _, by_recipe = plan_json(capsys, str(recipe), *full_logits)
         assert by_recipe["gpu_bytes_per_rank"] == off["gpu_bytes_per_rank"], name

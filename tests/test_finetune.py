@@ -141,6 +141,43 @@ def test_ratio_auto_counts_trls_fused_head_not_the_full_logits(capsys, tmp_path,
     assert full["run"]["ratio"] == 0.85 > plan["run"]["ratio"]
 
 
+def test_ratio_auto_counts_the_full_logits_of_label_smoothing(capsys, tmp_path):
+    """With --label_smoothing_factor, TRL's SFTTrainer (1.16) computes the loss from the
+    batch's full logits (transformers' LabelSmoother), not through its fused head: the plan
+    counts those logits (Llama-3.1-8B at seq 4096, batch 4: 23.5 GiB against 3.6), as the plan
+    of the same recipe setting it does; TRL's "dft" loss keeps the fused head."""
+    machine = ("--hardware", "h100", "--cpu-mem", "512")
+    smoothing = ("--", "--label_smoothing_factor", "0.1")
+    code, _, _ = finetune_cli(
+        capsys, tmp_path, "llama-3.1-8b", "superoffload", "--dry-run", *machine, *smoothing
+    )
+    assert code == 0
+    plan = json.loads((_run_dir(tmp_path) / "plan.json").read_text())
+    assert plan["run"]["fused_cross_entropy"] is None
+    logits = plan["gpu_bytes_per_rank"]["logits_and_loss"]
+    assert logits / 2**30 == pytest.approx(23.48, abs=0.01)
+    assert logits > 6 * trl_loss_bytes(4 * 4096, 4096, 128256, 2)
+    code, out, _ = cli_output(
+        capsys, "plan", "llama-3.1-8b", *machine, "--ratio", "auto", "--loss", "full",
+        "--cast", "auto",
+    )  # fmt: skip
+    by_option = json.loads(out)
+    assert code == 0 and plan["run"] == by_option["run"]
+    recipe = tmp_path / "llama-3.1-8b.yaml"
+    recipes = Path(__file__).resolve().parents[1] / "examples" / "recipes"
+    recipe.write_text((recipes / "llama-3.1-8b.yaml").read_text() + "label_smoothing_factor: 0.1\n")
+    code, out, _ = cli_output(capsys, "plan", str(recipe), *machine, "--ratio", "auto")
+    by_recipe = json.loads(out)
+    assert code == 0 and by_recipe["run"] == plan["run"]
+    assert any("label_smoothing_factor 0.1" in note for note in by_recipe["notes"])
+    dft = (*smoothing, "--loss_type", "dft")
+    code, _, _ = finetune_cli(
+        capsys, tmp_path / "dft", "llama-3.1-8b", "superoffload", "--dry-run", *machine, *dft
+    )
+    plan = json.loads((_run_dir(tmp_path / "dft") / "plan.json").read_text())
+    assert code == 0 and plan["run"]["fused_cross_entropy"] == "trl"
+
+
 def test_a_run_that_fits_at_no_ratio_names_the_plan_that_explains_it(capsys, tmp_path):
     code, _, err = finetune_cli(
         capsys, tmp_path, "qwen3-14b", "superoffload", "--dry-run", "--hardware", "h100"

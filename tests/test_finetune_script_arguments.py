@@ -101,3 +101,25 @@ def test_activation_checkpointing_reads_as_the_script_reads_it(settings, argv, t
     _, training = arguments.parse("sft", [*script_argv, *argv])
     expected = getattr(training, arguments.checkpointing_name(type(training)))
     assert checkpointing(settings, argv) is expected
+
+
+@pytest.mark.parametrize(
+    ("settings", "argv", "loss"),
+    [
+        ({}, [], "trl"),
+        ({}, ["--label_smoothing_factor", "0.1"], "full"),
+        ({}, ["--label-smoothing-factor=0.1"], "full"),
+        ({}, ["--label_smoothing_factor", "0.1", "--loss_type", "chunked_nll"], "full"),
+        ({}, ["--label_smoothing_factor", "0.1", "--loss_type", "dft"], "trl"),
+        ({"label_smoothing_factor": 0.1}, [], "full"),
+        ({"label_smoothing_factor": 0.1}, ["--label_smoothing_factor", "0"], "trl"),
+        ({"label_smoothing_factor": 0.1, "loss_type": "dft"}, [], "trl"),
+    ],
+)
+def test_label_smoothing_is_planned_with_the_full_logits_trl_computes_it_from(settings, argv, loss):
+    """TRL's SFTTrainer (1.16) computes a label-smoothed "nll" loss (chunked_nll is its old
+    name) from the batch's full logits, with transformers' LabelSmoother; "dft" and no
+    smoothing keep its fused LM head."""
+    from hf_superoffload.cli.script_arguments import planned_run
+
+    assert planned_run(settings, argv).loss == loss

@@ -209,3 +209,50 @@ def test_the_recipes_and_the_docs_quote_what_their_plan_command_prints(capsys, m
         )
         assert (gpu, host) == printed, recipe.name
         assert table[recipe.name] == printed, recipe.name
+
+
+def _without(tmp_path: Path, *keys: str) -> Path:
+    """The shipped Qwen3-14B recipe without ``keys``."""
+    shipped = (ROOT / "examples" / "recipes" / "qwen3-14b.yaml").read_text().splitlines()
+    recipe = tmp_path / "qwen3-14b.yaml"
+    kept = [line for line in shipped if not line.startswith(tuple(f"{k}:" for k in keys))]
+    recipe.write_text("\n".join(kept) + "\n")
+    return recipe
+
+
+@pytest.mark.usefixtures("no_variables")
+def test_what_a_recipe_leaves_out_is_planned_as_the_script_runs_it(capsys, tmp_path):
+    """examples/sft.py runs TRL's SFT config's defaults (read from its fields: batch 8 and
+    max_length 1024 in TRL 1.16) where a recipe gives none; the plan counts the same run. A
+    model's plan keeps its own 4096 and 4."""
+    import dataclasses
+
+    from hf_superoffload.cli.script_arguments import planned_run
+    from hf_superoffload.recipes.arguments import KINDS
+
+    defaults = {f.name: f.default for f in dataclasses.fields(KINDS["sft"])}
+    seq, batch = defaults["max_length"], defaults["per_device_train_batch_size"]
+    assert (seq, batch) == (1024, 8)  # TRL 1.16's, which the recipes' docs quote
+    recipe = _without(tmp_path, "max_length", "per_device_train_batch_size")
+    code, found, err = plan(capsys, str(recipe), *MACHINE)
+    assert code in (0, 1), err
+    assert (found["run"]["seq"], found["run"]["batch"]) == (seq, batch)
+    assert main(["plan", str(recipe), *MACHINE]) in (0, 1)
+    assert f"seq {seq} x batch {batch} per GPU" in capsys.readouterr().out
+    _, by_options, _ = plan(
+        capsys, "qwen3-14b", *MACHINE, "--seq", str(seq), "--batch", str(batch),
+        "--loss", "trl", "--cast", "auto",
+    )  # fmt: skip
+    assert _figures(found) == _figures(by_options)
+    # hf-superoffload finetune RATIO=auto plans the run from the same reading.
+    run = planned_run({}, [])
+    assert (run.seq, run.batch) == (seq, batch)
+    # A model: the plan's own.
+    _, model, _ = plan(capsys, "qwen3-14b", *MACHINE)
+    assert (model["run"]["seq"], model["run"]["batch"]) == (4096, 4)
+    # A recipe without a limit (max_length null) is refused, not planned at some length.
+    null = _recipe(tmp_path, "max_length: null\n")
+    code, _, err = plan(capsys, str(null), *MACHINE)
+    assert code == 2 and "max_length is null" in err and "--seq N" in err, err
+    code, given, err = plan(capsys, str(null), *MACHINE, "--seq", "2048")
+    assert code in (0, 1) and given["run"]["seq"] == 2048, err

@@ -124,17 +124,26 @@ def _on_rank(rank, world, port, case, out_dir) -> None:
 
 
 @pytest.mark.parametrize(
-    ("world", "ratio", "bf16"),
-    [(1, 1.0, False), (2, 1.0, False), (2, 0.5, False), (1, 1.0, True)],
-    ids=["one-rank", "two-ranks", "gpu-tail", "bf16"],
+    ("world", "ratio", "bf16", "grad_accum_dtype"),
+    [
+        (1, 1.0, False, None),
+        (2, 1.0, False, None),
+        (2, 0.5, False, None),
+        (1, 1.0, True, None),
+        (1, 1.0, True, "fp32"),
+    ],
+    ids=["one-rank", "two-ranks", "gpu-tail", "bf16", "bf16-fp32-gradients"],
 )
-def test_compact_moments_on_zero3_equal_the_flat_compact_reference(world, ratio, bf16, tmp_path):
+def test_compact_moments_on_zero3_equal_the_flat_compact_reference(
+    world, ratio, bf16, grad_accum_dtype, tmp_path
+):
     # bf16: without clipping, since DeepSpeed's norm of bf16 gradients differs from ours in
     # the last bit (the sum runs in another order), and so would the clip coefficient.
     clip = 0.0 if bf16 else {1: 1.3, 2: 1.0}[world]
     case = Zero3Case(
-        max_grad_norm=clip, accumulation=1 if bf16 else 2, nan_step=3, ratio=ratio, bf16=bf16
-    )
+        max_grad_norm=clip, accumulation=1 if bf16 else 2, nan_step=3, ratio=ratio, bf16=bf16,
+        grad_accum_dtype=grad_accum_dtype,
+    )  # fmt: skip
     spawn_ranks(_on_rank, (world, free_port(), case, str(tmp_path)), world)
     for rank in range(world):
         result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
@@ -161,20 +170,24 @@ def test_compact_moments_on_zero3_equal_the_flat_compact_reference(world, ratio,
         assert stats["speculations_on_device"] <= stats["speculations_applied"]
         if bf16:  # 8 B/param and a scale pair a block; the plan counts the same bytes
             host, params = ours["host_bytes"], ours["params"]
-            assert host["master"] + host["gradients"] == 6 * params
+            # The gradients in DeepSpeed's accumulation dtype: bf16's, or the config's fp32.
+            grad_dtype = torch.float32 if grad_accum_dtype == "fp32" else torch.bfloat16
+            assert host["master"] + host["gradients"] == (4 + grad_dtype.itemsize) * params
             run = Zero3Run(
                 seq=8, batch=case.micro_batch, sub_group_size=case.sub_group_size,
-                compact_moments=True,
+                compact_moments=True, grad_accum_dtype=grad_accum_dtype,
             )  # fmt: skip
             plan = zero3_memory_plan(build_model().config, run)
             for key in ("master", "gradients", "moments", "accumulation"):
                 assert plan.host[key] == host[key], key
             assert 2 * params < host["moments"] < 2.1 * params
             assert plan.host["param_copy_out"] >= host["param_copy_out"] > 0
-            # GRAD_SLOTS bf16 gradient slots of the largest host sub group (grad_slots.py).
-            assert host["grad_slots"] == GRAD_SLOTS * 2 * ours["largest_host_sub_group"] > 0
+            # GRAD_SLOTS gradient slots of the largest host sub group (grad_slots.py).
+            slot = grad_dtype.itemsize * ours["largest_host_sub_group"]
+            assert host["grad_slots"] == GRAD_SLOTS * slot > 0
             assert plan.host["grad_slots"] >= host["grad_slots"]
-            # The GPU staging of the speculative passes: planned as allocated.
+            # The GPU staging of the speculative passes, in the gradients' dtype: planned as
+            # allocated.
             if cuda:
                 assert plan.gpu["compact_speculation"] == ours["staging_bytes"] > 0
 

@@ -265,3 +265,61 @@ def test_liger_is_refused_for_a_model_it_does_not_patch():
 def test_an_unknown_fused_loss_is_refused():
     with pytest.raises(ValueError, match="fused_cross_entropy must be None"):
         _plan("3b", fused_cross_entropy="cut_cross_entropy")
+
+
+class _DeepSpeedDataTypes:
+    """DeepSpeed's own rule for the gradient accumulation dtype (its engine's methods) over a
+    parsed config, without a model."""
+
+    from deepspeed.runtime.engine import DeepSpeedEngine as _Engine
+
+    fp16_enabled = _Engine.fp16_enabled
+    bfloat16_enabled = _Engine.bfloat16_enabled
+    get_data_types = _Engine.get_data_types
+
+    def __init__(self, bf16: bool, data_types: dict):
+        from deepspeed.runtime.config import DeepSpeedConfig
+
+        one = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1}
+        config = {**one, "train_batch_size": 1, "bf16": {"enabled": bf16}}
+        self._config = DeepSpeedConfig({**config, "data_types": data_types})
+
+
+@pytest.mark.parametrize(
+    ("bf16", "data_types"),
+    [(True, {}), (True, {"grad_accum_dtype": "fp32"}), (False, {}), (True, {"grad_accum_dtype": "bf16"})],
+    ids=["bf16", "bf16-fp32-gradients", "fp32", "bf16-bf16-gradients"],
+)  # fmt: skip
+def test_gradients_and_their_gpu_staging_are_planned_in_deepspeeds_accumulation_dtype(
+    bf16, data_types
+):
+    """The optimizer holds its host gradients, gradient slots and the speculative passes' GPU
+    staging (DeviceSpeculation) in DeepSpeed's gradient_accumulation_dtype, which
+    data_types.grad_accum_dtype sets: fp32 gradients under bf16 weights take twice the bytes,
+    and the plan counts them so."""
+    from deepspeed.runtime.config import DtypeEnum
+
+    from hf_superoffload.engine.device_speculation import device_speculation_bytes
+    from hf_superoffload.zero3.memory_plan import gradient_dtype
+
+    grads = _DeepSpeedDataTypes(bf16, data_types).get_data_types()[1]
+    given = data_types.get("grad_accum_dtype")
+    run = dict(
+        compact_moments=True,
+        dtype_bytes=2 if bf16 else 4,
+        grad_accum_dtype=None if given is None else DtypeEnum(given).name,
+        gradient_accumulation=2,
+    )
+    plan = _plan("llama-3.1-8b", **run)
+    assert gradient_dtype(plan.run) == grads
+    split = plan.split
+    staging = device_speculation_bytes(split.largest_host_sub_group, grads)
+    assert plan.gpu["compact_speculation"] == staging > 0
+    assert plan.host["gradients"] == grads.itemsize * split.host_numel
+    assert plan.host["accumulation"] == grads.itemsize * split.partition
+    assert json.dumps(dataclasses.asdict(plan.run))  # plan --json prints the run
+
+
+def test_an_unknown_gradient_dtype_is_refused():
+    with pytest.raises(ValueError, match=r"grad_accum_dtype must be None .* got 'int8'"):
+        _plan("llama-3.1-8b", grad_accum_dtype="int8")

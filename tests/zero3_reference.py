@@ -50,6 +50,8 @@ class Zero3Case:
     # always DeepSpeed's plain CPU offload, whose own partial offload is not a reference
     # (hf_superoffload/zero3/device_sub_groups.py says why).
     ratio: float = 1.0
+    # DeepSpeed's data_types.grad_accum_dtype ("fp32", "bf16"); None: not set, the model's.
+    grad_accum_dtype: str | None = None
 
     def replace(self, **changes) -> Zero3Case:
         return dataclasses.replace(self, **changes)
@@ -135,6 +137,8 @@ def ds_config(case: Zero3Case, super_offload: bool, world: int) -> dict:
         },
         "steps_per_print": 10**9,
     }
+    if case.grad_accum_dtype is not None:
+        config["data_types"] = {"grad_accum_dtype": case.grad_accum_dtype}
     if case.offload_param:
         config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": False}
     if case.deepspeed_adam:

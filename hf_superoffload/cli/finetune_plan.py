@@ -14,11 +14,6 @@ from pathlib import Path
 
 from .errors import UsageError
 
-# The loss the plan counts (`plan --loss`): examples/sft.py trains under TRL's SFTTrainer, whose
-# fused LM head never holds a batch's logits; --use_liger_kernel true leaves that loss in place
-# (TRL refuses Liger's fused cross-entropy beside it) and adds Liger's layer kernels only.
-RECIPE_LOSS = "trl"
-
 
 class DoesNotFit(Exception):
     """The run does not fit the machine (exit code 1); the message says why."""
@@ -102,8 +97,8 @@ def planned_run(settings: dict, script_args: list[str]):
         )
     if run.seq is None:
         raise UsageError(
-            "RATIO=auto plans the run's sequence length, and neither the recipe nor the script's "
-            "arguments give max_length: add it to the recipe, or pass --max_length N after --"
+            "RATIO=auto plans the run's sequence length, and max_length is null (no limit): "
+            "give it a number in the recipe, or pass --max_length N after --"
         )
     return run
 
@@ -131,7 +126,10 @@ def plan_ratio(args: argparse.Namespace, recipe: Path, gpus: int, run) -> tuple[
     # whatever the recipe says.
     argv = ["plan", model, "--gpus", str(gpus), "--seq", str(run.seq), "--batch", str(run.batch)]
     argv += ["--ratio", "auto", "--gradient-accumulation-steps", str(run.gradient_accumulation)]
-    argv += ["--loss", RECIPE_LOSS, "--no-save" if run.never_saves else "--save"]
+    # The loss as the run computes it (script_arguments.PlannedRun.loss): TRL's fused LM head,
+    # which never holds a batch's logits (--use_liger_kernel true leaves it in place: TRL refuses
+    # Liger's fused cross-entropy beside it), or with label smoothing the batch's full logits.
+    argv += ["--loss", run.loss, "--no-save" if run.never_saves else "--save"]
     argv.append(
         "--activation-checkpoint-offload"
         if run.activation_checkpoint_offload

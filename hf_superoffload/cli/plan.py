@@ -26,7 +26,9 @@ from .plan_settings import planned_settings
 
 _MORE_GPUS = (2, 4, 8, 16, 32, 64)  # GPU counts tried when a run does not fit
 NO_SAVE = "a run that saves nothing: examples/sft.py --save_model false with --save_strategy no"
-DEFAULT_SEQ, DEFAULT_BATCH = 4096, 4  # the paper's examples' settings
+# A model's run, the paper's examples' settings; a recipe's run takes examples/sft.py's
+# defaults where the recipe gives none (script_arguments.run_defaults).
+DEFAULT_SEQ, DEFAULT_BATCH = 4096, 4
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}  # --dtype: bytes of a weight, gradient and activation
 
 
@@ -59,12 +61,16 @@ def add_parser(commands) -> None:
         help="GPUs sharing one host's memory (default: a preset's, else all on one host)",
     )
     parser.add_argument(
-        "--seq", type=int, help="sequence length (default: a recipe's max_length, else 4096)"
+        "--seq",
+        type=int,
+        help="sequence length (default: a recipe's max_length, else TRL's SFTConfig default "
+        "that examples/sft.py runs with, 1024; for a model 4096)",
     )
     parser.add_argument(
         "--batch",
         type=int,
-        help="micro-batch per GPU (default: a recipe's per_device_train_batch_size, else 4)",
+        help="micro-batch per GPU (default: a recipe's per_device_train_batch_size, else TRL's "
+        "SFTConfig default that examples/sft.py runs with, 8; for a model 4)",
     )
     parser.add_argument(
         "--ratio",
@@ -79,10 +85,11 @@ def add_parser(commands) -> None:
         choices=LOSSES,
         help="what computes the loss, which decides the GPU memory of the logits: full (the "
         "default for a model), the model's own loss over a batch's full logits (a plain Trainer "
-        "or DeepSpeed script); trl (the default for a recipe), TRL's fused LM head (TRL's "
-        "SFTTrainer and DPOTrainer: examples/sft.py and the recipes, with or without "
-        "--use_liger_kernel); liger, Liger-Kernel's fused linear cross-entropy (a plain Trainer "
-        "with use_liger_kernel)",
+        "or DeepSpeed script), and a recipe's that sets label_smoothing_factor (TRL's "
+        "SFTTrainer then computes the loss from the full logits); trl (the default for a "
+        "recipe), TRL's fused LM head (TRL's SFTTrainer and DPOTrainer: examples/sft.py and the "
+        "recipes, with or without --use_liger_kernel); liger, Liger-Kernel's fused linear "
+        "cross-entropy (a plain Trainer with use_liger_kernel)",
     )
     parser.add_argument(
         "--dtype",
@@ -193,6 +200,19 @@ def _check(args) -> None:
 def _given(option, setting):
     """An option where given (not None), else the run's setting."""
     return setting if option is None else option
+
+
+def _run_setting(source, value: int | None, name: str, option: str, model_default: int) -> int:
+    """A recipe's sequence length or batch (its own, else the script's default), or for a
+    model the plan's default. UsageError for a recipe that sets it to null (no limit)."""
+    if source.recipe is None:
+        return model_default
+    if value is None:
+        raise UsageError(
+            f"recipe {source.recipe_path}: {name} is null, which the plan cannot count: give "
+            f"it a number in the recipe, or plan {option} N"
+        )
+    return value
 
 
 def _checkpointing(args, source, settings, offload: bool) -> bool:
@@ -331,13 +351,17 @@ def answer(args: argparse.Namespace) -> Answer:
     source = model_source.resolve(args.model)
     # An option wins, then the run's setting: a recipe's, else the default or variable.
     settings = planned_settings(source)
-    loss = args.loss or ("full" if source.recipe is None else "trl")  # the recipes run TRL's
+    loss = args.loss or settings.loss  # a recipe's as TRL computes it; a model's own
     _check_loss(loss, source.config)
     capacity = capacity_options.resolve(args)
     offload = _given(args.activation_checkpoint_offload, settings.activation_checkpoint_offload)
+    seq = args.seq or _run_setting(source, settings.seq, "max_length", "--seq", DEFAULT_SEQ)
+    batch = args.batch or _run_setting(
+        source, settings.batch, "per_device_train_batch_size", "--batch", DEFAULT_BATCH
+    )
     zero3_run = Zero3Run(
-        seq=args.seq or settings.seq or DEFAULT_SEQ,
-        batch=args.batch or settings.batch or DEFAULT_BATCH,
+        seq=seq,
+        batch=batch,
         ranks=args.gpus,
         ranks_per_host=capacity.ranks_per_host(args.gpus),
         ratio=1.0 if args.ratio == "auto" else float(args.ratio),
@@ -382,6 +406,12 @@ def answer(args: argparse.Namespace) -> Answer:
     )
     suggestions += auto_suggestions
     notes = [*source.notes, *auto_notes, *plan_output.model_notes(source.config, verdict.plan)]
+    if args.loss is None and settings.label_smoothing_factor:
+        notes.append(
+            f"label_smoothing_factor {settings.label_smoothing_factor}: TRL's SFTTrainer "
+            "computes the loss from the batch's full logits (transformers' LabelSmoother), "
+            "counted as --loss full, and runs one more forward without gradients for its metrics"
+        )
     notes += plan_output.bound_notes(verdict.plan)
     return Answer(
         verdict.fits,

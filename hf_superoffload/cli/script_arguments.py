@@ -1,17 +1,20 @@
 """What the memory plan reads from a recipe and the arguments examples/sft.py gets after it:
 the sequence length, the batch, the accumulation, whether the run saves, its Adam moments and
 cast, whether it checkpoints activations and where its checkpointed layer inputs wait, the
-weights' dtype (bf16 or fp32), and which optimizer it trains with.
+weights' dtype (bf16 or fp32), which optimizer it trains with, and what computes its loss
+(label smoothing makes TRL build the batch's full logits).
 ``hf-superoffload finetune`` plans the run it launches from them (RATIO=auto,
 cli/finetune_plan.py), and ``hf-superoffload plan RECIPE.yaml`` the recipe's run (no script
 arguments), so the two agree.
 
 They are parsed as the script parses them, by transformers' ``HfArgumentParser`` over fields of
 the same names and types, with the recipe's values as defaults (TRL's parser sets a recipe YAML's
-values as defaults the same way): a bool option given bare (last, or before another option) is
-true, a value is read by ``string_to_bool`` (yes/no, true/false, t/f, y/n, 1/0, any case), a
-default-true bool also has its ``--no_`` form, every name its dashed spelling, and the last one
-given wins. Anything else on the command line is the script's alone.
+values as defaults the same way) over the script's own defaults (``run_defaults``: those of its
+argument classes, TRL's SFT config among them, read from their fields): a bool option given
+bare (last, or before another option) is true, a value is read by ``string_to_bool`` (yes/no,
+true/false, t/f, y/n, 1/0, any case), a default-true bool also has its ``--no_`` form, every
+name its dashed spelling, and the last one given wins. Anything else on the command line is the
+script's alone.
 """
 
 from __future__ import annotations
@@ -27,9 +30,9 @@ from .errors import UsageError
 
 @dataclasses.dataclass
 class ScriptArguments:
-    """The script's arguments the plan depends on (their names, types and defaults there)."""
+    """The script's arguments the plan depends on (their names and types there; ``read`` sets
+    the script's defaults, ``run_defaults``)."""
 
-    # None where neither gives them: the caller's default (plan's 4096 and 4; finetune's batch).
     max_length: int | None = None
     per_device_train_batch_size: int | None = None
     gradient_accumulation_steps: int = 1
@@ -57,6 +60,11 @@ class ScriptArguments:
     # old name is the only one before transformers renamed it, and an alias after.
     activation_checkpointing_kwargs: str | None = None
     gradient_checkpointing_kwargs: str | None = None
+    # TRL's SFTTrainer (1.16) computes a non-zero label smoothing's loss from the batch's full
+    # logits (transformers' LabelSmoother) for its "nll" loss (and the deprecated "chunked_nll",
+    # which its config turns into "nll"); "dft" keeps the fused head and no smoothing.
+    label_smoothing_factor: float = 0.0
+    loss_type: str = "nll"
 
     @property
     def checkpointing(self) -> bool:
@@ -82,10 +90,34 @@ class _Parser(HfArgumentParser):
         raise UsageError(f"examples/sft.py would refuse its arguments: {message}")
 
 
+def run_defaults() -> dict:
+    """What examples/sft.py runs with where neither the recipe nor its arguments say: the
+    defaults of its own arguments (``RecipeArguments``) and of its training config
+    (``SuperOffloadSFTConfig``: TRL's SFTConfig, a batch of 8 and ``max_length`` 1024 in TRL
+    1.16), read from their fields, for each of ``ScriptArguments`` they have (transformers
+    before 5.17 has no ``activation_checkpointing``: ``ScriptArguments``' None, not given)."""
+    try:
+        from ..recipes.arguments import KINDS, RecipeArguments
+    except ImportError as error:
+        raise UsageError(
+            f"planning a recipe's run reads the defaults of examples/sft.py's arguments, which "
+            f"need TRL ({error}): pip install 'hf_superoffload[trl]'"
+        ) from None
+    names = {field.name for field in dataclasses.fields(ScriptArguments)}
+    defaults = {}
+    for config_class in (RecipeArguments, KINDS["sft"]):
+        for field in dataclasses.fields(config_class):
+            if field.name in names and field.default is not dataclasses.MISSING:
+                defaults[field.name] = field.default
+    return defaults
+
+
 def read(settings: dict, script_args: list[str]) -> ScriptArguments:
-    """``ScriptArguments`` from the recipe's ``settings`` and the script's arguments."""
+    """``ScriptArguments`` from the recipe's ``settings`` and the script's arguments, over the
+    script's defaults (``run_defaults``)."""
     parser = _Parser(ScriptArguments, allow_abbrev=False, add_help=False)
     names = {field.name for field in dataclasses.fields(ScriptArguments)}
+    parser.set_defaults(**run_defaults())
     parser.set_defaults(**{k: v for k, v in settings.items() if k in names})
     return parser.parse_args_into_dataclasses(script_args, return_remaining_strings=True)[0]
 
@@ -94,8 +126,10 @@ def read(settings: dict, script_args: list[str]) -> ScriptArguments:
 class PlannedRun:
     """The run the memory plan counts, as the recipe and the script's arguments set it."""
 
-    seq: int | None  # max_length; None: given by neither
-    batch: int | None  # per_device_train_batch_size; None: given by neither
+    # max_length and per_device_train_batch_size (a recipe's run: the script's defaults where
+    # neither the recipe nor its arguments give them); None: not a recipe's run, plan's default
+    seq: int | None
+    batch: int | None
     gradient_accumulation: int
     sequence_parallel_size: int  # 1: off
     dtype_bytes: int  # the weights': 2 (bf16) or 4 (fp32)
@@ -107,6 +141,10 @@ class PlannedRun:
     checkpointing: bool
     activation_checkpoint_offload: bool
     never_saves: bool
+    # What computes the loss, as plan's --loss names it (plan_output.LOSSES): "trl", TRL's
+    # fused LM head; "full", the batch's full logits (label smoothing's, or a model's own).
+    loss: str = "full"
+    label_smoothing_factor: float = 0.0  # the run's; non-zero: why the loss is "full"
 
 
 def planned_run(settings: dict, script_args: list[str]) -> PlannedRun:
@@ -130,7 +168,19 @@ def planned_run(settings: dict, script_args: list[str]) -> PlannedRun:
         checkpointing=script.checkpointing,
         activation_checkpoint_offload=_offload(script),
         never_saves=_never_saves(script),
+        loss=_loss(script),
+        label_smoothing_factor=script.label_smoothing_factor,
     )
+
+
+def _loss(script: ScriptArguments) -> str:
+    """What computes the loss of the SFT run: TRL's fused LM head ("trl"), which never holds
+    the batch's logits, unless label smoothing is on under the "nll" loss: then TRL's
+    SFTTrainer (1.16, compute_loss) runs the model's forward to its full logits for
+    transformers' LabelSmoother ("full"), and a second forward without gradients through the
+    fused head for its metrics."""
+    smoothing = script.label_smoothing_factor != 0
+    return "full" if smoothing and script.loss_type in ("nll", "chunked_nll") else "trl"
 
 
 def _dtype_bytes(script: ScriptArguments) -> int:

@@ -87,6 +87,10 @@ STEP_PHASE_GPU = (
 )
 
 
+# DeepSpeed's names of its data_types.grad_accum_dtype (DtypeEnum's), in the plan's run.
+GRAD_ACCUM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
 @dataclasses.dataclass(frozen=True)
 class Zero3Run:
     seq: int
@@ -125,6 +129,9 @@ class Zero3Run:
     # copy-out ring is made; None: not known, the ring counted at its most (upper_bounds).
     cast: str | None = None
     device_type: str = "cuda"  # the ranks' device ("cpu": DeepSpeed's CPU accelerator)
+    # DeepSpeed's gradient accumulation dtype, its config's data_types.grad_accum_dtype ("bf16",
+    # "fp16" or "fp32"); None: not set there, the model's dtype (gradient_dtype).
+    grad_accum_dtype: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,6 +320,22 @@ def _model_dtype(dtype_bytes: int) -> torch.dtype:
     return torch.bfloat16 if dtype_bytes == 2 else torch.float32
 
 
+def gradient_dtype(run: Zero3Run) -> torch.dtype:
+    """The dtype the optimizer's gradients are in: DeepSpeed's gradient accumulation dtype
+    (``DeepSpeedEngine.get_data_types``: the config's ``data_types.grad_accum_dtype``, else the
+    model's), which the optimizer reads as ``gradient_accumulation_dtype``. The host gradients,
+    DeepSpeed's accumulation buffer, the gradient slots and the speculative passes' staging on
+    the GPU all hold it."""
+    if run.grad_accum_dtype is None:
+        return _model_dtype(run.dtype_bytes)
+    if run.grad_accum_dtype not in GRAD_ACCUM_DTYPES:
+        raise ValueError(
+            f"grad_accum_dtype must be None (the model's) or one of "
+            f"{', '.join(GRAD_ACCUM_DTYPES)}, got {run.grad_accum_dtype!r}"
+        )
+    return GRAD_ACCUM_DTYPES[run.grad_accum_dtype]
+
+
 def zero3_memory_plan(config, run: Zero3Run, shape: ModelShape | None = None) -> MemoryPlan:
     """Per-rank GPU and host bytes of training ``config``'s model on the ZeRO-3 path
     (``shape``: ``ModelShape.of(config)`` when the caller has it, for plans of many runs)."""
@@ -320,6 +343,7 @@ def zero3_memory_plan(config, run: Zero3Run, shape: ModelShape | None = None) ->
         raise ValueError(f"ratio must be within [0, 1], got {run.ratio}")
     shape = shape or ModelShape.of(config)
     low = run.dtype_bytes
+    grad_dtype = gradient_dtype(run)
     split = plan_sub_groups(shape, run)
     partition = split.partition  # padding included: at most one element a param
     tokens = run.seq * run.batch
@@ -331,7 +355,7 @@ def zero3_memory_plan(config, run: Zero3Run, shape: ModelShape | None = None) ->
         **optimizer_host_parts(
             partition,
             split.host_numel,
-            low,
+            grad_dtype.itemsize,
             copy_out,
             run.gradient_accumulation > 1,
             split.host_blocks if compact else None,
@@ -361,7 +385,7 @@ def zero3_memory_plan(config, run: Zero3Run, shape: ModelShape | None = None) ->
         ),
         # Compact moments: the speculative pass's staging on the GPU (device_speculation.py).
         "compact_speculation": (
-            device_speculation_bytes(split.largest_host_sub_group, _model_dtype(low))
+            device_speculation_bytes(split.largest_host_sub_group, grad_dtype)
             if compact and run.device_type == "cuda" and not run.offload_param
             else 0
         ),
@@ -370,7 +394,7 @@ def zero3_memory_plan(config, run: Zero3Run, shape: ModelShape | None = None) ->
         "logits_and_loss": loss_bytes(config, shape, run, tokens),
     }
     start_up = (
-        start_up_host_bytes(partition, low, run.gradient_accumulation > 1)
+        start_up_host_bytes(partition, grad_dtype.itemsize, run.gradient_accumulation > 1)
         + host["offloaded_params"]
         + host["process"]
     )
