@@ -68,6 +68,7 @@ from .save import (
     record_saved_dtype,
     weights_to_save,
 )
+from .saved_arguments import check_saved_without_secrets, pickled_without_secrets
 from .zero3_callback import Zero3MetricsCallback
 from .zero3_save import save_model_streamed, streamed_save_engine, will_save_model
 
@@ -102,6 +103,7 @@ class SuperOffloadTrainerMixin:
         self._micro_batch_window = MicroBatchWindow()  # what an OOM retry runs again
         super().__init__(*args, **kwargs)
         self._refuse_two_sources_of_options()
+        check_saved_without_secrets(self.args)  # training_args.bin is written without hub_token
         if self._on_deepspeed:  # DeepSpeed builds our ZeRO-3 optimizer when train() starts
             # The arguments' own config, which accelerate builds the engine from: changed only
             # for a trainer that will run.
@@ -360,16 +362,25 @@ class SuperOffloadTrainerMixin:
 
     def _save(self, output_dir=None, state_dict=None):
         """Writes the optimizer's fp32 master weights (``superoffload_save_dtype``), not the
-        model's bf16 copy, without copying them: the state dict holds views of the master."""
-        optimizer = self.superoffload_optimizer
-        if state_dict is not None or optimizer is None:
-            return super()._save(output_dir, state_dict=state_dict)
-        dtype = self._superoffload_save_dtype()
-        weights = weights_to_save(self.model, optimizer, dtype, self._superoffload_frozen_fp32)
-        super()._save(output_dir, state_dict=weights)
+        model's bf16 copy, without copying them: the state dict holds views of the master.
+        training_args.bin holds no ``hub_token`` (saved_arguments.py)."""
+        with pickled_without_secrets(self.args):
+            optimizer = self.superoffload_optimizer
+            if state_dict is not None or optimizer is None:
+                return super()._save(output_dir, state_dict=state_dict)
+            dtype = self._superoffload_save_dtype()
+            frozen = self._superoffload_frozen_fp32
+            weights = weights_to_save(self.model, optimizer, dtype, frozen)
+            super()._save(output_dir, state_dict=weights)
         if self.args.should_save:
             model = self.accelerator.unwrap_model(self.model)
             record_saved_dtype(model, output_dir or self.args.output_dir, dtype)
+
+    def _push_from_checkpoint(self, checkpoint_folder):
+        """The Trainer writes training_args.bin into the folder it uploads: without
+        ``hub_token``, while the upload still authenticates with it (saved_arguments.py)."""
+        with pickled_without_secrets(self.args):
+            return super()._push_from_checkpoint(checkpoint_folder)
 
     def _save_checkpoint(self, model, trial):
         self._superoffload_synchronize()
