@@ -156,6 +156,7 @@ SURFACE: tuple[Name, ...] = (
             "_get_grad_norm",
             "_load_best_model",
             "_load_optimizer_and_scheduler",
+            "_push_from_checkpoint",
             "_save",
             "_save_checkpoint",
             "_save_optimizer_and_scheduler",

@@ -12,10 +12,12 @@ would resolve at that moment (``SuperOffloadOptions()``, as zero3/options.resolv
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
 
+import pytest
 from ranks import one_cpu_rank_env
 
 _SCRIPT = textwrap.dedent(
@@ -70,3 +72,19 @@ def test_each_trainer_hands_its_own_options_to_its_optimizer(tmp_path):
     # After train() nothing of a trainer's is left for a later optimizer; the user's value is.
     assert out["moments_left"] is None
     assert out["speculate_left"] == "true"
+
+
+def test_a_train_that_raises_leaves_none_of_its_options(monkeypatch):
+    from hf_superoffload.zero3.config import zero3_options_exported
+
+    monkeypatch.delenv("HF_SUPEROFFLOAD_MOMENTS", raising=False)
+    monkeypatch.setenv("HF_SUPEROFFLOAD_SPECULATE", "true")  # the user's own setting
+    with (
+        pytest.raises(RuntimeError),
+        zero3_options_exported({"moments": "compact", "speculate": False}),
+    ):
+        assert os.environ["HF_SUPEROFFLOAD_MOMENTS"] == "compact"
+        assert os.environ["HF_SUPEROFFLOAD_SPECULATE"] == "false"
+        raise RuntimeError("train() failed")
+    assert "HF_SUPEROFFLOAD_MOMENTS" not in os.environ
+    assert os.environ["HF_SUPEROFFLOAD_SPECULATE"] == "true"

@@ -3,7 +3,8 @@
 ``save_strategy`` write the files the Trainer's own ZeRO-3 save writes (DeepSpeed's gathered
 16-bit state dict through ``save_pretrained``, the config, the tokenizer, the training
 arguments), the same tensors, even with ``stage3_gather_16bit_weights_on_model_save`` off (the
-Trainer's own save then writes no weights at all, only DeepSpeed's checkpoint).
+Trainer's own save then writes no weights at all, only DeepSpeed's checkpoint). Our trainer's
+training_args.bin, there and in the checkpoint, holds no ``hub_token``.
 
 One spawned process (DeepSpeed's CPU accelerator, gloo, fp32), the toy model and the bundled SFT
 data, 2 steps with a checkpoint at step 2, for each trainer. The reference is what
@@ -30,6 +31,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 STEPS = 2
+HUB_TOKEN = "hf_zero3_trainer_save_test_token"  # ours is given one: training_args.bin leaves it out
 
 
 def _config(gather_on_save: bool) -> dict:
@@ -60,6 +62,7 @@ def _train_and_save(out: str, ours: bool) -> None:
             save_strategy="steps",
             save_steps=STEPS,
             deepspeed=_config(gather_on_save=False),  # a user config that turns it off
+            hub_token=HUB_TOKEN if ours else None,
         )
     )
     trainer = trainer_class(
@@ -71,6 +74,7 @@ def _train_and_save(out: str, ours: bool) -> None:
     trainer.train()
     assert type(trainer.deepspeed.optimizer).__name__ == "SuperOffloadZero3Optimizer"
     trainer.save_model(f"{out}/final")
+    Path(f"{out}/hub_token_in_memory").write_text(str(trainer.args.hub_token))
     # What the Trainer's own save writes (it needs DeepSpeed's gather on).
     trainer.deepspeed._config.zero_config.gather_16bit_weights_on_model_save = True
     trainer.deepspeed.optimizer.synchronize()
@@ -156,6 +160,16 @@ def test_the_saved_model_loads_with_from_pretrained(saved):
         assert torch.equal(loaded[key], tensor), key
     initial = build_tiny_llama(seed=0).state_dict()
     assert any(not torch.equal(initial[key], tensor) for key, tensor in want.items())  # trained
+
+
+def test_our_trainers_saves_leave_the_hub_token_out_of_training_args(saved):
+    ours = saved / "ours"
+    for directory in (ours / "final", ours / "run" / f"checkpoint-{STEPS}"):
+        args = torch.load(directory / "training_args.bin", weights_only=False)
+        assert args.hub_token is None and args.max_steps == STEPS
+    run_and_save = [*(ours / "run").rglob("*"), *(ours / "final").rglob("*")]
+    assert [p for p in run_and_save if p.is_file() and HUB_TOKEN.encode() in p.read_bytes()] == []
+    assert (ours / "hub_token_in_memory").read_text() == HUB_TOKEN  # the push still has it
 
 
 def _save_over_a_save(rank: int, world: int, port: int, out: str) -> None:

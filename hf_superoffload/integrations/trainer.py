@@ -10,7 +10,7 @@ holds), waits for in-flight updates before saves, the best model's load and the 
 ``train()`` (a callback reading params mid-training calls ``synchronize()`` on the optimizer
 first), saves the fp32 master weights (``superoffload_save_dtype``) and loads them back with
 the best checkpoint (``load_best_model_at_end``). The refusals live in checks.py, the weights'
-handling in save.py.
+handling in save.py, the save and load hooks' work in trainer_saves.py.
 
 As with the plain Trainer, ``trainer.optimizer`` and ``trainer.lr_scheduler`` outlive
 ``train()`` (a second ``train()`` continues with them); the optimizer is synchronized at the
@@ -24,31 +24,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import warnings
 from pathlib import Path
 
 import torch
 from accelerate.utils import DistributedType
 from transformers import Trainer, TrainerCallback
-from transformers.trainer import OPTIMIZER_NAME, OPTIMIZER_NAME_BIN, SCHEDULER_NAME
-from transformers.trainer_pt_utils import reissue_pt_warnings
-
-try:
-    from transformers.trainer import check_torch_load_is_safe
-except ImportError:  # transformers < 4.50 checks nothing before torch.load
-
-    def check_torch_load_is_safe() -> None:
-        pass
-
 
 from .. import upstream
 from ..engine import SuperOffloadOptimizer
-from ..engine.state_io import save_atomically
-from ..zero3.config import export_zero3_options, withdraw_exported_options
+from ..zero3.config import zero3_options_exported
 from ..zero3.options import take_trainer_config
 from .accelerate_prepare import prepare_in_place, prepare_without_ddp
 from .arguments import resolve_save_dtype
-from .best_model import check_best_model_restorable, restore_best_masters
+from .best_model import check_best_model_restorable
 from .checks import DATA_PARALLEL, check_optimizer_arguments, check_supported
 from .metrics import (
     ThroughputMeter,
@@ -60,13 +48,13 @@ from .metrics import (
 from .model_card import add_superoffload_section, dataset_names, trainer_kind_tags
 from .oom_retry import MicroBatchWindow, run_micro_batch
 from .plugin import SuperOffloadOptions
-from .save import (
-    BF16_CAST_WARNING,
-    cast_to_bf16,
-    last_complete_checkpoint,
-    load_optimizer_state,
-    record_saved_dtype,
-    weights_to_save,
+from .save import BF16_CAST_WARNING, cast_to_bf16, last_complete_checkpoint
+from .saved_arguments import check_saved_without_secrets, pickled_without_secrets
+from .trainer_saves import (
+    load_best_model,
+    load_optimizer_and_scheduler,
+    save_model_files,
+    save_optimizer_and_scheduler,
 )
 from .zero3_callback import Zero3MetricsCallback
 from .zero3_save import save_model_streamed, streamed_save_engine, will_save_model
@@ -102,6 +90,7 @@ class SuperOffloadTrainerMixin:
         self._micro_batch_window = MicroBatchWindow()  # what an OOM retry runs again
         super().__init__(*args, **kwargs)
         self._refuse_two_sources_of_options()
+        check_saved_without_secrets(self.args)  # training_args.bin is written without hub_token
         if self._on_deepspeed:  # DeepSpeed builds our ZeRO-3 optimizer when train() starts
             # The arguments' own config, which accelerate builds the engine from: changed only
             # for a trainer that will run.
@@ -182,24 +171,14 @@ class SuperOffloadTrainerMixin:
             self._close_superoffload_optimizer()
         if not self._on_deepspeed:
             return super().train(resume_from_checkpoint, *args, **kwargs)
-        # This trainer's options for the ZeRO-3 optimizer train() builds, not a later-made
-        # trainer's; withdrawn afterwards, so that no later optimizer of the process reads them.
-        export_zero3_options(self._explicit_options())
-        try:
+        with zero3_options_exported(self._explicit_options()):  # for the optimizer it builds
             return super().train(resume_from_checkpoint, *args, **kwargs)
-        finally:
-            withdraw_exported_options()
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """As the Trainer's, but the optimizer state is written atomically (state_io): a save
-        cut off half-way leaves the previous file, never a truncated one."""
+        """As the Trainer's, with the optimizer state written atomically (trainer_saves.py)."""
         if self.superoffload_optimizer is None:
             return super()._save_optimizer_and_scheduler(output_dir)
-        if self.args.should_save:
-            save_atomically(self.optimizer.state_dict(), os.path.join(output_dir, OPTIMIZER_NAME))
-            with warnings.catch_warnings(record=True) as caught_warnings:
-                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
-            reissue_pt_warnings(caught_warnings)
+        save_optimizer_and_scheduler(self, output_dir)
 
     def _close_superoffload_optimizer(self) -> None:
         optimizer = self._superoffload_built
@@ -267,29 +246,8 @@ class SuperOffloadTrainerMixin:
         optimizer = self.superoffload_optimizer
         if checkpoint is None or optimizer is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
-        optimizer_file = os.path.join(checkpoint, OPTIMIZER_NAME)
-        scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
-        if not (os.path.isfile(optimizer_file) and os.path.isfile(scheduler_file)):
-            if os.path.isfile(os.path.join(checkpoint, OPTIMIZER_NAME_BIN)):
-                # The Trainer reads accelerate's .bin format (which mmap cannot map).
-                return super()._load_optimizer_and_scheduler(checkpoint)
-            # The Trainer would go on at the checkpoint's step with fresh moments and schedule.
-            missing = [n for n in (OPTIMIZER_NAME, SCHEDULER_NAME) if not os.path.isfile(
-                os.path.join(checkpoint, n))]  # fmt: skip
-            raise ValueError(
-                f"{checkpoint} holds no {' or '.join(missing)} (saved with save_only_model=True?): "
-                f"resuming from it would continue at its step with fresh Adam moments and "
-                f"learning-rate schedule. Resume from a checkpoint saved with the optimizer "
-                f"state, or load its weights into the model and train without "
-                f"resume_from_checkpoint."
-            )
-        check_torch_load_is_safe()
-        model = self.accelerator.unwrap_model(self.model)
-        load_optimizer_state(optimizer, model, checkpoint, optimizer_file)
-        with warnings.catch_warnings(record=True) as caught_warnings:
-            check_torch_load_is_safe()
-            self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
-        reissue_pt_warnings(caught_warnings)
+        if not load_optimizer_and_scheduler(self, optimizer, checkpoint):  # accelerate's .bin
+            super()._load_optimizer_and_scheduler(checkpoint)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         optimizer = self.superoffload_optimizer
@@ -359,32 +317,23 @@ class SuperOffloadTrainerMixin:
         return save_model_streamed(self, engine, output_dir, _internal_call)
 
     def _save(self, output_dir=None, state_dict=None):
-        """Writes the optimizer's fp32 master weights (``superoffload_save_dtype``), not the
-        model's bf16 copy, without copying them: the state dict holds views of the master."""
-        optimizer = self.superoffload_optimizer
-        if state_dict is not None or optimizer is None:
-            return super()._save(output_dir, state_dict=state_dict)
-        dtype = self._superoffload_save_dtype()
-        weights = weights_to_save(self.model, optimizer, dtype, self._superoffload_frozen_fp32)
-        super()._save(output_dir, state_dict=weights)
-        if self.args.should_save:
-            model = self.accelerator.unwrap_model(self.model)
-            record_saved_dtype(model, output_dir or self.args.output_dir, dtype)
+        """Writes the optimizer's fp32 master weights (``superoffload_save_dtype``) and
+        training_args.bin without ``hub_token`` (trainer_saves.py)."""
+        save_model_files(self, super()._save, output_dir, state_dict)
+
+    def _push_from_checkpoint(self, checkpoint_folder):
+        """The Trainer writes training_args.bin into the folder it uploads: without
+        ``hub_token``, while the upload still authenticates with it (saved_arguments.py)."""
+        with pickled_without_secrets(self.args):
+            return super()._push_from_checkpoint(checkpoint_folder)
 
     def _save_checkpoint(self, model, trial):
         self._superoffload_synchronize()
         return super()._save_checkpoint(model, trial)
 
     def _load_best_model(self):
-        """load_best_model_at_end: the Trainer loads the best checkpoint into the model; the
-        fp32 masters follow, exactly, from its optimizer state (best_model.py), or saving
-        would write the last step's weights and the next step would continue from them."""
-        optimizer = self.superoffload_optimizer
-        if optimizer is not None:
-            optimizer.synchronize()  # no update in flight may land on the loaded weights
-        super()._load_best_model()
-        if optimizer is not None:
-            restore_best_masters(self.model, optimizer, self.state.best_model_checkpoint)
+        """The fp32 masters follow the best checkpoint the Trainer loads (trainer_saves.py)."""
+        load_best_model(self, super()._load_best_model)
 
     def create_model_card(self, *args, **kwargs):
         """The parent's card (the Trainer's, or TRL's) in output_dir/README.md, with our card

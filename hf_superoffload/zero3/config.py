@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from contextlib import contextmanager
 
 from .. import env
 from ..engine.optimizer import DEFAULT_BUCKET_SIZE
@@ -128,6 +129,18 @@ def withdraw_exported_options() -> None:
                 os.environ[variable] = before
     _EXPORTED.clear()
     _REPLACED.clear()
+
+
+@contextmanager
+def zero3_options_exported(options: dict):
+    """``export_zero3_options`` for the block (a trainer's ``train()``, which builds the ZeRO-3
+    optimizer), withdrawn when it ends, raised or not: the options are that trainer's, not a
+    later-made trainer's, and no later optimizer of the process reads them."""
+    export_zero3_options(options)
+    try:
+        yield
+    finally:
+        withdraw_exported_options()
 
 
 # The engine variables the last SuperOffload trainer of this process set from its own arguments
