@@ -113,6 +113,7 @@ SURFACE: tuple[Name, ...] = (
         "_assert_same_partition_group",
         "_autoep_expert_parallel_group",
         "_constant_buffered_norm2",
+        "complete_grad_norm_calculation_for_cpu_offload",
         "_get_param_partition_group",
         "_get_param_partition_rank",
         "_grad_norm_counts_every_rank",

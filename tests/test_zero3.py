@@ -65,21 +65,31 @@ def _both_on_rank(rank, world, port, case, env, out_dir) -> None:
 def _compare_norms_with_deepspeeds(optimizer) -> list[bool]:
     """Wrap zero3/norms.py's sub_group_norms where the optimizer's own _get_norm_groups calls it
     (the method stays the package's): record, each step, whether it computed the norms (in one
-    all-reduce, not falling back to DeepSpeed's path) and whether they equal DeepSpeed's per
-    sub group ones to the bit."""
+    all-reduce, not falling back to DeepSpeed's path) over DeepSpeed's own cut of the sub
+    groups, and whether they equal the ones DeepSpeed's per sub group path computes to the bit."""
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
     from hf_superoffload.zero3 import optimizer as zero3_optimizer
 
     agree, ours = [], zero3_optimizer.sub_group_norms
 
-    def both(zero):
-        mine = ours(zero)
+    def both(zero, groups):
+        mine = ours(zero, groups)
         if mine is None:  # the package would fall back to DeepSpeed's path
             agree.append(False)
             return None
-        theirs = DeepSpeedZeroOptimizer_Stage3._get_norm_groups(zero)
-        agree.append(torch.equal(torch.stack(mine), torch.stack([t.reshape(()) for t in theirs])))
+        cut = [
+            [id(p) for p in sub_group]
+            for group in zero.trainable_param_groups
+            for sub_group in DeepSpeedZeroOptimizer_Stage3._create_fp16_sub_groups(
+                zero, group["params"]
+            )
+        ]
+        theirs = [zero.complete_grad_norm_calculation_for_cpu_offload(g) for g in groups]
+        agree.append(
+            [[id(p) for p in g] for g in groups] == cut
+            and torch.equal(torch.stack(mine), torch.stack([t.reshape(()) for t in theirs]))
+        )
         return mine
 
     zero3_optimizer.sub_group_norms = both

@@ -1,5 +1,10 @@
 """The gradient norm of every sub group in one all-reduce.
 
+The sub groups are DeepSpeed's own cut of the params (``norm_sub_groups``, sub_groups.py), not
+the optimizer's: the global norm is a vector norm of the group norms (DeepSpeed's
+``combine_grad_norm_groups``), each rounded to fp32, so another cut moves it by an ulp at
+times, and with it the clip coefficient and every clipped update.
+
 DeepSpeed's ``complete_grad_norm_calculation_for_cpu_offload`` runs once per sub group: it reads
 the group's squared norm back to the host (``float(tensor)``, a device synchronization), all-
 reduces that one number and copies the root to the host again. At 3.4B params that is 143
@@ -20,11 +25,11 @@ from deepspeed.comm import pg_utils
 from deepspeed.runtime.utils import mask_nan_or_inf_with_val_inplace
 
 
-def sub_group_norms(optimizer) -> list[torch.Tensor] | None:
-    """Each sub group's L2 gradient norm over the data-parallel ranks (a 0-dim host tensor, -1
-    where not finite, as DeepSpeed's), or None when DeepSpeed's own per-group path must run:
-    sub groups over different process groups, model or expert parallelism."""
-    groups = optimizer.fp16_groups
+def sub_group_norms(optimizer, groups: list[list]) -> list[torch.Tensor] | None:
+    """The L2 gradient norm of each of ``groups`` (lists of the optimizer's params) over the
+    data-parallel ranks (a 0-dim host tensor, -1 where not finite, as DeepSpeed's), or None
+    when DeepSpeed's own per-group path must run: groups over different process groups,
+    model or expert parallelism."""
     if not groups or not all(groups):
         return None
     process_group = optimizer._get_param_partition_group(groups[0][0])

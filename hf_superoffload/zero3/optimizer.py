@@ -119,6 +119,7 @@ class SuperOffloadZero3Optimizer(
         # why); DeepSpeed offloads all and builds none of its partial-offload machinery.
         ratio, kwargs["offload_ratio"] = kwargs.get("offload_ratio", 1.0), 1.0
         self._holds_elements: dict[int, bool] = {}  # ds_id -> _has_gradient_partition
+        self.norm_sub_groups: list[list] = []  # DeepSpeed's cut, for the norm (sub_groups.py)
         # Read by the set-up hooks below, which DeepSpeed's constructor calls.
         self._accumulates = micro_batches_accumulate(kwargs, ds_config)
         self._compact = options.compact
@@ -216,8 +217,14 @@ class SuperOffloadZero3Optimizer(
     # ------------------------------------------------------------------------- validation
 
     def _get_norm_groups(self):
-        norms = sub_group_norms(self)  # None: model or expert parallelism, DeepSpeed's own
-        return norms if norms is not None else super()._get_norm_groups()
+        """The gradient norms of the sub groups DeepSpeed's own cut makes, not of ours: the
+        global norm is a vector norm of these, which rounds by the cut, so over DeepSpeed's
+        it is DeepSpeed's to the bit, and so is the clip coefficient."""
+        groups = self.norm_sub_groups
+        norms = sub_group_norms(self, groups)  # None: model or expert parallelism
+        if norms is None:  # DeepSpeed's own path, over the same sub groups
+            norms = [self.complete_grad_norm_calculation_for_cpu_offload(g) for g in groups]
+        return norms
 
     @torch.no_grad()
     def step(self, closure=None):

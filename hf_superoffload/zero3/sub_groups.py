@@ -4,6 +4,9 @@ forward order, so the next forward's first layers settle first), and DeepSpeed's
 params (small ones it gathers again at the end of every step) in sub groups of their own, so
 that this gather waits only for them. Mixed in before DeepSpeedZeroOptimizer_Stage3, whose
 constructor calls ``_create_fp16_sub_groups``.
+
+DeepSpeed's own cut of the same params is kept beside ours (``norm_sub_groups``): the global
+gradient norm is combined from per sub group norms, and rounds by the cut (norms.py).
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ class SubGroupLayout:
         """Sub groups of at most ``sub_group_size`` elements of this rank's partition, with
         the persistent params (gathered again at every step's end) in sub groups of their
         own, so that gather waits only for them: ``sub_group_cut``'s rule, which the memory
-        plan and the host check count by."""
+        plan and the host check count by. DeepSpeed's cut of the group goes to
+        ``norm_sub_groups`` (which the optimizer's constructor makes empty)."""
+        self.norm_sub_groups.extend(super()._create_fp16_sub_groups(params_group))
         return cut_sub_groups(
             params_group,
             self.sub_group_size,
