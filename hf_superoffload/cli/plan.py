@@ -86,8 +86,8 @@ def add_parser(commands) -> None:
         help="what computes the loss, which decides the GPU memory of the logits: full (the "
         "default for a model), the model's own loss over a batch's full logits (a plain Trainer "
         "or DeepSpeed script); smoothed (a recipe's that sets label_smoothing_factor), "
-        "transformers' LabelSmoother over the full logits, as TRL's SFTTrainer computes the "
-        "loss with label smoothing; trl (the default for a "
+        "transformers' LabelSmoother over the full logits, as TRL's SFTTrainer and a plain "
+        "Trainer compute the loss with label_smoothing_factor; trl (the default for a "
         "recipe), TRL's fused LM head (TRL's SFTTrainer and DPOTrainer: examples/sft.py and the "
         "recipes, with or without --use_liger_kernel); liger, Liger-Kernel's fused linear "
         "cross-entropy (a plain Trainer with use_liger_kernel)",
