@@ -25,7 +25,8 @@ def test_a_job_cgroup_below_the_root_limits_what_is_available(tmp_path, monkeypa
     )
     figure, source = host_memory.host_memory_available()
     assert figure == 768 * MiB == host_memory.host_bytes_available()
-    assert f"{mount / 'job' / 'memory.max'} 1.00 GiB less memory.current 0.25 GiB" in source
+    assert f"{mount / 'job' / 'memory.max'} 1.00 GiB less 0.25 GiB used" in source
+    assert "(memory.current 0.25 GiB less memory.stat inactive_file 0.00 GiB" in source
 
 
 def test_cgroup_v1_reads_the_memory_controllers_line(tmp_path, monkeypatch):
@@ -42,7 +43,7 @@ def test_cgroup_v1_reads_the_memory_controllers_line(tmp_path, monkeypatch):
     figure, source = host_memory.host_memory_available()
     assert figure == 6 * GiB
     assert str(mount / "slurm/uid_1000/job_42/memory.limit_in_bytes") in source
-    assert "memory.usage_in_bytes 2.00 GiB used" in source
+    assert "(memory.usage_in_bytes 2.00 GiB less memory.stat total_inactive_file" in source
 
 
 @pytest.mark.parametrize("version", [2, 1])
@@ -60,6 +61,47 @@ def test_the_tightest_of_the_cgroup_and_its_parents_counts(tmp_path, monkeypatch
     assert figure == 512 * MiB
     assert str(mount / "user.slice" / cgroup_memory.FILES[version][0]) in source
     assert "run.scope" not in source
+
+
+@pytest.mark.parametrize("version", [2, 1])
+def test_page_cache_the_kernel_reclaims_is_not_counted_as_used(tmp_path, monkeypatch, version):
+    """The usage files count the cgroup's page cache, which the kernel reclaims before its
+    OOM killer acts: the inactive part (memory.stat's inactive_file, v1's total_inactive_file
+    over the cgroup and its children) is free for the optimizer, as ``docker stats`` counts
+    it. 8 GiB limit, 7 GiB used of which 3 GiB inactive page cache: 4 GiB left, not 1."""
+    write_host(
+        tmp_path,
+        monkeypatch,
+        64 * GiB,
+        version=version,
+        cgroup="/job",
+        limits={"job": (8 * GiB, 7 * GiB, 3 * GiB)},
+    )
+    figure, source = host_memory.host_memory_available()
+    assert figure == 4 * GiB
+    usage_name = cgroup_memory.FILES[version][1]
+    key = cgroup_memory.INACTIVE_FILE[version]
+    assert f"less 4.00 GiB used ({usage_name} 7.00 GiB less memory.stat {key} 3.00 GiB" in source
+    assert "page cache the kernel reclaims first" in source
+
+
+def test_inactive_page_cache_above_the_usage_leaves_the_whole_limit(tmp_path, monkeypatch):
+    """memory.stat and the usage file are read one after the other: a page cache figure above
+    the usage (it grew between the reads) takes the usage to zero, not below."""
+    write_host(tmp_path, monkeypatch, 64 * GiB, cgroup="/job", limits={"job": (GiB, MiB, 2 * MiB)})
+    assert host_memory.host_bytes_available() == GiB
+
+
+def test_a_memory_stat_without_the_page_cache_line_is_refused(tmp_path, monkeypatch):
+    """Without it the usage cannot be told apart from reclaimable page cache: refused, with
+    the variable that replaces the figure."""
+    mount = write_host(tmp_path, monkeypatch, 64 * GiB, cgroup="/job", limits={"job": (GiB, 0)})
+    (mount / "job" / "memory.stat").write_text("anon 0\nfile 0\n")
+    with pytest.raises(cgroup_memory.CgroupError, match=r"has no 'inactive_file' line.*_GIB"):
+        host_memory.host_bytes_available()
+    (mount / "job" / "memory.stat").unlink()
+    with pytest.raises(cgroup_memory.CgroupError, match=r"memory\.stat has no 'inactive_file'"):
+        host_memory.host_bytes_available()
 
 
 def test_a_namespaced_container_reads_the_mounts_root(tmp_path, monkeypatch):
@@ -137,6 +179,9 @@ def test_env_reports_the_figure_the_check_counts(tmp_path, monkeypatch):
     mount = write_host(tmp_path, monkeypatch, 64 * GiB, cgroup="/job", limits={"job": (GiB, 0)})
     facts = env_facts.host_memory()
     assert facts["available_bytes"] == GiB and str(mount / "job" / "memory.max") in facts["source"]
+    write_host(tmp_path, monkeypatch, 64 * GiB, cgroup="/job", limits={"job": (GiB, GiB, GiB)})
+    facts = env_facts.host_memory()
+    assert facts["available_bytes"] == GiB and "inactive_file 1.00 GiB" in facts["source"]
     (tmp_path / "cgroup").write_text("0::/elsewhere\n")
     facts = env_facts.host_memory()
     assert facts["available_bytes"] is None and "HF_SUPEROFFLOAD_HOST_MEMORY_GIB" in facts["error"]

@@ -1,7 +1,8 @@
 """The logged tflops/mfu count each token's attention over its own sequence (a packed
 padding-free batch's document, a padded row's real tokens; under sequence parallelism the
-ranks' counts add up to the unsharded batch's), DPO's reference forward, and are
-left out, with the reason logged once, for models with frozen matmul weights.
+ranks' counts add up to the unsharded batch's), DPO's reference forward, not the forward
+TRL's SFTTrainer runs for its metrics beside label smoothing, and are left out, with the reason
+logged once, for models with frozen matmul weights.
 
 Each count is compared with one written out by hand: per token 6 N (N: every param but the input
 embedding's lookup table) plus 12 x layers x hidden x the length of the sequence the token
@@ -171,6 +172,46 @@ def test_dpo_trainer_counts_the_reference_forward_it_runs(tmp_path, precompute):
             n_ref = _hand_matmul_params(reference)
             expected += sum(2 * n_ref * d + 4 * lhs * d * d for d in lengths)
         assert flops == pytest.approx(expected, rel=1e-12)
+    trainer.superoffload_optimizer.close()
+
+
+def test_label_smoothing_s_metrics_forward_is_not_model_flops(tmp_path):
+    """TRL's SFTTrainer (1.16) with label smoothing runs two forwards a micro batch: the one
+    the loss comes from (full logits, with gradients) and one without gradients through its
+    fused LM head whose outputs feed only its entropy and token-accuracy logs. The second is
+    not model FLOPs (the loss does not need it, as it does not need activation checkpointing's
+    recomputation): the logged FLOPs are the training forward's and backward's alone."""
+    from datasets import Dataset
+
+    from hf_superoffload import SuperOffloadSFTConfig, SuperOffloadSFTTrainer
+    from hf_superoffload.toy import make_char_tokenizer
+
+    rows = [{"prompt": f"{i}+{i}=", "completion": str(2 * i)} for i in range(4)]
+    config = SuperOffloadSFTConfig(
+        output_dir=str(tmp_path), use_cpu=True, max_steps=2, per_device_train_batch_size=2,
+        logging_steps=1, report_to=[], save_strategy="no", bf16=False, max_length=32,
+        disable_tqdm=True, **no_checkpointing(SuperOffloadSFTConfig),
+        label_smoothing_factor=0.1, superoffload_bucket_size=1 << 14,
+    )  # fmt: skip
+    model = build_tiny_llama(seed=0)
+    with pytest.warns(FutureWarning, match="label_smoothing_factor"):
+        trainer = SuperOffloadSFTTrainer(
+            model=model, args=config, train_dataset=Dataset.from_list(rows),
+            processing_class=make_char_tokenizer(),
+        )  # fmt: skip
+    forwards = []  # (with gradients, through the fused head) of each forward
+    model.register_forward_pre_hook(
+        lambda module, args, kwargs: forwards.append(
+            (torch.is_grad_enabled(), kwargs.get("fused_lm_head", False))
+        ),
+        with_kwargs=True,
+    )
+    trainer._throughput = meter = _RecordingMeter()
+    trainer.train()
+    assert forwards == [(True, False), (False, True)] * 2  # the loss's, then the metrics'
+    assert len(meter.batches) == len(meter.windows) == 2
+    for (mask, _), flops in zip(meter.batches, meter.windows, strict=True):
+        assert flops == pytest.approx(_hand_flops(model, mask.sum(dim=-1).tolist()), rel=1e-12)
     trainer.superoffload_optimizer.close()
 
 

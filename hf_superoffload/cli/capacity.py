@@ -17,7 +17,8 @@ from .hardware import GIB, PRESETS, preset
 # where the check refuses (memory others use, a container's limit).
 HOST_SOURCE = (
     "the host memory available now, as the optimizer's start-up check counts it: MemAvailable, "
-    "or less where the memory limit of this process's cgroup or of a parent leaves less; "
+    "or less where the memory limit of this process's cgroup or of a parent leaves less (its "
+    "usage less the inactive page cache the kernel reclaims first); "
     "HF_SUPEROFFLOAD_HOST_MEMORY_GIB where set (on VMs whose memory grows on use MemAvailable "
     "reads low: set it, or give --cpu-mem)"
 )

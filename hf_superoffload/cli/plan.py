@@ -85,8 +85,9 @@ def add_parser(commands) -> None:
         choices=LOSSES,
         help="what computes the loss, which decides the GPU memory of the logits: full (the "
         "default for a model), the model's own loss over a batch's full logits (a plain Trainer "
-        "or DeepSpeed script), and a recipe's that sets label_smoothing_factor (TRL's "
-        "SFTTrainer then computes the loss from the full logits); trl (the default for a "
+        "or DeepSpeed script); smoothed (a recipe's that sets label_smoothing_factor), "
+        "transformers' LabelSmoother over the full logits, as TRL's SFTTrainer and a plain "
+        "Trainer compute the loss with label_smoothing_factor; trl (the default for a "
         "recipe), TRL's fused LM head (TRL's SFTTrainer and DPOTrainer: examples/sft.py and the "
         "recipes, with or without --use_liger_kernel); liger, Liger-Kernel's fused linear "
         "cross-entropy (a plain Trainer with use_liger_kernel)",
@@ -372,6 +373,7 @@ def answer(args: argparse.Namespace) -> Answer:
         sub_group_size=args.sub_group_size,
         saves_model=_given(args.save, not settings.never_saves),
         fused_cross_entropy=LOSSES[loss][0],
+        label_smoothing=LOSSES[loss][1],
         compact_moments=_given(args.moments, settings.moments) == "compact",
         activation_checkpoint_offload=offload,
         activation_checkpointing=_checkpointing(args, source, settings, offload),
@@ -410,7 +412,8 @@ def answer(args: argparse.Namespace) -> Answer:
         notes.append(
             f"label_smoothing_factor {settings.label_smoothing_factor}: TRL's SFTTrainer "
             "computes the loss from the batch's full logits (transformers' LabelSmoother), "
-            "counted as --loss full, and runs one more forward without gradients for its metrics"
+            "counted as --loss smoothed, and runs one more forward without gradients for its "
+            "metrics"
         )
     notes += plan_output.bound_notes(verdict.plan)
     return Answer(

@@ -12,13 +12,15 @@ if TYPE_CHECKING:
     from ..zero3.memory_plan import MemoryPlan
     from .plan import Verdict
 
-# --loss: what computes the loss, as Zero3Run.fused_cross_entropy names it, and what the output
-# calls it. TRL's SFT and DPO trainers (examples/sft.py, the recipes) compute it through TRL's
-# fused LM head whether or not Liger's kernels are on: TRL refuses Liger's fused cross-entropy.
+# --loss: what computes the loss, as Zero3Run.fused_cross_entropy and label_smoothing name it,
+# and what the output calls it. TRL's SFT and DPO trainers (examples/sft.py, the recipes)
+# compute it through TRL's fused LM head whether or not Liger's kernels are on (TRL refuses
+# Liger's fused cross-entropy), and TRL's SFTTrainer with label smoothing from the full logits.
 LOSSES = {
-    "full": (None, "the model's own (a batch's full logits)"),
-    "trl": ("trl", "TRL's fused LM head (chunked, no full logits)"),
-    "liger": ("liger", "Liger-Kernel's fused linear cross-entropy (no full logits)"),
+    "full": (None, False, "the model's own (a batch's full logits)"),
+    "smoothed": (None, True, "transformers' LabelSmoother (a batch's full logits)"),
+    "trl": ("trl", False, "TRL's fused LM head (chunked, no full logits)"),
+    "liger": ("liger", False, "Liger-Kernel's fused linear cross-entropy (no full logits)"),
 }
 
 
@@ -101,7 +103,7 @@ def run_line(plan: MemoryPlan) -> str:
         extras.append("checkpointed layer inputs in pinned host memory")
     if run.gradient_accumulation > 1:
         extras.append(f"gradient accumulation {run.gradient_accumulation}")
-    extras.append(f"loss: {loss_label(run.fused_cross_entropy)}")
+    extras.append(f"loss: {loss_label(run)}")
     extras.append("cast not given" if run.cast is None else f"cast {run.cast}")
     return (
         f"run: {run.ranks} GPU(s), {run.ranks_per_host} per host, seq {run.seq} x batch "
@@ -109,8 +111,9 @@ def run_line(plan: MemoryPlan) -> str:
     )
 
 
-def loss_label(fused: str | None) -> str:
-    return next(label for value, label in LOSSES.values() if value == fused)
+def loss_label(run) -> str:
+    chosen = (run.fused_cross_entropy, run.label_smoothing)
+    return next(label for *value, label in LOSSES.values() if tuple(value) == chosen)
 
 
 def as_text(source, capacity, verdict: Verdict, suggestions, notes) -> str:

@@ -142,9 +142,10 @@ class PlannedRun:
     activation_checkpoint_offload: bool
     never_saves: bool
     # What computes the loss, as plan's --loss names it (plan_output.LOSSES): "trl", TRL's
-    # fused LM head; "full", the batch's full logits (label smoothing's, or a model's own).
+    # fused LM head; "smoothed", label smoothing's from the batch's full logits; "full", the
+    # model's own from them.
     loss: str = "full"
-    label_smoothing_factor: float = 0.0  # the run's; non-zero: why the loss is "full"
+    label_smoothing_factor: float = 0.0  # the run's; non-zero: why the loss is "smoothed"
 
 
 def planned_run(settings: dict, script_args: list[str]) -> PlannedRun:
@@ -177,10 +178,10 @@ def _loss(script: ScriptArguments) -> str:
     """What computes the loss of the SFT run: TRL's fused LM head ("trl"), which never holds
     the batch's logits, unless label smoothing is on under the "nll" loss: then TRL's
     SFTTrainer (1.16, compute_loss) runs the model's forward to its full logits for
-    transformers' LabelSmoother ("full"), and a second forward without gradients through the
+    transformers' LabelSmoother ("smoothed"), and a second forward without gradients through the
     fused head for its metrics."""
     smoothing = script.label_smoothing_factor != 0
-    return "full" if smoothing and script.loss_type in ("nll", "chunked_nll") else "trl"
+    return "smoothed" if smoothing and script.loss_type in ("nll", "chunked_nll") else "trl"
 
 
 def _dtype_bytes(script: ScriptArguments) -> int:

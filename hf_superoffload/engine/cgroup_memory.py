@@ -5,7 +5,10 @@ The OOM killer acts on whichever of those limits is reached first, and the one t
 often below the mount's root: a Slurm job's cgroup, a ``systemd-run -p MemoryMax=`` scope (on
 cgroup v2 the root has no ``memory.max`` at all). A container with its own cgroup namespace
 (Docker's default on cgroup v2) sees its own cgroup as the root (``0::/``), which is read too.
-Where the memory controller lives comes from ``/proc/self/cgroup`` (v2: the ``0::PATH`` line;
+A cgroup's usage counts its page cache, which the kernel reclaims before its OOM killer acts:
+the inactive file pages (``memory.stat``'s ``inactive_file`` on v2, ``total_inactive_file``
+on v1, both over the cgroup and its children as the usage is) are taken off it, as
+``docker stats`` does. Where the memory controller lives comes from ``/proc/self/cgroup`` (v2: the ``0::PATH`` line;
 v1: the line whose controllers include ``memory``), where that hierarchy is mounted, and which
 of its cgroups the mount shows as its root, from ``/proc/self/mountinfo``.
 """
@@ -21,6 +24,10 @@ MOUNTINFO = "/proc/self/mountinfo"
 
 # Per version: the limit file and the usage file of one cgroup.
 FILES = {2: ("memory.max", "memory.current"), 1: ("memory.limit_in_bytes", "memory.usage_in_bytes")}
+# Per version: the memory.stat key of the reclaimable page cache the usage counts (v1's
+# ``inactive_file`` is the cgroup's own, ``total_inactive_file`` spans its children as the usage).
+STAT_FILE = "memory.stat"
+INACTIVE_FILE = {2: "inactive_file", 1: "total_inactive_file"}
 V1_NO_LIMIT = 2**60  # v1 writes "no limit" as a huge number (LONG_MAX rounded to a page)
 
 
@@ -51,7 +58,7 @@ def headroom(proc_cgroup: str = PROC_CGROUP, mountinfo: str = MOUNTINFO) -> Head
         return Headroom(None, f"no cgroup v{version} memory hierarchy is mounted here")
     tightest = None
     for folder in _cgroup_and_parents(version, path, proc_cgroup, mount, mountinfo):
-        room = _room_in(folder, *FILES[version])
+        room = _room_in(folder, *FILES[version], INACTIVE_FILE[version])
         if room is not None and (tightest is None or room[0] < tightest[0]):
             tightest = room
     if tightest is None:
@@ -123,9 +130,12 @@ def _names(path: str) -> list[str]:
     return [name for name in path.split("/") if name]
 
 
-def _room_in(folder: str, limit_name: str, usage_name: str) -> tuple[int, str] | None:
+def _room_in(
+    folder: str, limit_name: str, usage_name: str, inactive_key: str
+) -> tuple[int, str] | None:
     """(limit less usage, which files) of one cgroup; None where it sets no limit (v2: no
-    ``memory.max`` where the parent does not enable the controller, and none at the root)."""
+    ``memory.max`` where the parent does not enable the controller, and none at the root).
+    The usage is less its inactive page cache (``_inactive_file``)."""
     limit_file = os.path.join(folder, limit_name)
     if not os.path.exists(limit_file):
         return None
@@ -136,10 +146,30 @@ def _room_in(folder: str, limit_name: str, usage_name: str) -> tuple[int, str] |
     if limit >= V1_NO_LIMIT:
         return None
     usage = _bytes(_read(os.path.join(folder, usage_name)), os.path.join(folder, usage_name))
-    room = max(0, limit - usage)
+    inactive = _inactive_file(os.path.join(folder, STAT_FILE), inactive_key)
+    used = usage - min(inactive, usage)
+    room = max(0, limit - used)
     return room, (
-        f"cgroup limit {limit_file} {limit / 2**30:.2f} GiB less {usage_name} "
-        f"{usage / 2**30:.2f} GiB used"
+        f"cgroup limit {limit_file} {limit / 2**30:.2f} GiB less {used / 2**30:.2f} GiB used "
+        f"({usage_name} {usage / 2**30:.2f} GiB less {STAT_FILE} {inactive_key} "
+        f"{inactive / 2**30:.2f} GiB, page cache the kernel reclaims first)"
+    )
+
+
+def _inactive_file(stat_file: str, key: str) -> int:
+    """The bytes of inactive page cache ``stat_file`` (a cgroup's ``memory.stat``) lists."""
+    try:
+        text = _read(stat_file)
+    except FileNotFoundError:
+        text = None
+    for line in (text or "").splitlines():
+        name, _, value = line.partition(" ")
+        if name == key:
+            return _bytes(value.strip(), stat_file)
+    raise CgroupError(
+        f"{stat_file} has no {key!r} line: the page cache the cgroup's usage counts cannot be "
+        "told from what it holds; set HF_SUPEROFFLOAD_HOST_MEMORY_GIB to the GiB of host "
+        "memory this job may use"
     )
 
 

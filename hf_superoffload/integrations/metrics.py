@@ -6,7 +6,11 @@ Model FLOPs per token follow the PaLM appendix: 6 N for the weight matmuls forwa
 the token's own: a padded row's real tokens, a packed (padding-free) batch's document
 (``sequence_lengths``), under Ulysses sequence parallelism too (``sharded_attention``: each
 rank counts a share, and the shares add up to the unsharded count). DPO's reference forward adds 2 N_ref plus a third of its attention term
-per token. Recomputation by activation checkpointing is not counted. MFU divides achieved model
+per token. Work the loss does not need is not model FLOPs and is not counted: recomputation by
+activation checkpointing, and the second forward without gradients that TRL's SFTTrainer (1.16)
+runs through its fused LM head beside a loss from the full logits (label smoothing,
+``compute_loss_func``), whose outputs feed only its entropy and token-accuracy logs; both show
+as a lower ``mfu``. MFU divides achieved model
 FLOP/s per GPU by the GPU's dense bf16 peak: ``HF_SUPEROFFLOAD_PEAK_TFLOPS`` when set (any GPU,
 or a CPU), else the table below (GH200, H100 SXM/PCIe/NVL, H200 SXM/NVL, B200, GB200, A100).
 Without either, ``mfu`` is left out of the logs and a message says once how to set the peak.

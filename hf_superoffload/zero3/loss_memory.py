@@ -1,5 +1,11 @@
 """GPU bytes the loss holds per rank: a batch's logits with their fp32 copies, or a fused loss's
-chunks (Liger-Kernel's fused linear cross-entropy, TRL's fused LM head)."""
+chunks (Liger-Kernel's fused linear cross-entropy, TRL's fused LM head).
+
+The full logits' figures follow the tensors each loss allocates (transformers 5.24, torch 2.13),
+at the larger of its forward's and its backward's peaks; the logits come out of the LM head in
+the weights' dtype (``Zero3Run.dtype_bytes``), the caller drops them before backward (the
+Trainer's ``compute_loss`` returns the loss alone), and tests/test_loss_memory.py measures them.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +16,12 @@ if TYPE_CHECKING:
     from .memory_plan import Zero3Run
     from .model_shape import ModelShape
 
-LOGIT_BYTES = 12  # per logit in the loss: bf16 logits, fp32 upcast, fp32 and bf16 gradients
+# The model's own loss (transformers' ForCausalLMLoss) holds at its backward's peak the fp32
+# log-softmax that cross-entropy saves, the fp32 gradient nll_loss's backward makes and
+# log_softmax's backward's fp32 gradient: 12 bytes a logit whatever the logits' dtype, as its
+# forward holds less (bf16: the logits, their fp32 upcast and the log-softmax, 10 bytes; fp32:
+# the upcast is the logits themselves, 8).
+LOGIT_BYTES = 12
 
 # Fused losses, which never hold a batch's logits (``Zero3Run.fused_cross_entropy``):
 # - "liger": Liger-Kernel's fused linear cross-entropy (the Trainer's use_liger_kernel), for
@@ -56,11 +67,41 @@ def trl_loss_bytes(tokens: int, hidden: int, vocab: int, low: int) -> int:
     return (4 + low) * (tokens + vocab) * hidden + tile
 
 
+def model_loss_bytes(tokens: int, vocab: int, low: int) -> int:
+    """GPU bytes of the model's own loss (``LOGIT_BYTES``) over ``tokens`` x ``vocab`` logits
+    in ``low`` bytes a value: the larger of its forward's peak (the logits, their fp32 upcast
+    where they are not fp32, the fp32 log-softmax) and its backward's (``LOGIT_BYTES``)."""
+    forward = low + (4 if low < 4 else 0) + 4
+    return max(forward, LOGIT_BYTES) * tokens * vocab
+
+
+def label_smoothing_bytes(tokens: int, rows: int, vocab: int, low: int) -> int:
+    """GPU bytes of transformers' LabelSmoother (``shift_labels=True``, as TRL's SFTTrainer
+    1.16 calls it with ``label_smoothing_factor``) over the logits of ``tokens`` tokens in
+    ``rows`` rows, in ``low`` bytes a value, which it never upcasts. Its forward holds the
+    logits, their shifted copy (one position fewer a row), its log-softmax and that negated;
+    its backward the saved log-softmax, the negation (gather's backward keeps its input),
+    gather's zero gradient and its scatter, and where the logits are not fp32 the gradient of
+    the fp32 sum cast to their dtype."""
+    logits, shifted = tokens * vocab, (tokens - rows) * vocab
+    forward = low * logits + 3 * low * shifted
+    backward = (4 + (1 if low < 4 else 0)) * low * shifted
+    return max(forward, backward)
+
+
 def loss_bytes(config, shape: ModelShape, run: Zero3Run, tokens: int) -> int:
-    """GPU bytes the loss holds: the batch's logits and their fp32 copies, or a fused loss's."""
+    """GPU bytes the loss holds: the batch's logits and what the loss derives from them
+    (the model's own loss, or label smoothing's), or a fused loss's."""
     fused = run.fused_cross_entropy
+    if run.label_smoothing and fused is not None:
+        raise ValueError(
+            f"label_smoothing computes the loss from the batch's full logits, not through a "
+            f"fused loss: plan it with fused_cross_entropy None, not {fused!r}"
+        )
+    if run.label_smoothing:
+        return label_smoothing_bytes(tokens, run.batch, shape.vocab, run.dtype_bytes)
     if fused is None:
-        return LOGIT_BYTES * tokens * shape.vocab
+        return model_loss_bytes(tokens, shape.vocab, run.dtype_bytes)
     if fused not in FUSED_CROSS_ENTROPY:
         raise ValueError(
             f"fused_cross_entropy must be None (the model's own loss) or one of "

@@ -117,6 +117,9 @@ class Zero3Run:
     # The loss: None, the model's own (a batch's full logits); "liger" or "trl", a fused loss
     # that holds a chunk of them (FUSED_CROSS_ENTROPY says which runs use each).
     fused_cross_entropy: str | None = None
+    # With fused_cross_entropy None: transformers' LabelSmoother computes the loss from the full
+    # logits (TRL's SFTTrainer with label_smoothing_factor), not the model's own loss.
+    label_smoothing: bool = False
     # Both Adam moments compact (8 bits a value, engine/compact_moments.py), not fp32.
     compact_moments: bool = False
     # The checkpointed layers' inputs in pinned host memory between forward and backward
