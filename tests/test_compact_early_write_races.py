@@ -6,6 +6,9 @@ plain-PyTorch compact reference (tests/compact_reference.py), bit for bit."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 from compact_reference import assert_equal_trajectory, run_compact_reference
@@ -65,6 +68,72 @@ def test_a_skip_while_early_writes_are_queued(monkeypatch):
     assert got.stats["rollbacks_nonfinite"] == 1 and got.skipped[4]
 
 
+class EarlyWriteGate:
+    """Holds each step's early writes queued until the next step's gradients have met them,
+    whatever the load: the first early write that step() queues waits on the worker (so the
+    rest wait behind it) until ``open``. The test opens it once a gradient found its
+    partition's write still queued and took a slot. A wait of the training thread for a task
+    queued behind a held write opens it too (it would never end otherwise: with no slot, the
+    gradient waits for its partition's write). A write held ``TIMEOUT`` s raises on the
+    worker, which fails the run at its next call (WorkerError) rather than hanging."""
+
+    TIMEOUT = 60.0
+
+    def __init__(self, monkeypatch):
+        from hf_superoffload.engine.deferred_commits import DeferredCommits
+        from hf_superoffload.engine.host_steps import HostSteps
+        from hf_superoffload.engine.worker import Worker
+
+        _commit_early(monkeypatch, 0.0)  # early writes on the CPU too, without a sleep
+        commit, queue, wait = HostSteps.commit_pending, DeferredCommits.commit_early, Worker.wait
+        self._latest = threading.Event()  # the gate of the last step()'s writes
+        self._first: dict[int, threading.Event] = {}  # id(pending) of a first write -> gate
+        self._holding: threading.Event | None = None  # the gate the worker waits at now
+        gate = self
+
+        def gated_commit(self, part, pending):
+            held = gate._first.pop(id(pending), None)
+            if held is not None and part.state_behind:
+                gate._hold(held)
+            commit(self, part, pending)
+
+        def gating_commit_early(self, parts):
+            parts, early = list(parts), set(self._early)
+            queue(self, parts)
+            queued = [p for p in parts if p.index in self._early and p.index not in early]
+            if queued:
+                gate._latest = threading.Event()
+                gate._first[id(queued[0].pending)] = gate._latest
+
+        def opening_wait(self, buckets=None):
+            keys = None if buckets is None else tuple(buckets)
+            while self._error is None and self.busy(self._pending if keys is None else keys):
+                holding = gate._holding
+                if holding is not None:  # what this waits for is held, or queued behind it
+                    holding.set()
+                time.sleep(0.001)
+            wait(self, keys)  # raises a failed task's error
+
+        monkeypatch.setattr(HostSteps, "commit_pending", gated_commit)
+        monkeypatch.setattr(DeferredCommits, "commit_early", gating_commit_early)
+        monkeypatch.setattr(Worker, "wait", opening_wait)
+
+    def open(self) -> None:
+        """The next gradients met the last step()'s queued writes: let them run."""
+        self._latest.set()
+
+    def _hold(self, gate: threading.Event) -> None:
+        self._holding = gate
+        try:
+            if not gate.wait(self.TIMEOUT):
+                raise AssertionError(
+                    f"an early write was held {self.TIMEOUT} s: no gradient of the next step "
+                    "met it, and nothing waited for it"
+                )
+        finally:
+            self._holding = None
+
+
 @pytest.mark.parametrize(
     "plan",
     [
@@ -78,17 +147,21 @@ def test_a_skip_while_early_writes_are_queued(monkeypatch):
 )
 @pytest.mark.parametrize("slots", [8, 0])
 def test_what_follows_queued_early_writes(plan, slots, monkeypatch):
+    """Each step's early writes are held (EarlyWriteGate) until the next gradients met them:
+    with slots they land in one, without they wait for the write."""
     from hf_superoffload.engine import grad_slots
     from hf_superoffload.engine.deferred_commits import DeferredCommits
 
     monkeypatch.setattr(grad_slots, "GRAD_SLOTS", slots)
-    _commit_early(monkeypatch, DELAY)
+    gate = EarlyWriteGate(monkeypatch)
     taken, free_slot = [], DeferredCommits._free_slot
 
     def counted(self, part):
         slot = free_slot(self, part)
         if self.worker.busy([-1 - part.index]):  # its early write is queued
             taken.append(slot is not None)
+            if slot is not None:  # the interleaving meant: the gradients are in a slot
+                gate.open()
         return slot
 
     monkeypatch.setattr(DeferredCommits, "_free_slot", counted)
