@@ -137,6 +137,8 @@ def _on_rank(rank, world, port, case, out_dir) -> None:
 def test_compact_moments_on_zero3_equal_the_flat_compact_reference(
     world, ratio, bf16, grad_accum_dtype, tmp_path
 ):
+    if torch.cuda.is_available() and world > torch.cuda.device_count():
+        pytest.skip(f"{world} ranks take a GPU each")
     # Thresholds inside each world's range of norms: one rank clips some steps in fp32 and
     # every step in bf16, two ranks clip some.
     clip = {1: 1.3, 2: 1.0}[world]
