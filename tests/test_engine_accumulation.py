@@ -226,7 +226,7 @@ def _assert_step_undone(opt, after: dict, before: dict, grads: dict) -> None:
     [True, False],
     ids=["first-step", "later-step"],
 )
-def test_params_used_outside_modules_refuse_a_second_backward_before_anything_changes(
+def test_params_used_outside_modules_refuse_a_second_backward_and_undo_the_speculation(
     first_step,
 ):
     bare = BareParams()
