@@ -109,3 +109,36 @@ def test_ratio_auto_refuses_what_it_does_not_plan(capsys, tmp_path, script, mess
     code, _, err = finetune(capsys, runs, *args, "--", *script)
     assert code == 2 and message in err, err
     assert not runs.exists()
+
+
+def test_deepspeeds_gradient_accumulation_dtype_is_an_option(capsys):
+    """A DeepSpeed config with data_types.grad_accum_dtype fp32 keeps the host gradients (and
+    DeepSpeed's accumulation buffer, and the compact moments' gradient slots) in fp32: planned
+    as the ZeRO-3 optimizer allocates them (memory_plan.gradient_dtype, checked against
+    DeepSpeed in tests/test_zero3_compact.py's bf16-fp32-gradients case)."""
+    from hf_superoffload.cli.model_source import resolve
+    from hf_superoffload.zero3.memory_plan import Zero3Run, zero3_memory_plan
+
+    run = ("--seq", "4096", "--batch", "4", "--moments", "compact", "--ratio", "1.0")
+    _, default, _ = plan(capsys, "qwen3-14b", *MACHINE, *run, "--gradient-accumulation-steps", "2")
+    code, fp32, err = plan(
+        capsys, "qwen3-14b", *MACHINE, *run, "--gradient-accumulation-steps", "2",
+        "--grad-accum-dtype", "fp32",
+    )  # fmt: skip
+    assert code in (0, 1), err
+    assert fp32["run"]["grad_accum_dtype"] == "fp32" and default["run"]["grad_accum_dtype"] is None
+    host, base = fp32["host_bytes_per_rank"], default["host_bytes_per_rank"]
+    for key in ("gradients", "accumulation", "grad_slots"):
+        assert host[key] == 2 * base[key] > 0, key
+    config = resolve("qwen3-14b").config
+    expected = zero3_memory_plan(
+        config,
+        Zero3Run(
+            seq=4096, batch=4, compact_moments=True, gradient_accumulation=2,
+            grad_accum_dtype="fp32", fused_cross_entropy=fp32["run"]["fused_cross_entropy"],
+        ),
+    )  # fmt: skip
+    assert host["gradients"] == expected.host["gradients"]
+    with pytest.raises(SystemExit) as refused:  # fp16: refused on the ZeRO-3 path anyway
+        main(["plan", "qwen3-14b", *MACHINE, "--grad-accum-dtype", "fp16"])
+    assert refused.value.code == 2 and "invalid choice" in capsys.readouterr().err

@@ -147,30 +147,34 @@ def _room_in(
         return None
     usage = _bytes(_read(os.path.join(folder, usage_name)), os.path.join(folder, usage_name))
     inactive = _inactive_file(os.path.join(folder, STAT_FILE), inactive_key)
+    if inactive is None:  # the usage counted whole: a lower figure, never a higher one
+        why = f"{usage_name}, whole: no {STAT_FILE} {inactive_key} line to take page cache off"
+        inactive = 0
+    else:
+        why = (
+            f"{usage_name} {usage / 2**30:.2f} GiB less {STAT_FILE} {inactive_key} "
+            f"{inactive / 2**30:.2f} GiB, page cache the kernel reclaims first"
+        )
     used = usage - min(inactive, usage)
     room = max(0, limit - used)
-    return room, (
-        f"cgroup limit {limit_file} {limit / 2**30:.2f} GiB less {used / 2**30:.2f} GiB used "
-        f"({usage_name} {usage / 2**30:.2f} GiB less {STAT_FILE} {inactive_key} "
-        f"{inactive / 2**30:.2f} GiB, page cache the kernel reclaims first)"
+    return (
+        room,
+        f"cgroup limit {limit_file} {limit / 2**30:.2f} GiB less {used / 2**30:.2f} GiB used ({why})",
     )
 
 
-def _inactive_file(stat_file: str, key: str) -> int:
-    """The bytes of inactive page cache ``stat_file`` (a cgroup's ``memory.stat``) lists."""
+def _inactive_file(stat_file: str, key: str) -> int | None:
+    """The bytes of inactive page cache ``stat_file`` (a cgroup's ``memory.stat``) lists; None
+    where the file or its line is missing (gVisor's cgroupfs has no ``memory.stat``)."""
     try:
         text = _read(stat_file)
     except FileNotFoundError:
-        text = None
-    for line in (text or "").splitlines():
+        return None
+    for line in text.splitlines():
         name, _, value = line.partition(" ")
         if name == key:
             return _bytes(value.strip(), stat_file)
-    raise CgroupError(
-        f"{stat_file} has no {key!r} line: the page cache the cgroup's usage counts cannot be "
-        "told from what it holds; set HF_SUPEROFFLOAD_HOST_MEMORY_GIB to the GiB of host "
-        "memory this job may use"
-    )
+    return None
 
 
 def _read(file: str) -> str:
