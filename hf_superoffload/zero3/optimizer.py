@@ -60,7 +60,13 @@ from .gather_waits import wrap_gathers
 from .host_parts import copy_out_ring, copy_out_ring_dtype, micro_batches_accumulate
 from .host_state import HostState, compact_salts
 from .norms import sub_group_norms
-from .options import check_supported, cores_perc_if_set, resolve_options, resolve_sizes
+from .options import (
+    DEEPSPEED_DEFAULT_SUB_GROUP_SIZE,
+    check_supported,
+    cores_perc_if_set,
+    resolve_options,
+    resolve_sizes,
+)
 from .rank_failures import share_failures
 from .sub_groups import SubGroupLayout
 
@@ -113,6 +119,9 @@ class SuperOffloadZero3Optimizer(
         self._replicas = Replicas(kwargs.get("dp_process_group"), device)
         perc = cores_perc_if_set(kwargs.get("offload_optimizer_config"))
         options = resolve_options(perc, device)
+        # What DeepSpeed cuts its sub groups at (the config's size, else its default), which
+        # the global norm follows (sub_groups.py); ours may differ (options.resolve_sizes).
+        self.norm_sub_group_size = kwargs.get("sub_group_size", DEEPSPEED_DEFAULT_SUB_GROUP_SIZE)
         resolve_sizes(kwargs, ds_config)  # the host check counts the sub groups they cut
         check_supported(init_optimizer, ds_config, kwargs, self._replicas, options, device.type)
         # The sub groups "ratio" keeps on the GPU are ours to step (device_sub_groups.py says

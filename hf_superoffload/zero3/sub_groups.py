@@ -19,9 +19,15 @@ class SubGroupLayout:
         """Sub groups of at most ``sub_group_size`` elements of this rank's partition, with
         the persistent params (gathered again at every step's end) in sub groups of their
         own, so that gather waits only for them: ``sub_group_cut``'s rule, which the memory
-        plan and the host check count by. DeepSpeed's cut of the group goes to
-        ``norm_sub_groups`` (which the optimizer's constructor makes empty)."""
-        self.norm_sub_groups.extend(super()._create_fp16_sub_groups(params_group))
+        plan and the host check count by. DeepSpeed's cut of the group, at the size DeepSpeed
+        would cut at (``norm_sub_group_size``: the config's, else DeepSpeed's default, where
+        ours is 2**25), goes to ``norm_sub_groups`` (which the optimizer's constructor makes
+        empty)."""
+        ours, self.sub_group_size = self.sub_group_size, self.norm_sub_group_size
+        try:
+            self.norm_sub_groups.extend(super()._create_fp16_sub_groups(params_group))
+        finally:
+            self.sub_group_size = ours
         return cut_sub_groups(
             params_group,
             self.sub_group_size,
