@@ -111,6 +111,8 @@ def test_env_text_names_its_sections(capsys):
 
 
 def test_env_lists_the_variables_set_and_its_help_all_of_them(capsys, monkeypatch):
+    for name in env.VARIABLES:  # only the one set here (a test run may set HF_SUPEROFFLOAD_CACHE)
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HF_SUPEROFFLOAD_CPU_THREADS", "6")
     code, out, _ = cli(capsys, "env", "--no-bandwidth")
     assert code == 0 and "  HF_SUPEROFFLOAD_CPU_THREADS=6: threads of the CPU Adam" in out
