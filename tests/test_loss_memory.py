@@ -78,7 +78,7 @@ def _planned_bytes_a_logit(low: int, smoothing: bool) -> float:
     tokens = ROWS * SEQ
     if smoothing:
         return label_smoothing_bytes(tokens, ROWS, 1, low) / tokens
-    return model_loss_bytes(tokens, 1, low) / tokens
+    return model_loss_bytes(tokens, 1) / tokens
 
 
 @pytest.mark.parametrize("smoothing", [False, True], ids=["model_loss", "label_smoothing"])

@@ -67,12 +67,10 @@ def trl_loss_bytes(tokens: int, hidden: int, vocab: int, low: int) -> int:
     return (4 + low) * (tokens + vocab) * hidden + tile
 
 
-def model_loss_bytes(tokens: int, vocab: int, low: int) -> int:
-    """GPU bytes of the model's own loss (``LOGIT_BYTES``) over ``tokens`` x ``vocab`` logits
-    in ``low`` bytes a value: the larger of its forward's peak (the logits, their fp32 upcast
-    where they are not fp32, the fp32 log-softmax) and its backward's (``LOGIT_BYTES``)."""
-    forward = low + (4 if low < 4 else 0) + 4
-    return max(forward, LOGIT_BYTES) * tokens * vocab
+def model_loss_bytes(tokens: int, vocab: int) -> int:
+    """GPU bytes of the model's own loss over ``tokens`` x ``vocab`` logits: its backward's
+    peak (``LOGIT_BYTES``), above its forward's in either dtype."""
+    return LOGIT_BYTES * tokens * vocab
 
 
 def label_smoothing_bytes(tokens: int, rows: int, vocab: int, low: int) -> int:
@@ -101,7 +99,7 @@ def loss_bytes(config, shape: ModelShape, run: Zero3Run, tokens: int) -> int:
     if run.label_smoothing:
         return label_smoothing_bytes(tokens, run.batch, shape.vocab, run.dtype_bytes)
     if fused is None:
-        return model_loss_bytes(tokens, shape.vocab, run.dtype_bytes)
+        return model_loss_bytes(tokens, shape.vocab)
     if fused not in FUSED_CROSS_ENTROPY:
         raise ValueError(
             f"fused_cross_entropy must be None (the model's own loss) or one of "
