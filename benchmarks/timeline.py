@@ -18,6 +18,7 @@ instrumentation costs a little itself.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
@@ -28,6 +29,7 @@ import threading
 import time
 
 import torch
+from stream_summary import summarize_trace
 from systems import SYSTEMS, run_environment
 from train_step import add_model_arguments, model_config
 
@@ -164,6 +166,45 @@ def _write_profile(profiler: cProfile.Profile, path: str) -> None:
         handle.write(text.getvalue())
 
 
+def _two_steps(system, batch, timeline: Timeline, forward_end, profile: str | None) -> None:
+    """Step 0's backward and step() and step 1's forward and backward, recorded."""
+    for step in range(2):
+        profiler = cProfile.Profile() if profile and step == 1 else None
+        timeline.in_forward = step == 1
+        if profiler:
+            profiler.enable()
+        loss = system.forward(batch)
+        timeline.in_forward = False
+        if step == 1:
+            forward_end.record()
+        timeline.marks[f"forward_{step}_host_end"] = timeline.now()
+        system.backward(loss)
+        if profiler:
+            profiler.disable()
+            _write_profile(profiler, profile)
+        timeline.marks[f"backward_{step}_host_end"] = timeline.now()
+        if step == 0:
+            timeline.tasks.clear()
+            timeline.waits.clear()
+            timeline.event_waits.clear()
+            timeline.marks["step_0_start"] = timeline.now()
+            step_profiler = cProfile.Profile() if profile else None
+            if step_profiler:
+                step_profiler.enable()
+            system.optimizer_step()
+            if step_profiler:
+                step_profiler.disable()
+                _write_profile(step_profiler, profile + ".step")
+            timeline.marks["step_0_host_end"] = timeline.now()
+
+
+def _cuda_profiler():
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as cuda_profile
+
+    return cuda_profile(activities=[ProfilerActivity.CUDA])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument(
@@ -183,6 +224,11 @@ def main() -> None:
         "--profile", default=None,
         help="write cProfile's top functions of step 1's forward and backward (training "
         "thread) to this file, and of step 0's optimizer step to this file + '.step'",
+    )  # fmt: skip
+    parser.add_argument(
+        "--cuda-trace", default=None,
+        help="also profile the two recorded steps' CUDA streams (torch.profiler): write the "
+        "Chrome trace to this file and print what each stream did (stream_summary.py)",
     )  # fmt: skip
     args = parser.parse_args()
     try:
@@ -207,34 +253,9 @@ def main() -> None:
     # Step 0's step() starts the CPU pass that step 1's forward waits for; step 1 ends after
     # its backward, so every task recorded belongs to step 0's pass or step 1's speculation.
     forward_end = torch.cuda.Event(enable_timing=True)
-    for step in range(2):
-        profiler = cProfile.Profile() if args.profile and step == 1 else None
-        timeline.in_forward = step == 1
-        if profiler:
-            profiler.enable()
-        loss = system.forward(batch)
-        timeline.in_forward = False
-        if step == 1:
-            forward_end.record()
-        timeline.marks[f"forward_{step}_host_end"] = timeline.now()
-        system.backward(loss)
-        if profiler:
-            profiler.disable()
-            _write_profile(profiler, args.profile)
-        timeline.marks[f"backward_{step}_host_end"] = timeline.now()
-        if step == 0:
-            timeline.tasks.clear()
-            timeline.waits.clear()
-            timeline.event_waits.clear()
-            timeline.marks["step_0_start"] = timeline.now()
-            step_profiler = cProfile.Profile() if args.profile else None
-            if step_profiler:
-                step_profiler.enable()
-            system.optimizer_step()
-            if step_profiler:
-                step_profiler.disable()
-                _write_profile(step_profiler, args.profile + ".step")
-            timeline.marks["step_0_host_end"] = timeline.now()
+    cuda_profiler = _cuda_profiler() if args.cuda_trace else contextlib.nullcontext()
+    with cuda_profiler as profiled:
+        _two_steps(system, batch, timeline, forward_end, args.profile)
     end_event = torch.cuda.Event(enable_timing=True)
     end_event.record()
     torch.cuda.synchronize()
@@ -251,6 +272,12 @@ def main() -> None:
              "waits": timeline.waits, "event_waits": timeline.event_waits},
             handle, indent=1,
         )  # fmt: skip
+    if args.cuda_trace:
+        profiled.export_chrome_trace(args.cuda_trace)
+        streams = summarize_trace(args.cuda_trace)
+        with open(args.cuda_trace + ".summary.json", "w") as handle:
+            json.dump(streams, handle, indent=1)
+        print(json.dumps({"cuda_streams": streams}, indent=1))
     short = {k: v for k, v in summary.items() if not isinstance(v, list)}
     print(json.dumps({"system": args.system, **short}, indent=1))
 
