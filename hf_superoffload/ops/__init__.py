@@ -21,6 +21,7 @@ from .adam import (
     set_num_threads,
 )
 from .compact import compact_adam, compact_adam_commit_speculate
+from .compact_pieces import CommitPiece, compact_adam_pieces
 
 
 def prepare() -> ModuleType:
@@ -34,6 +35,7 @@ def prepare() -> ModuleType:
 
 __all__ = [
     "BuildToolMissingError",
+    "CommitPiece",
     "active_isa",
     "adam_replay",
     "adam_rollback",
@@ -41,6 +43,7 @@ __all__ = [
     "available_isas",
     "compact_adam",
     "compact_adam_commit_speculate",
+    "compact_adam_pieces",
     "get_num_threads",
     "load_extension",
     "prepare",

@@ -175,6 +175,81 @@ int64_t compact_apply(const std::string& isa, at::Tensor master, at::Tensor grad
   return skipped;
 }
 
+// compact_adam_pieces (compact_pieces.py): the commit of several pieces of one partition's flat
+// CPU tensors in one call, the GIL released once. `pieces` (int64, [k, 4]) holds each piece's
+// first element, elements, first block among the scales and rounding index base; `constants`
+// (float64, [k, 12]) its twelve constants as compact.py's constants() derives them.
+// compact_pieces.py checks every piece's bounds first; the checks here keep memory safe.
+int64_t compact_apply_pieces(const std::string& isa, at::Tensor master, at::Tensor grad,
+                             at::Tensor exp_avg, at::Tensor exp_avg_scale, at::Tensor exp_avg_sq,
+                             at::Tensor exp_avg_sq_scale, at::Tensor pieces,
+                             at::Tensor constants, bool adamw, bool stochastic,
+                             int64_t threads) {
+  const int64_t n = master.numel();
+  check_flat(master, "master", at::kFloat, "float32 (the master weights; use tensor.float())", n,
+             "master has");
+  TORCH_CHECK_TYPE(grad.scalar_type() == at::kFloat || lowp_kind(grad) != kLowpNone,
+                   "grad must be float32, bfloat16 or float16, got ", grad.scalar_type(), ".");
+  check_flat(grad, "grad", grad.scalar_type(), "", n, "master has");
+  const char* codes = "uint8 (8-bit codes, as CompactMoments holds them)";
+  check_flat(exp_avg, "exp_avg", at::kByte, codes, n, "master has");
+  check_flat(exp_avg_sq, "exp_avg_sq", at::kByte, codes, n, "master has");
+  const int64_t blocks = exp_avg_scale.numel();
+  const char* scales = "float32 (one scale per block of 256 elements)";
+  check_flat(exp_avg_scale, "exp_avg_scale", at::kFloat, scales, blocks, "exp_avg_scale has");
+  check_flat(exp_avg_sq_scale, "exp_avg_sq_scale", at::kFloat, scales, blocks,
+             "exp_avg_scale has");
+  TORCH_CHECK_TYPE(pieces.scalar_type() == at::kLong && pieces.dim() == 2 &&
+                       pieces.size(1) == 4 && pieces.is_contiguous() && pieces.device().is_cpu(),
+                   "pieces must be a contiguous CPU int64 tensor of shape [k, 4].");
+  const int64_t k = pieces.size(0);
+  TORCH_CHECK_TYPE(constants.scalar_type() == at::kDouble && constants.dim() == 2 &&
+                       constants.size(0) == k && constants.size(1) == 12 &&
+                       constants.is_contiguous() && constants.device().is_cpu(),
+                   "constants must be a contiguous CPU float64 tensor of shape [k, 12].");
+  const int64_t* rows = pieces.data_ptr<int64_t>();
+  const double* c = constants.data_ptr<double>();
+  for (int64_t i = 0; i < k; ++i) {
+    const int64_t at = rows[4 * i], numel = rows[4 * i + 1], first_block = rows[4 * i + 2];
+    const int64_t piece_blocks = (numel + kCompactBlock - 1) / kCompactBlock;
+    TORCH_CHECK_VALUE(at >= 0 && numel >= 0 && at + numel <= n && first_block >= 0 &&
+                          first_block + piece_blocks <= blocks,
+                      "a piece lies outside the tensors.");
+  }
+  char* grad_bytes = static_cast<char*>(grad.data_ptr());
+  const int64_t grad_size = grad.element_size();
+  const char* chosen = isa.empty() ? nullptr : isa.c_str();
+  int64_t skipped = 0;
+  bool known = true;
+  {
+    pybind11::gil_scoped_release no_gil;
+    for (int64_t i = 0; i < k && known; ++i) {
+      const int64_t at = rows[4 * i], numel = rows[4 * i + 1], first_block = rows[4 * i + 2];
+      const double* row = c + 12 * i;
+      const CompactArgs args{float(row[0]), float(row[1]), float(row[2]), float(row[3]),
+                             float(row[4]), float(row[5]), float(row[6]), float(row[7]),
+                             float(row[8]), float(row[9]), uint32_t(int64_t(row[10])),
+                             uint32_t(int64_t(row[11])), uint32_t(rows[4 * i + 3]),
+                             adamw ? 1 : 0, stochastic ? 1 : 0, 1};
+      const CompactTensors tensors{master.data_ptr<float>() + at,
+                                   grad_bytes + at * grad_size,
+                                   lowp_kind(grad),
+                                   exp_avg.data_ptr<uint8_t>() + at,
+                                   exp_avg_scale.data_ptr<float>() + first_block,
+                                   exp_avg_sq.data_ptr<uint8_t>() + at,
+                                   exp_avg_sq_scale.data_ptr<float>() + first_block,
+                                   nullptr,
+                                   kLowpNone};
+      const int64_t piece_skipped = hso_compact_run(chosen, &args, &tensors, numel, int(threads));
+      known = piece_skipped >= 0;
+      skipped += known ? piece_skipped : 0;
+    }
+  }
+  TORCH_CHECK_VALUE(known, "instruction set '", isa,
+                    "' is unknown or not supported by this CPU; see available_isas().");
+  return skipped;
+}
+
 // CompactArgs of the twelve constants compact.py's constants() derives (grad_scale ...
 // neg_step_size as doubles, the two keys as integers).
 CompactArgs compact_args(const std::vector<double>& c, int64_t index_base, bool adamw,
@@ -239,6 +314,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adam_apply", &adam_apply, "Adam step/rollback/replay over flat fp32 CPU tensors");
   m.def("compact_apply", &compact_apply,
         "One compact-state Adam pass (8-bit moments) over flat CPU tensors");
+  m.def("compact_apply_pieces", &compact_apply_pieces,
+        "The commit of several pieces of flat CPU tensors in one call (8-bit moments)");
   m.def("compact_fused_apply", &compact_fused_apply,
         "A compact-state commit and the next step's speculative update in one pass");
   m.def("best_isa", []() { return std::string(hso_best_isa()); });
