@@ -191,7 +191,8 @@ def test_sizes_written_in_the_config_are_used_as_written(zero, sizes):
 
     # DeepSpeed hands the optimizer its defaults for the keys a config leaves out.
     kwargs = {"sub_group_size": 10**9, "reduce_bucket_size": 5 * 10**8, **zero}
-    resolve_sizes(kwargs, {"zero_optimization": {"stage": 3, **zero}})
+    deepspeed_size = kwargs["sub_group_size"]
+    assert resolve_sizes(kwargs, {"zero_optimization": {"stage": 3, **zero}}) == deepspeed_size
     assert (kwargs["sub_group_size"], kwargs["reduce_bucket_size"]) == sizes
 
 

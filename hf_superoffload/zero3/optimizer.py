@@ -61,7 +61,6 @@ from .host_parts import copy_out_ring, copy_out_ring_dtype, micro_batches_accumu
 from .host_state import HostState, compact_salts
 from .norms import sub_group_norms
 from .options import (
-    DEEPSPEED_DEFAULT_SUB_GROUP_SIZE,
     check_supported,
     cores_perc_if_set,
     resolve_options,
@@ -119,10 +118,9 @@ class SuperOffloadZero3Optimizer(
         self._replicas = Replicas(kwargs.get("dp_process_group"), device)
         perc = cores_perc_if_set(kwargs.get("offload_optimizer_config"))
         options = resolve_options(perc, device)
-        # What DeepSpeed cuts its sub groups at (the config's size, else its default), which
-        # the global norm follows (sub_groups.py); ours may differ (options.resolve_sizes).
-        self.norm_sub_group_size = kwargs.get("sub_group_size", DEEPSPEED_DEFAULT_SUB_GROUP_SIZE)
-        resolve_sizes(kwargs, ds_config)  # the host check counts the sub groups they cut
+        # What DeepSpeed cuts its sub groups at, which the global norm follows (sub_groups.py);
+        # ours may differ. The host check counts the sub groups ours cut.
+        self.norm_sub_group_size = resolve_sizes(kwargs, ds_config)
         check_supported(init_optimizer, ds_config, kwargs, self._replicas, options, device.type)
         # The sub groups "ratio" keeps on the GPU are ours to step (device_sub_groups.py says
         # why); DeepSpeed offloads all and builds none of its partial-offload machinery.

@@ -149,19 +149,19 @@ def reduce_bucket_size(requested: int, sub_group: int, written: bool) -> int:
     return requested if written else min(requested, sub_group)
 
 
-def resolve_sizes(kwargs: dict, ds_config) -> None:
+def resolve_sizes(kwargs: dict, ds_config) -> int:
     """Put the sub group and reduce bucket sizes this path runs with into ``kwargs`` (in
-    place), before anything reads them: the host check, then DeepSpeed's constructor."""
-    sub_group = sub_group_size(
-        kwargs.get("sub_group_size", DEEPSPEED_DEFAULT_SUB_GROUP_SIZE),
-        written_in_config(ds_config, "sub_group_size"),
-    )
+    place), before anything reads them: the host check, then DeepSpeed's constructor. Returns
+    the sub group size DeepSpeed itself would cut at (the config's, else its default)."""
+    deepspeed_size = kwargs.get("sub_group_size", DEEPSPEED_DEFAULT_SUB_GROUP_SIZE)
+    sub_group = sub_group_size(deepspeed_size, written_in_config(ds_config, "sub_group_size"))
     kwargs["sub_group_size"] = sub_group
     kwargs["reduce_bucket_size"] = reduce_bucket_size(
         kwargs.get("reduce_bucket_size", DEEPSPEED_DEFAULT_REDUCE_BUCKET_SIZE),
         sub_group,
         written_in_config(ds_config, "reduce_bucket_size"),
     )
+    return deepspeed_size
 
 
 def check_supported(
