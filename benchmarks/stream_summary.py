@@ -65,7 +65,7 @@ def compute_gaps(events: list[dict], min_gap_s: float = 0.002, limit: int = 20) 
         if e["kind"] == "kernel":
             kernel_time[e["stream"]] += e["end"] - e["start"]
     if not kernel_time:
-        return {"compute_stream": None, "gaps": []}
+        return {"compute_stream": None, "gaps_total_s": 0.0, "gap_count": 0, "largest_gaps": []}
     compute = max(kernel_time, key=kernel_time.get)
     mine = [e for e in events if e["stream"] == compute]
     others = [e for e in events if e["stream"] != compute]

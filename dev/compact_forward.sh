@@ -41,7 +41,11 @@ for path in sorted(glob.glob(os.path.join(out, "timeline_*.json"))):
           f"{lag * 1e3:6.2f} ms, worker busy after step() {s['cpu_pass_busy_s']:.3f} s")
 for path in glob.glob(os.path.join(out, "suite", "**", "suite.csv"), recursive=True):
     rows = list(csv.DictReader(open(path)))
-    base = {r["system"]: float(r["s_per_step"]) for r in rows if r["s_per_step"]}
+    for r in rows:
+        if r["status"] != "ok":
+            print(f"{r['system']:<28} {r['status']}: {r['error'][:100]}")
+    rows = [r for r in rows if r["status"] == "ok"]
+    base = {r["system"]: float(r["s_per_step"]) for r in rows}
     for r in rows:
         p = json.loads(r.get("phases") or "{}")
         ratio = float(r["s_per_step"]) / base.get("superoffload_zero3", float("nan"))

@@ -53,3 +53,4 @@ def test_a_trace_without_gpu_activity_has_no_compute_stream(tmp_path):
     path.write_text(json.dumps({"traceEvents": [{"cat": "cpu_op", "name": "x", "ts": 0}]}))
     summary = summarize_trace(str(path))
     assert summary["compute_stream"] is None and summary["streams"] == {}
+    assert (summary["gap_count"], summary["largest_gaps"]) == (0, [])

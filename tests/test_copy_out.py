@@ -104,7 +104,8 @@ def test_passes_through_the_ring_in_pieces_equal_whole_passes_to_the_bit(runs):
 
 def test_compact_passes_cut_at_the_ring_only_when_they_send_and_equal_whole_calls():
     """Compact moments: a speculative pass goes to the model through the ring in buffer-sized
-    pieces, a commit (nothing sent) makes one kernel call a param; both give the bits of one
+    pieces, a commit (nothing sent) makes one kernel call for all its params
+    (``ops.compact_adam_pieces``, a piece a param); both give the bits of one
     ``ops.compact_adam`` call per param."""
     from hf_superoffload import ops
     from hf_superoffload.engine.compact_moments import CompactMoments
@@ -118,11 +119,15 @@ def test_compact_passes_cut_at_the_ring_only_when_they_send_and_equal_whole_call
     part = _partition(2348, 0)
     part.compact = CompactMoments(spans, salts, 2348)
     calls = []
-    kernel = ops.compact_adam
+    kernel, kernel_pieces = ops.compact_adam, ops.compact_adam_pieces
 
     def counted(master, *args, **kwargs):
         calls.append((master.numel(), kwargs["commit"]))
         return kernel(master, *args, **kwargs)
+
+    def counted_pieces(*args, **kwargs):
+        calls.append(list(args[6]))
+        return kernel_pieces(*args, **kwargs)
 
     hyper = adam_hyper({"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}, 1)
     runs = [(0, 2348, 1)]
@@ -137,7 +142,7 @@ def test_compact_passes_cut_at_the_ring_only_when_they_send_and_equal_whole_call
             out_lowp=sent[offset : offset + n], **kwargs,
         )  # fmt: skip
     try:
-        ops.compact_adam = counted
+        ops.compact_adam, ops.compact_adam_pieces = counted, counted_pieces
         steps.compact.run(
             part, hyper, 1.0, runs, part.host_grad, commit=False, send=True, seconds="cpu_step_seconds"
         )  # fmt: skip
@@ -147,9 +152,10 @@ def test_compact_passes_cut_at_the_ring_only_when_they_send_and_equal_whole_call
             part, hyper, 1.0, runs, part.host_grad, commit=True, send=False, seconds="commit_seconds"
         )  # fmt: skip
     finally:
-        ops.compact_adam = kernel
+        ops.compact_adam, ops.compact_adam_pieces = kernel, kernel_pieces
     assert speculative == [(512, False)] * 3 + [(464, False), (300, False)]
-    assert calls == [(2000, True), (300, True)]
+    # (offset, elements, first scale block, update number, salt, offset within the param)
+    assert calls == [[ops.CommitPiece(0, 2000, 0, 1, 5, 0), ops.CommitPiece(2048, 300, 8, 1, 9, 0)]]
     for (offset, n), salt, index in zip(spans, salts, range(2), strict=True):
         assert torch.equal(part.flat_param[offset : offset + n], sent[offset : offset + n])
         kernel(

@@ -69,11 +69,11 @@ class CompactPasses:
             return
         host.link.host_waits_for(part.last_h2d)  # no transfer still reads the master
         if commit and not send:  # every param of the runs in one call
-            n = moments.numel
+            n, pieces = moments.numel, _commit_pieces(moments, runs)
             began = time.perf_counter()
             ops.compact_adam_pieces(
-                part.master.narrow(0, 0, n), grad.narrow(0, 0, n), *moments.tensors(),
-                _commit_pieces(moments, runs), grad_scale=scale, **kwargs,
+                part.master.narrow(0, 0, n), grad.narrow(0, 0, n), *moments.tensors(), pieces,
+                grad_scale=scale, **kwargs,
             )  # fmt: skip
             setattr(stats, seconds, getattr(stats, seconds) + time.perf_counter() - began)
         else:  # a piece a copy-out buffer when it goes to the model, else a param a call

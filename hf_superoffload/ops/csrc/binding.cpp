@@ -211,9 +211,11 @@ int64_t compact_apply_pieces(const std::string& isa, at::Tensor master, at::Tens
   const double* c = constants.data_ptr<double>();
   for (int64_t i = 0; i < k; ++i) {
     const int64_t at = rows[4 * i], numel = rows[4 * i + 1], first_block = rows[4 * i + 2];
-    const int64_t piece_blocks = (numel + kCompactBlock - 1) / kCompactBlock;
-    TORCH_CHECK_VALUE(at >= 0 && numel >= 0 && at + numel <= n && first_block >= 0 &&
-                          first_block + piece_blocks <= blocks,
+    // Written so that no sum can overflow, whatever the rows hold.
+    TORCH_CHECK_VALUE(at >= 0 && at <= n && numel >= 0 && numel <= n - at && first_block >= 0 &&
+                          first_block <= blocks &&
+                          numel / kCompactBlock + (numel % kCompactBlock != 0) <=
+                              blocks - first_block,
                       "a piece lies outside the tensors.");
   }
   char* grad_bytes = static_cast<char*>(grad.data_ptr());
