@@ -177,6 +177,11 @@ def _two_steps(system, batch, timeline: Timeline, forward_end, profile: str | No
         timeline.in_forward = False
         if step == 1:
             forward_end.record()
+        if profiler:
+            profiler.disable()
+            _write_profile(profiler, profile + ".forward")
+            profiler = cProfile.Profile()
+            profiler.enable()
         timeline.marks[f"forward_{step}_host_end"] = timeline.now()
         system.backward(loss)
         if profiler:
@@ -222,8 +227,9 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument(
         "--profile", default=None,
-        help="write cProfile's top functions of step 1's forward and backward (training "
-        "thread) to this file, and of step 0's optimizer step to this file + '.step'",
+        help="write cProfile's top functions (training thread) of step 1's backward to this "
+        "file, of its forward to this file + '.forward', and of step 0's optimizer step to "
+        "this file + '.step'",
     )  # fmt: skip
     parser.add_argument(
         "--cuda-trace", default=None,

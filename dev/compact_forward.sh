@@ -14,12 +14,13 @@
 set -u
 OUT="${OUT:-results}"
 mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"  # the timeline runs from benchmarks/
 source dev/gpu_env.sh || exit 1
 MODEL=(--hidden 3072 --layers 28 --seq 4096 --batch 4)
 for system in superoffload_zero3 superoffload_zero3_compact; do
     (cd benchmarks && timeout 200 python timeline.py --system "$system" "${MODEL[@]}" --clip 0 \
-        --ratio 1.0 --out "../$OUT/timeline_$system.json" --cuda-trace "/tmp/trace_$system.json" \
-        > "../$OUT/timeline_$system.log" 2>&1)
+        --ratio 1.0 --out "$OUT/timeline_$system.json" --cuda-trace "/tmp/trace_$system.json" \
+        --profile "$OUT/profile_$system.txt" > "$OUT/timeline_$system.log" 2>&1)
     echo "timeline $system rc=$?"
     cp "/tmp/trace_$system.json.summary.json" "$OUT/" 2>/dev/null
 done

@@ -97,11 +97,16 @@ def get_num_threads() -> int:
     return _num_threads
 
 
-def set_num_threads(threads: int) -> None:
-    global _num_threads
+def checked_threads(threads: object) -> int:
+    """``threads`` if it is a positive int; else a ValueError that says so."""
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise ValueError(f"threads must be a positive int, got {threads!r}.")
-    _num_threads = threads
+    return threads
+
+
+def set_num_threads(threads: int) -> None:
+    global _num_threads
+    _num_threads = checked_threads(threads)
 
 
 def _real(name: str, value: object) -> float:

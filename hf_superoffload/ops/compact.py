@@ -30,12 +30,6 @@ def _int(name: str, value: object) -> int:
     return value
 
 
-def _threads(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"threads must be a positive int, got {value!r}.")
-    return value
-
-
 def constants(
     step: int,
     lr: float,

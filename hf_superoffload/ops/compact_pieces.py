@@ -14,8 +14,8 @@ import dataclasses
 import torch
 
 from ._build import load_extension
-from .adam import _forced_isa, _scale, checked_hyper, get_num_threads
-from .compact import _TENSORS, _int, _threads, constants
+from .adam import _forced_isa, _scale, checked_hyper, checked_threads, get_num_threads
+from .compact import _TENSORS, _int, constants
 from .compact_format import BLOCK, check_element_offset
 
 
@@ -71,7 +71,7 @@ def compact_adam_pieces(
         )
     _, lr, beta1, beta2, eps, weight_decay = checked_hyper(1, lr, beta1, beta2, eps, weight_decay)
     grad_scale = _scale("grad_scale", grad_scale)
-    threads = get_num_threads() if threads is None else _threads(threads)
+    threads = get_num_threads() if threads is None else checked_threads(threads)
     rows, consts = [], []
     for piece in pieces:
         _check_piece(piece, n, blocks)

@@ -92,6 +92,26 @@ void check_flat(const at::Tensor& t, const char* name, at::ScalarType dtype, con
                     " ", numel, ".");
 }
 
+// The master weights (fp32) and a gradient of as many elements (fp32, bf16 or fp16) named
+// `grad_name`: returns their element count.
+int64_t check_master_and_grad(const at::Tensor& master, const at::Tensor& grad,
+                              const char* grad_name) {
+  const int64_t n = master.numel();
+  check_flat(master, "master", at::kFloat, "float32 (the master weights; use tensor.float())", n,
+             "master has");
+  TORCH_CHECK_TYPE(grad.scalar_type() == at::kFloat || lowp_kind(grad) != kLowpNone, grad_name,
+                   " must be float32, bfloat16 or float16, got ", grad.scalar_type(), ".");
+  check_flat(grad, grad_name, grad.scalar_type(), "", n, "master has");
+  return n;
+}
+
+// Both moments' codes of n elements, one uint8 an element.
+void check_codes(const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq, int64_t n) {
+  const char* codes = "uint8 (8-bit codes, as CompactMoments holds them)";
+  check_flat(exp_avg, "exp_avg", at::kByte, codes, n, "master has");
+  check_flat(exp_avg_sq, "exp_avg_sq", at::kByte, codes, n, "master has");
+}
+
 // The four compact state tensors of a master of n elements: both moments' codes, one uint8 an
 // element, and their scales, one float32 a block of kCompactBlock elements.
 void check_compact_state(const at::Tensor& exp_avg, const at::Tensor& exp_avg_scale,
@@ -99,9 +119,7 @@ void check_compact_state(const at::Tensor& exp_avg, const at::Tensor& exp_avg_sc
                          int64_t n) {
   static_assert(kCompactBlock == 256, "the messages below name blocks of 256 elements");
   const int64_t blocks = (n + kCompactBlock - 1) / kCompactBlock;
-  const char* codes = "uint8 (8-bit codes, as CompactMoments holds them)";
-  check_flat(exp_avg, "exp_avg", at::kByte, codes, n, "master has");
-  check_flat(exp_avg_sq, "exp_avg_sq", at::kByte, codes, n, "master has");
+  check_codes(exp_avg, exp_avg_sq, n);
   const char* scales = "float32 (one scale per block of 256 elements)";
   check_flat(exp_avg_scale, "exp_avg_scale", at::kFloat, scales, blocks,
              "master's blocks of 256 number");
@@ -120,12 +138,7 @@ int64_t compact_apply(const std::string& isa, at::Tensor master, at::Tensor grad
                       double neg_step_size, int64_t key_exp_avg, int64_t key_exp_avg_sq,
                       int64_t index_base, bool adamw, bool stochastic, bool commit,
                       int64_t threads) {
-  const int64_t n = master.numel();
-  check_flat(master, "master", at::kFloat, "float32 (the master weights; use tensor.float())", n,
-             "master has");
-  TORCH_CHECK_TYPE(grad.scalar_type() == at::kFloat || lowp_kind(grad) != kLowpNone,
-                   "grad must be float32, bfloat16 or float16, got ", grad.scalar_type(), ".");
-  check_flat(grad, "grad", grad.scalar_type(), "", n, "master has");
+  const int64_t n = check_master_and_grad(master, grad, "grad");
   check_compact_state(exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, n);
   CompactTensors tensors{master.data_ptr<float>(),
                          grad.data_ptr(),
@@ -185,15 +198,8 @@ int64_t compact_apply_pieces(const std::string& isa, at::Tensor master, at::Tens
                              at::Tensor exp_avg_sq_scale, at::Tensor pieces,
                              at::Tensor constants, bool adamw, bool stochastic,
                              int64_t threads) {
-  const int64_t n = master.numel();
-  check_flat(master, "master", at::kFloat, "float32 (the master weights; use tensor.float())", n,
-             "master has");
-  TORCH_CHECK_TYPE(grad.scalar_type() == at::kFloat || lowp_kind(grad) != kLowpNone,
-                   "grad must be float32, bfloat16 or float16, got ", grad.scalar_type(), ".");
-  check_flat(grad, "grad", grad.scalar_type(), "", n, "master has");
-  const char* codes = "uint8 (8-bit codes, as CompactMoments holds them)";
-  check_flat(exp_avg, "exp_avg", at::kByte, codes, n, "master has");
-  check_flat(exp_avg_sq, "exp_avg_sq", at::kByte, codes, n, "master has");
+  const int64_t n = check_master_and_grad(master, grad, "grad");
+  check_codes(exp_avg, exp_avg_sq, n);
   const int64_t blocks = exp_avg_scale.numel();
   const char* scales = "float32 (one scale per block of 256 elements)";
   check_flat(exp_avg_scale, "exp_avg_scale", at::kFloat, scales, blocks, "exp_avg_scale has");
@@ -275,13 +281,7 @@ std::tuple<int64_t, int64_t> compact_fused_apply(
     at::Tensor exp_avg_sq_scale, at::Tensor out_lowp, const std::vector<double>& commit,
     const std::vector<double>& speculate, int64_t index_base, bool adamw, bool stochastic,
     bool keep_new_grad, int64_t threads) {
-  const int64_t n = master.numel();
-  check_flat(master, "master", at::kFloat, "float32 (the master weights; use tensor.float())", n,
-             "master has");
-  TORCH_CHECK_TYPE(grad_pending.scalar_type() == at::kFloat || lowp_kind(grad_pending) != kLowpNone,
-                   "grad_pending must be float32, bfloat16 or float16, got ",
-                   grad_pending.scalar_type(), ".");
-  check_flat(grad_pending, "grad_pending", grad_pending.scalar_type(), "", n, "master has");
+  const int64_t n = check_master_and_grad(master, grad_pending, "grad_pending");
   check_flat(grad_new, "grad_new", grad_pending.scalar_type(), "grad_pending's dtype", n,
              "master has");
   check_compact_state(exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, n);
