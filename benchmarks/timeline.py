@@ -177,15 +177,16 @@ def _two_steps(system, batch, timeline: Timeline, forward_end, profile: str | No
         timeline.in_forward = False
         if step == 1:
             forward_end.record()
-        if profiler:
-            profiler.disable()
-            _write_profile(profiler, profile + ".forward")
+        forward_profiler = profiler
+        if profiler:  # the forward and the backward apart; written after both
+            forward_profiler.disable()
             profiler = cProfile.Profile()
             profiler.enable()
         timeline.marks[f"forward_{step}_host_end"] = timeline.now()
         system.backward(loss)
         if profiler:
             profiler.disable()
+            _write_profile(forward_profiler, profile + ".forward")
             _write_profile(profiler, profile)
         timeline.marks[f"backward_{step}_host_end"] = timeline.now()
         if step == 0:

@@ -10,17 +10,20 @@
 # 2. benchmarks/suite.py with both systems (s/step and its phases, ratio to fp32 in one run);
 # 3. benchmarks/commit_beside_python.py on this host's cores: a Python-bound loop beside the
 #    commit pass made a call a param and in one call.
-# Env: OUT (default ./results). Prints a table of each part last.
+# Env: OUT (default ./results); PROFILE=1 also writes cProfile's view of step 1's forward and
+# backward (profile_<system>.txt.forward and .txt). Prints a table of each part last.
 set -u
 OUT="${OUT:-results}"
 mkdir -p "$OUT"
-OUT="$(cd "$OUT" && pwd)"  # the timeline runs from benchmarks/
+OUT="$(cd "$OUT" && pwd)" || exit 1  # the timeline runs from benchmarks/
+PROFILE="${PROFILE:-0}"  # 1: also cProfile step 1's forward and backward (slows the host)
 source dev/gpu_env.sh || exit 1
 MODEL=(--hidden 3072 --layers 28 --seq 4096 --batch 4)
 for system in superoffload_zero3 superoffload_zero3_compact; do
     (cd benchmarks && timeout 200 python timeline.py --system "$system" "${MODEL[@]}" --clip 0 \
         --ratio 1.0 --out "$OUT/timeline_$system.json" --cuda-trace "/tmp/trace_$system.json" \
-        --profile "$OUT/profile_$system.txt" > "$OUT/timeline_$system.log" 2>&1)
+        $([ "$PROFILE" = 1 ] && echo --profile "$OUT/profile_$system.txt") \
+        > "$OUT/timeline_$system.log" 2>&1)
     echo "timeline $system rc=$?"
     cp "/tmp/trace_$system.json.summary.json" "$OUT/" 2>/dev/null
 done
