@@ -11,9 +11,10 @@ therefore exact with respect to the plain-PyTorch compact update
 bit for bit.
 
 A write that sends nothing covers all of its params in one call (``ops.compact_adam_pieces``,
-the same bits): it runs while the training thread's forward, bound by Python, needs the GIL,
-and a call a param took the GIL back several times a param (38.7 us of Python a param against
-9.0 in one call, 1000 params of 256 elements, one thread).
+the same bits), which takes the GIL back once rather than several times a param (38.7 us of
+Python a param against 9.0 in one call, 1000 params of 256 elements, one thread). It did not
+change the step on H200 hosts, where the writes slow the forward they run beside through
+memory traffic, not the GIL (docs/runs/2026-11-27-compact-forward-h200.md).
 """
 
 from __future__ import annotations

@@ -118,6 +118,17 @@ def _real(name: str, value: object) -> float:
     return value
 
 
+def checked_step(step: object) -> int:
+    """The 1-based update number, or a refusal that says what to pass."""
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise TypeError(f"step must be an int (the 1-based update number), got {step!r}.")
+    if step < 1:
+        raise ValueError(
+            f"step is the 1-based number of the update, so it must be >= 1; got {step}."
+        )
+    return step
+
+
 def checked_hyper(
     step: int,
     lr: float,
@@ -129,12 +140,7 @@ def checked_hyper(
 ) -> tuple[int, float, float, float, float, float]:
     """The update number and hyperparameters as numbers, or a refusal that says what to pass
     (``undoing``: the step must be undoable, so neither beta may be 0)."""
-    if isinstance(step, bool) or not isinstance(step, int):
-        raise TypeError(f"step must be an int (the 1-based update number), got {step!r}.")
-    if step < 1:
-        raise ValueError(
-            f"step is the 1-based number of the update, so it must be >= 1; got {step}."
-        )
+    step = checked_step(step)
     lr, beta1, beta2 = _real("lr", lr), _real("beta1", beta1), _real("beta2", beta2)
     eps, weight_decay = _real("eps", eps), _real("weight_decay", weight_decay)
     if lr < 0:

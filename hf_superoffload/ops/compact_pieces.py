@@ -2,9 +2,9 @@
 
 ``compact_adam_pieces`` writes, for each piece, what ``compact_adam(..., commit=True)`` writes
 for that piece's slices (same bits: the same kernel runs on each), but makes one call into the
-extension and releases the GIL once. A commit pass makes a call per param of a partition
-(each param has its own rounding salt); made one by one, each call takes the GIL back several
-times, and a training thread whose forward is bound by Python waits at every one of them.
+extension and releases the GIL once. A commit pass covers every param of a partition, each
+with its own rounding salt; made a call a param, each call took the GIL back several times
+(38.7 us of Python a param against 9.0 in one call, 1000 params of 256 elements, one thread).
 """
 
 from __future__ import annotations
@@ -14,7 +14,14 @@ import dataclasses
 import torch
 
 from ._build import load_extension
-from .adam import _forced_isa, _scale, checked_hyper, checked_threads, get_num_threads
+from .adam import (
+    _forced_isa,
+    _scale,
+    checked_hyper,
+    checked_step,
+    checked_threads,
+    get_num_threads,
+)
 from .compact import _TENSORS, _int, constants
 from .compact_format import BLOCK, check_element_offset
 
@@ -76,7 +83,7 @@ def compact_adam_pieces(
     for piece in pieces:
         _check_piece(piece, n, blocks)
         offset = check_element_offset(piece.element_offset)
-        step = checked_hyper(piece.step, lr, beta1, beta2, eps, weight_decay)[0]
+        step = checked_step(piece.step)  # the hyperparameters were checked once, above
         rows.append((piece.at, piece.numel, piece.first_block, offset & 0xFFFFFFFF))
         consts.append(
             constants(
