@@ -4,7 +4,8 @@
 # the same launcher in the time left. Per run: s/step, tokens/s and TFLOPS per GPU (the
 # trainer's own log, steps after the first two), GPU and host peaks (process tree), host bytes
 # per param, torch's allocated GPU peak per rank (dev/gpu_peak_sitecustomize), and the memory
-# plan's prediction.
+# plan's prediction. The summary lines also go to $OUT/summary.txt, and $OUT/recipe_logs.tgz
+# holds them with each run's log, log history, plan and host and per-rank GPU peaks.
 #
 #   bash dev/recipe_run.sh qwen3-30b-a3b 4 [steps]     # repo root, `.whl` carried
 #
@@ -62,7 +63,7 @@ for mode in $MODES; do
 done
 dmesg 2>/dev/null | grep -iE "killed process|out of memory" | tail -3 > "$OUT/dmesg.txt"
 
-python - "$OUT" "$MODEL" "$GPUS" <<'PY'
+python - "$OUT" "$MODEL" "$GPUS" > "$OUT/summary.txt" <<'PY'
 import glob, json, os, statistics, sys
 out, model, gpus = sys.argv[1], sys.argv[2], int(sys.argv[3])
 gib = 2**30
@@ -105,5 +106,7 @@ for mode in ("superoffload", "zerooffload"):
         pass
     print(line)
 PY
-tar -czf "$OUT/recipe_logs.tgz" -C "$OUT" $(cd "$OUT" && ls *.log *.json *.jsonl *.txt 2>/dev/null)
+cat "$OUT/summary.txt"
+# The per-rank GPU peaks (each mode's .gpu_peak folder) go in too: the summary's allocated figures.
+tar -czf "$OUT/recipe_logs.tgz" -C "$OUT" $(cd "$OUT" && ls -d *.log *.json *.jsonl *.txt *.gpu_peak 2>/dev/null)
 echo "done in $(($(date +%s) - BEGAN)) s"
