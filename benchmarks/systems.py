@@ -14,7 +14,8 @@ AdamW (lr 1e-5, no weight decay), clip ``--clip``, bf16 compute, activation chec
   DeepSpeed builds its own SuperOffloadOptimizer_Stage3.
 
 The three DeepSpeed systems share one config (bf16, clip, AdamW, DeepSpeed's default
-sub_group_size); each checks after deepspeed.initialize which ZeRO optimizer class the engine
+sub_group_size; ``BENCH_ZERO_EXTRA``, a JSON object, adds or overrides ``zero_optimization``
+keys, e.g. ``{"stage3_param_persistence_threshold": 1000000000}``); each checks after deepspeed.initialize which ZeRO optimizer class the engine
 built and refuses to run on another (``EXPECTED_OPTIMIZER``). ``run_environment`` is what
 train_step.py sets in os.environ before anything imports hf_superoffload or DeepSpeed: the
 system's ``environment`` and, for the systems that read it from there, ``--cast``.
@@ -24,6 +25,7 @@ system's ``environment`` and, for the systems that read it from there, ``--cast`
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -143,6 +145,25 @@ class SuperOffload(TrainingSystem):
         return stats
 
 
+ZERO_EXTRA_ENV = "BENCH_ZERO_EXTRA"
+
+
+def _zero_extra() -> dict:
+    """The ``zero_optimization`` keys ``BENCH_ZERO_EXTRA`` adds (a JSON object; none unset)."""
+    text = os.environ.get(ZERO_EXTRA_ENV, "").strip()
+    if not text:
+        return {}
+    try:
+        extra = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{ZERO_EXTRA_ENV} is not JSON ({error}): {text!r}") from None
+    if not isinstance(extra, dict):
+        raise ValueError(
+            f"{ZERO_EXTRA_ENV} must be a JSON object of zero_optimization keys, got {text!r}"
+        )
+    return extra
+
+
 class DeepSpeedZeroOffload(TrainingSystem):
     super_offload = False
     environment: ClassVar[dict[str, str]] = {}
@@ -178,6 +199,7 @@ class DeepSpeedZeroOffload(TrainingSystem):
                 "offload_optimizer": offload,
                 "overlap_comm": True,
                 "contiguous_gradients": True,
+                **_zero_extra(),
             },
             "steps_per_print": 10**9,
         }
