@@ -88,11 +88,15 @@ def comparisons(rows: list[dict]) -> list[str]:
     lines = []
     many = sorted({int(json.loads(r["config"]).get("nproc", 1)) for r in ok} - {1})
     for n in many:
-        one, multi = find("superoffload_zero3", 1.0, 1), find("superoffload_zero3", 1.0, n)
-        if one and multi:
-            ratio = float(multi["tokens_per_s_per_gpu"]) / float(one["tokens_per_s_per_gpu"])
-            lines.append(f"scaling, clip 1.0: tokens/s per GPU on {n} GPUs / on 1 GPU = "
-                         f"{ratio:.3f} (target >= 0.95)")  # fmt: skip
+        for system, target in (
+            ("superoffload_zero3", " (target >= 0.95)"),
+            ("deepspeed_zero3", ""),
+        ):
+            one, multi = find(system, 1.0, 1), find(system, 1.0, n)
+            if one and multi:
+                ratio = float(multi["tokens_per_s_per_gpu"]) / float(one["tokens_per_s_per_gpu"])
+                lines.append(f"scaling, clip 1.0, {system}: tokens/s per GPU on {n} GPUs / on 1 GPU"
+                             f" = {ratio:.3f}{target}")  # fmt: skip
         ours, ddp = find("superoffload_zero3", 0.0, n), find("no_offload", 0.0, n)
         if ours and ddp:
             speed = float(ddp["s_per_step"]) / float(ours["s_per_step"])

@@ -44,6 +44,7 @@ ALL = [
     "deepspeed_superoffload",
     "torchao_offload",
     "superoffload_zero3_compact",
+    "deepspeed_zero3",
 ]
 MODEL_FLAGS = ("hidden", "layers", "inter", "vocab", "seq", "batch", "steps", "clip", "ratio")
 COLUMNS = [

@@ -6,6 +6,8 @@ AdamW (lr 1e-5, no weight decay), clip ``--clip``, bf16 compute, activation chec
 - superoffload: bf16 params on the GPU, fp32 master and moments on the CPU (this package); on N
   GPUs its replicas (every rank holds and steps all of the host state).
 - deepspeed_zero_offload: DeepSpeed ZeRO-3 with offload_optimizer cpu (DeepSpeedCPUAdam).
+- deepspeed_zero3: DeepSpeed ZeRO-3 without offload (torch's AdamW on the GPU, state sharded
+  over the ranks): what ZeRO-3's own communication leaves of one GPU's speed on several.
 - superoffload_zero3: the same with offload_optimizer.super_offload: true, built as this
   package's SuperOffloadZero3Optimizer (``import hf_superoffload`` rebinds DeepSpeed's class).
 - superoffload_zero3_compact: superoffload_zero3 with compact moments
@@ -13,10 +15,11 @@ AdamW (lr 1e-5, no weight decay), clip ``--clip``, bf16 compute, activation chec
 - deepspeed_superoffload: the same config again, run with HF_SUPEROFFLOAD_DEEPSPEED=0, so
   DeepSpeed builds its own SuperOffloadOptimizer_Stage3.
 
-The three DeepSpeed systems share one config (bf16, clip, AdamW, DeepSpeed's default
+The DeepSpeed systems share one config (bf16, clip, AdamW, DeepSpeed's default
 sub_group_size; ``BENCH_ZERO_EXTRA``, a JSON object, adds or overrides ``zero_optimization``
-keys, e.g. ``{"stage3_param_persistence_threshold": 1000000000}``); each checks after deepspeed.initialize which ZeRO optimizer class the engine
-built and refuses to run on another (``EXPECTED_OPTIMIZER``). ``run_environment`` is what
+keys, e.g. ``{"stage3_param_persistence_threshold": 1000000000}``), deepspeed_zero3 without
+its offload_optimizer; each checks after deepspeed.initialize which ZeRO optimizer class the
+engine built and refuses to run on another (``EXPECTED_OPTIMIZER``). ``run_environment`` is what
 train_step.py sets in os.environ before anything imports hf_superoffload or DeepSpeed: the
 system's ``environment`` and, for the systems that read it from there, ``--cast``.
 - torchao_offload: torchao's CPUOffloadOptimizer over bf16 params (bf16 optimizer state on the
@@ -166,6 +169,7 @@ def _zero_extra() -> dict:
 
 class DeepSpeedZeroOffload(TrainingSystem):
     super_offload = False
+    offloads = True  # the optimizer state on the host (offload_optimizer cpu)
     environment: ClassVar[dict[str, str]] = {}
     expected_optimizer = DEEPSPEED_STAGE3
 
@@ -182,29 +186,8 @@ class DeepSpeedZeroOffload(TrainingSystem):
         model = _model(config, torch.bfloat16)
         if int(os.environ["RANK"]) == 0:  # where a large model's start-up spends its time
             logger.info("model built on the GPU in %.1f s", time.perf_counter() - began)
-        offload = {"device": "cpu", "pin_memory": True, "ratio": args.ratio}
-        if self.super_offload:
-            offload["super_offload"] = True
-        ds_config = {
-            "train_micro_batch_size_per_gpu": args.batch,
-            "gradient_accumulation_steps": 1,
-            "gradient_clipping": args.clip,
-            "bf16": {"enabled": True},
-            "optimizer": {
-                "type": "AdamW",
-                "params": {"lr": LR, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0},
-            },
-            "zero_optimization": {
-                "stage": 3,
-                "offload_optimizer": offload,
-                "overlap_comm": True,
-                "contiguous_gradients": True,
-                **_zero_extra(),
-            },
-            "steps_per_print": 10**9,
-        }
         self.engine, *_ = deepspeed.initialize(
-            model=model, model_parameters=model.parameters(), config=ds_config
+            model=model, model_parameters=model.parameters(), config=self.deepspeed_config(args)
         )
         self.optimizer_name = qualified_name(type(self.engine.optimizer))
         if int(os.environ["RANK"]) == 0:
@@ -227,6 +210,31 @@ class DeepSpeedZeroOffload(TrainingSystem):
     def forward(self, batch):
         return self.engine(input_ids=batch, labels=batch).loss
 
+    @classmethod
+    def deepspeed_config(cls, args) -> dict:
+        """The config deepspeed.initialize gets: the systems' shared one (module docstring)."""
+        offload = {"device": "cpu", "pin_memory": True, "ratio": args.ratio}
+        if cls.super_offload:
+            offload["super_offload"] = True
+        adamw = {"lr": LR, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
+        if not cls.offloads:  # torch's AdamW: DeepSpeed's FusedAdam would need a CUDA build
+            adamw["torch_adam"] = True
+        return {
+            "train_micro_batch_size_per_gpu": args.batch,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": args.clip,
+            "bf16": {"enabled": True},
+            "optimizer": {"type": "AdamW", "params": adamw},
+            "zero_optimization": {
+                "stage": 3,
+                **({"offload_optimizer": offload} if cls.offloads else {}),
+                "overlap_comm": True,
+                "contiguous_gradients": True,
+                **_zero_extra(),
+            },
+            "steps_per_print": 10**9,
+        }
+
     def backward(self, loss):
         self.engine.backward(loss)
 
@@ -235,6 +243,10 @@ class DeepSpeedZeroOffload(TrainingSystem):
 
     def grad_norm(self):
         return float(self.engine.get_global_grad_norm())
+
+
+class DeepSpeedZero3(DeepSpeedZeroOffload):
+    offloads = False
 
 
 class SuperOffloadZero3(DeepSpeedZeroOffload):
@@ -317,6 +329,7 @@ SYSTEMS = {
     "no_offload": NoOffload,
     "superoffload": SuperOffload,
     "deepspeed_zero_offload": DeepSpeedZeroOffload,
+    "deepspeed_zero3": DeepSpeedZero3,
     "superoffload_zero3": SuperOffloadZero3,
     "superoffload_zero3_compact": SuperOffloadZero3Compact,
     "deepspeed_superoffload": DeepSpeedSuperOffload,

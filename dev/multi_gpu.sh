@@ -10,6 +10,9 @@
 #                        same host (tokens/s per GPU, target >= 0.95 of one GPU's)
 #   scaling-noclip       3.37B, no clipping: DDP without offload, then ZeRO-3 SuperOffload, both
 #                        on GPUS GPUs
+#   scaling-zero3        3.37B, clip 1.0: DeepSpeed ZeRO-3 without offload on GPUS GPUs, then on
+#                        1 GPU (what ZeRO-3's own communication leaves of one GPU's tokens/s;
+#                        one GPU holds its 16 B/param of state: an H200 at this size)
 #   qwen3-14b            the 2-GPU model: ZeRO-3 SuperOffload at the memory plan's ratio
 #   qwen3-30b-a3b        the 4-GPU MoE model, the same
 #   <model>-deepspeed    DeepSpeed ZeRO-Offload (all optimizer state on the host) at that size
@@ -138,7 +141,7 @@ model_stage() {  # model gpus [deepspeed]
 
 for STAGE in "$@"; do
   case "$STAGE" in
-    tests | scaling | scaling-noclip | qwen3-14b | qwen3-30b-a3b | qwen3-14b-deepspeed | qwen3-30b-a3b-deepspeed) ;;
+    tests | scaling | scaling-noclip | scaling-zero3 | qwen3-14b | qwen3-30b-a3b | qwen3-14b-deepspeed | qwen3-30b-a3b-deepspeed) ;;
     *) echo "unknown stage $STAGE (see the header of $0)" >&2; exit 2 ;;
   esac
 done
@@ -167,6 +170,10 @@ for STAGE in "$@"; do
     scaling)
       suite "ZeRO-3, clip 1, $GPUS GPUs" 150 70 "${POINT[@]}" --clip 1.0 --nproc "$GPUS" --systems superoffload_zero3
       suite "ZeRO-3, clip 1, 1 GPU" 150 70 "${POINT[@]}" --clip 1.0 --nproc 1 --systems superoffload_zero3
+      ;;
+    scaling-zero3)
+      suite "plain ZeRO-3, clip 1, $GPUS GPUs" 150 60 "${POINT[@]}" --clip 1.0 --nproc "$GPUS" --systems deepspeed_zero3
+      suite "plain ZeRO-3, clip 1, 1 GPU" 150 60 "${POINT[@]}" --clip 1.0 --nproc 1 --systems deepspeed_zero3
       ;;
     scaling-noclip)
       ((DDP_DONE)) || suite "no offload, clip 0, $GPUS GPUs" 150 60 "${POINT[@]}" --clip 0 --nproc "$GPUS" --systems no_offload

@@ -24,7 +24,13 @@ from hf_superoffload.zero3.memory_plan import Zero3Run, zero3_memory_plan  # noq
 from hf_superoffload.zero3.options import resolve_options  # noqa: E402
 
 ZERO3 = ("superoffload_zero3", "superoffload_zero3_compact")
-NO_CAST = ("no_offload", "deepspeed_zero_offload", "deepspeed_superoffload", "torchao_offload")
+NO_CAST = (
+    "no_offload",
+    "deepspeed_zero_offload",
+    "deepspeed_zero3",
+    "deepspeed_superoffload",
+    "torchao_offload",
+)
 
 
 @pytest.fixture
