@@ -32,7 +32,7 @@ from pathlib import Path
 
 import clip_rate
 import psutil
-from systems import SYSTEMS
+from systems import SYSTEMS, zero_extra
 from tqdm import tqdm
 
 HERE = Path(__file__).resolve().parent
@@ -432,6 +432,12 @@ def main() -> None:
              "gpu_memory_cap", "nproc")  # fmt: skip
     config = {flag: getattr(args, flag) for flag in flags}
     config["model_config"] = str(args.model_config) if args.model_config else None
+    # BENCH_ZERO_EXTRA's zero_optimization keys (the DeepSpeed systems'), checked and kept in
+    # every row's config so that rows made with them tell themselves apart.
+    try:
+        config["zero_extra"] = zero_extra() or None
+    except ValueError as error:
+        sys.exit(str(error))
     systems = args.systems.split(",")
     unknown = sorted(set(systems) - set(ALL))
     if unknown:

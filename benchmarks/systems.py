@@ -151,7 +151,7 @@ class SuperOffload(TrainingSystem):
 ZERO_EXTRA_ENV = "BENCH_ZERO_EXTRA"
 
 
-def _zero_extra() -> dict:
+def zero_extra() -> dict:
     """The ``zero_optimization`` keys ``BENCH_ZERO_EXTRA`` adds (a JSON object; none unset)."""
     text = os.environ.get(ZERO_EXTRA_ENV, "").strip()
     if not text:
@@ -230,7 +230,7 @@ class DeepSpeedZeroOffload(TrainingSystem):
                 **({"offload_optimizer": offload} if cls.offloads else {}),
                 "overlap_comm": True,
                 "contiguous_gradients": True,
-                **_zero_extra(),
+                **zero_extra(),
             },
             "steps_per_print": 10**9,
         }

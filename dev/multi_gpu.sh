@@ -12,7 +12,7 @@
 #                        on GPUS GPUs
 #   scaling-zero3        3.37B, clip 1.0: DeepSpeed ZeRO-3 without offload on GPUS GPUs, then on
 #                        1 GPU (what ZeRO-3's own communication leaves of one GPU's tokens/s;
-#                        one GPU holds its 16 B/param of state: an H200 at this size)
+#                        one GPU holds all of its optimizer state, about 16 B/param)
 #   qwen3-14b            the 2-GPU model: ZeRO-3 SuperOffload at the memory plan's ratio
 #   qwen3-30b-a3b        the 4-GPU MoE model, the same
 #   <model>-deepspeed    DeepSpeed ZeRO-Offload (all optimizer state on the host) at that size
@@ -58,6 +58,8 @@ HOST_MEM_GIB=${HOST_MEM_GIB:-$((128 * FOUND))}
   date -u +%FT%TZ
   # A copy of the tree without its .git names its commit in a COMMIT file.
   if [[ -f COMMIT ]]; then echo "commit $(cat COMMIT)"; else git log -1 --format='commit %H %s'; fi
+  # A copy of a working tree keeps the checkout's last commit: say when its files differ.
+  git diff --quiet HEAD 2>/dev/null || echo "the files differ from that commit: $(git diff --stat HEAD | tail -1)"
   nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
   nvidia-smi topo -m
   echo "cores: $(nproc)"; free -g; uname -r
